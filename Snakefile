@@ -1,0 +1,45 @@
+# trainsim workflow. Rules are built from the stage registry (src/trainsim/registry.py).
+#   snakemake --cores 2                                    # default point (conf/config.yaml)
+#   snakemake --cores 2 --config model=gpt-small parallelism=tp2
+#   snakemake --cores 2 --config model=gpt-tiny,gpt-small parallelism=dp2,pp2   # sweep: 4 points
+# Every --config entry is a Hydra override; see README "Configuration".
+import json
+
+from trainsim.config import compose_run
+from trainsim.config.sweep import expand_sweep
+from trainsim.registry import STAGES
+
+RUNS = [compose_run(overrides) for overrides in expand_sweep(config)]
+
+
+def stage_config_json(stage, wildcards):
+    """Plain JSON of the config groups a stage depends on, for the run matching the wildcards.
+
+    Params are plain strings so Snakemake re-runs the job when any of these values change.
+    """
+    for run in RUNS:
+        if all(run.key(group) == wildcards[group] for group in stage.keyed_by):
+            plain = {group: run.group(group) for group in stage.keyed_by}
+            plain["keys"] = {group: run.key(group) for group in stage.keyed_by}
+            return json.dumps(plain, sort_keys=True)
+    raise ValueError(f"no configured run matches {dict(wildcards)} for stage {stage.name}")
+
+
+rule all:
+    input:
+        [STAGES["trace"].path(run.keys) for run in RUNS],
+
+
+for stage in STAGES.values():
+
+    rule:
+        name:
+            stage.name
+        output:
+            directory(stage.output),
+        params:
+            config_json=lambda wildcards, stage=stage: stage_config_json(stage, wildcards),
+        log:
+            stage.output.replace("artifacts/", "logs/", 1) + ".log",
+        shell:
+            "python " + stage.script + " --output {output:q} --config-json {params.config_json:q} > {log:q} 2>&1"

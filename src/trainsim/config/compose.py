@@ -1,0 +1,140 @@
+"""Compose a run from conf/ with Hydra's compose API, validate it, and name its artifacts.
+
+Snakemake, DVC, the CLI and the tests all come through `compose_run`, so a layout is checked
+the same way everywhere. Stages receive *plain* dicts (JSON), never OmegaConf objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainsim.config.schema import (
+    CONFIG_GROUPS,
+    HardwareConfig,
+    ModelConfig,
+    ParallelismConfig,
+    register_configs,
+)
+from trainsim.config.validate import validate_layout, validate_run
+from trainsim.errors import ConfigError
+
+
+def default_config_dir() -> Path:
+    """conf/ of this checkout (src layout: src/trainsim/config -> repo root), else ./conf."""
+    repo_conf = Path(__file__).resolve().parents[3] / "conf"
+    return repo_conf if repo_conf.is_dir() else Path.cwd() / "conf"
+
+
+def stable_hash(obj: Any, length: int = 8) -> str:
+    """Short content hash of a JSON-able object (key order does not matter)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One composed, validated simulation point."""
+
+    hardware: HardwareConfig
+    model: ModelConfig
+    parallelism: ParallelismConfig
+    choices: dict[str, str]
+    """Config-group option chosen for each group (the YAML file name)."""
+    overrides: tuple[str, ...]
+    """Hydra overrides this run was composed from."""
+
+    def group(self, name: str) -> dict[str, Any]:
+        """The plain (JSON-able) values of one config group."""
+        return dataclasses.asdict(getattr(self, name))
+
+    def key(self, name: str) -> str:
+        """Artifact-path component for a group: the option name, plus a hash when a field was overridden.
+
+        `model=gpt-13b` gives 'gpt-13b'; `model=gpt-13b model.num_layers=20` gives 'gpt-13b-<hash>'.
+        """
+        touched = any(o.lstrip("+~").startswith(f"{name}.") for o in self.overrides)
+        base = self.choices[name]
+        return f"{base}-{stable_hash(self.group(name))}" if touched else base
+
+    @property
+    def keys(self) -> dict[str, str]:
+        return {name: self.key(name) for name in CONFIG_GROUPS}
+
+
+def _detect_local_devices(hw: HardwareConfig) -> HardwareConfig:
+    """Fill 'detect' (0) fields of a CPU hardware config from this machine."""
+    if hw.device_kind != "cpu":
+        return hw
+    devices = hw.devices_per_node or os.cpu_count() or 1
+    memory = hw.memory_capacity_bytes
+    if not memory:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / devices
+    return dataclasses.replace(hw, devices_per_node=devices, memory_capacity_bytes=float(memory))
+
+
+def compose_run(
+    overrides: list[str] | tuple[str, ...] = (),
+    config_dir: Path | None = None,
+    check: str = "run",
+) -> Run:
+    """Compose conf/config.yaml with Hydra overrides and validate.
+
+    check='run' validates hardware, model and layout together; check='layout' only what tracing needs
+    (model and parallelism), so a 8192-GPU layout can be traced whatever the default hardware is.
+    """
+    conf = Path(config_dir or default_config_dir()).resolve()
+    if not (conf / "config.yaml").is_file():
+        raise ConfigError(f"no config.yaml in config directory {conf}")
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf), version_base=None):
+            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        detail = f"{exc}" + (f" ({exc.__cause__})" if exc.__cause__ else "")
+        raise ConfigError(f"cannot compose config from {conf} with overrides {list(overrides)}: {detail}") from exc
+    finally:
+        GlobalHydra.instance().clear()
+
+    choices = {name: str(cfg.hydra.runtime.choices[name]) for name in CONFIG_GROUPS}
+    typed = {name: OmegaConf.to_object(cfg[name]) for name in CONFIG_GROUPS}
+    run = Run(
+        hardware=_detect_local_devices(typed["hardware"]),
+        model=typed["model"],
+        parallelism=typed["parallelism"],
+        choices=choices,
+        overrides=tuple(overrides),
+    )
+    if check == "run":
+        validate_run(run.hardware, run.model, run.parallelism)
+    elif check == "layout":
+        validate_layout(run.model, run.parallelism)
+    else:
+        raise ValueError(f"check={check!r}; accepted: 'run', 'layout'")
+    return run
+
+
+def group_from_plain(name: str, values: dict[str, Any]):
+    """Rebuild a typed config group from its plain dict (as handed to a stage), checking the fields."""
+    schema = CONFIG_GROUPS[name]
+    known = {f.name for f in dataclasses.fields(schema)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"{name}: unknown field(s) {sorted(unknown)}; accepted: {sorted(known)}")
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(schema), values)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{name}: {exc}") from exc
+    return OmegaConf.to_object(node)

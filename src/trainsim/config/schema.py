@@ -1,0 +1,159 @@
+"""Typed configuration of a simulation: hardware, model and parallel layout.
+
+These dataclasses are Hydra structured configs (registered in `register_configs`); the YAML files
+in conf/ fill them with concrete machines, models and layouts. Every field is documented where it
+is declared, with its unit in the name. Cross-field rules live in `validate.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class NcclConfig:
+    """Collective-library settings that change communication time (NCCL on GPUs, gloo on CPUs)."""
+
+    version: str = ""
+    """Library version, e.g. '2.20.5'; selects the tuning constants of that release ('' for gloo)."""
+    algorithms: list[str] = field(default_factory=lambda: ["ring", "tree"])
+    """Algorithms NCCL may choose from (NCCL_ALGO)."""
+    protocols: list[str] = field(default_factory=lambda: ["LL", "LL128", "Simple"])
+    """Protocols NCCL may choose from (NCCL_PROTO)."""
+    min_channels: int = 0
+    """NCCL_MIN_NCHANNELS; 0 means NCCL's default."""
+    max_channels: int = 0
+    """NCCL_MAX_NCHANNELS; 0 means NCCL's default."""
+    buffer_size_bytes: int = 4 * 1024 * 1024
+    """NCCL_BUFFSIZE: bytes of the per-channel staging buffer (NCCL default 4 MiB)."""
+
+
+@dataclass
+class HardwareConfig:
+    """One cluster: identical devices, `devices_per_node` per node, `num_nodes` nodes."""
+
+    name: str = "???"
+    """Identifier used in artifact paths (the YAML file name)."""
+    device_kind: str = "cpu"
+    """'cpu' (torch on host cores, gloo) or 'cuda' (NVIDIA GPUs, NCCL)."""
+    device_name: str = ""
+    """Marketing name of the device, e.g. 'NVIDIA A100-SXM4-80GB'."""
+    peak_flops_per_s: dict[str, float] = field(default_factory=dict)
+    """Dense peak FLOP/s per dtype ('fp32', 'tf32', 'bf16', 'fp16', 'fp8'); empty = unknown (measured)."""
+    memory_bandwidth_bytes_per_s: float = 0.0
+    """Device memory bandwidth; 0 = unknown (measured by the profile stage)."""
+    memory_capacity_bytes: float = 0.0
+    """Device memory usable for training; 0 = detect (host RAM divided among the devices)."""
+    devices_per_node: int = 0
+    """Devices (GPUs, or CPU cores used as devices) per node; 0 = detect (cores of this machine)."""
+    num_nodes: int = 1
+    """Nodes in the cluster."""
+    threads_per_device: int = 1
+    """Host threads per device (torch intra-op threads when the device is a CPU core)."""
+    intra_node_bandwidth_bytes_per_s: float = 0.0
+    """Per-device, per-direction bandwidth between devices of one node (NVLink, or loopback); 0 = measure."""
+    intra_node_latency_s: float = 0.0
+    """One-hop latency between devices of one node; 0 = measure."""
+    inter_node_bandwidth_bytes_per_s: float = 0.0
+    """Per-node, per-direction network bandwidth (sum of the node's NICs used for compute traffic)."""
+    inter_node_latency_s: float = 0.0
+    """One-hop network latency between nodes."""
+    comm_backend: str = "gloo"
+    """torch.distributed backend: 'gloo' (CPU) or 'nccl' (CUDA)."""
+    nccl: NcclConfig = field(default_factory=NcclConfig)
+    """Collective-library version and settings."""
+    price_per_device_hour: float = 0.0
+    """Cost of one device for one hour in USD (for cost-per-step figures); 0 = unknown."""
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer (GPT-2/Megatron GPT or Llama family)."""
+
+    name: str = "???"
+    """Identifier used in artifact paths (the YAML file name)."""
+    family: str = "gpt"
+    """'gpt' (LayerNorm, GELU MLP, learned positions) or 'llama' (RMSNorm, SwiGLU, rotary, GQA)."""
+    num_layers: int = 2
+    """Transformer blocks."""
+    hidden_size: int = 64
+    """Model width (d_model)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; None = num_attention_heads (multi-head attention)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width; None = 4 * hidden_size."""
+    seq_length: int = 64
+    """Tokens per sample."""
+    vocab_size: int = 512
+    """Vocabulary; padded at build time to a multiple of 128 * tp as Megatron-LM does."""
+    dropout: float = 0.0
+    """Dropout probability after attention and MLP (0 disables the dropout ops)."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency (llama family only)."""
+
+
+@dataclass
+class ParallelismConfig:
+    """How one training step is laid out on dp * tp * pp devices (Megatron-LM terminology)."""
+
+    name: str = "???"
+    """Identifier used in artifact paths (the YAML file name)."""
+    dp: int = 1
+    """Data-parallel degree (model replicas)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row sharding of every layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B); 1 for gpipe and 1f1b."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch."""
+    global_batch_size: int = 1
+    """Samples per optimizer step over all replicas; num_microbatches = global / (micro * dp)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved-1f1b'."""
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'full' (every block) or 'selective' (core attention only)."""
+    dp_bucket_size_bytes: int = 25 * 1024 * 1024
+    """Gradient bucket size of the data-parallel all-reduce (PyTorch DDP default 25 MiB)."""
+    precision: str = "bf16"
+    """'fp32', or 'bf16' / 'fp16' mixed precision with fp32 master weights and Adam states."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+@dataclass
+class RunConfig:
+    """The composed root config: one simulation point."""
+
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+
+
+CONFIG_GROUPS: dict[str, type] = {
+    "hardware": HardwareConfig,
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas so YAML files can extend them with `defaults: [<group>_schema, _self_]`."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for group, schema in CONFIG_GROUPS.items():
+        store.store(group=group, name=f"{group}_schema", node=schema)

@@ -1,0 +1,126 @@
+"""Cross-field rules of a run, checked at composition so a stage never starts on an impossible layout.
+
+Each message names the field, its value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE_MODES = ("none", "full", "selective")
+PRECISIONS = ("fp32", "bf16", "fp16")
+FAMILIES = ("gpt", "llama")
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _one_of(group: str, name: str, value: object, accepted: tuple) -> None:
+    if value not in accepted:
+        raise ConfigError(f"{group}.{name}={value!r} is not supported; accepted: {', '.join(map(str, accepted))}")
+
+
+def _positive(group: str, obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None or value < 1:
+            raise ConfigError(f"{group}.{name}={value!r} must be a positive integer")
+
+
+def validate_model(model: ModelConfig) -> None:
+    _one_of("model", "family", model.family, FAMILIES)
+    _positive("model", model, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+    if model.hidden_size % model.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={model.hidden_size} is not divisible by model.num_attention_heads="
+            f"{model.num_attention_heads}; choose heads among {_divisors(model.hidden_size)}"
+        )
+    kv_heads = model.num_kv_heads or model.num_attention_heads
+    if model.num_attention_heads % kv_heads:
+        raise ConfigError(
+            f"model.num_kv_heads={kv_heads} must divide model.num_attention_heads={model.num_attention_heads}"
+        )
+    if not 0.0 <= model.dropout < 1.0:
+        raise ConfigError(f"model.dropout={model.dropout} must be in [0, 1)")
+
+
+def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
+    """Rules tying the parallel layout to the model (enough to trace; no hardware needed)."""
+    validate_model(model)
+    _positive("parallelism", par, "dp", "tp", "pp", "virtual_stages", "micro_batch_size", "global_batch_size")
+    _one_of("parallelism", "schedule", par.schedule, SCHEDULES)
+    _one_of("parallelism", "recompute", par.recompute, RECOMPUTE_MODES)
+    _one_of("parallelism", "precision", par.precision, PRECISIONS)
+    if par.dp_bucket_size_bytes < 1:
+        raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} must be positive")
+
+    kv_heads = model.num_kv_heads or model.num_attention_heads
+    for field_name, value in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", kv_heads)):
+        if value % par.tp:
+            raise ConfigError(
+                f"parallelism.tp={par.tp} does not divide model.{field_name}={value} of '{model.name}'; "
+                f"choose tp among {_divisors(value)}"
+            )
+    ffn = model.ffn_hidden_size or 4 * model.hidden_size
+    if ffn % par.tp:
+        raise ConfigError(f"parallelism.tp={par.tp} does not divide the MLP width {ffn} of '{model.name}'")
+
+    chunks = par.pp * par.virtual_stages
+    if model.num_layers % chunks:
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} of '{model.name}' cannot be split evenly into "
+            f"parallelism.pp * parallelism.virtual_stages = {par.pp} * {par.virtual_stages} = {chunks} stages; "
+            f"choose pp * virtual_stages among {_divisors(model.num_layers)}"
+        )
+
+    samples_per_microbatch_round = par.micro_batch_size * par.dp
+    if par.global_batch_size % samples_per_microbatch_round:
+        raise ConfigError(
+            f"parallelism.global_batch_size={par.global_batch_size} is not a multiple of "
+            f"micro_batch_size * dp = {par.micro_batch_size} * {par.dp} = {samples_per_microbatch_round}"
+        )
+
+    if par.schedule == "interleaved-1f1b":
+        if par.virtual_stages < 2 or par.pp < 2:
+            raise ConfigError(
+                "parallelism.schedule='interleaved-1f1b' needs pp >= 2 and virtual_stages >= 2 "
+                f"(got pp={par.pp}, virtual_stages={par.virtual_stages}); use '1f1b' otherwise"
+            )
+        if par.num_microbatches % par.pp:
+            raise ConfigError(
+                f"interleaved-1f1b needs num_microbatches (= {par.num_microbatches}) to be a multiple of "
+                f"pp={par.pp}; change parallelism.global_batch_size"
+            )
+    elif par.virtual_stages != 1:
+        raise ConfigError(
+            f"parallelism.virtual_stages={par.virtual_stages} needs schedule='interleaved-1f1b' "
+            f"(got '{par.schedule}')"
+        )
+
+
+def validate_hardware(hw: HardwareConfig) -> None:
+    _one_of("hardware", "device_kind", hw.device_kind, DEVICE_KINDS)
+    _one_of("hardware", "comm_backend", hw.comm_backend, ("gloo", "nccl"))
+    _positive("hardware", hw, "devices_per_node", "num_nodes", "threads_per_device")
+    if hw.device_kind == "cpu" and hw.comm_backend != "gloo":
+        raise ConfigError(f"hardware.comm_backend='{hw.comm_backend}' cannot run on CPU devices; use 'gloo'")
+    for dtype, rate in hw.peak_flops_per_s.items():
+        if rate <= 0:
+            raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate} must be positive (or leave it out)")
+
+
+def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig) -> None:
+    """All rules of a full simulation point."""
+    validate_hardware(hw)
+    validate_layout(model, par)
+    devices = hw.num_nodes * hw.devices_per_node
+    if par.world_size > devices:
+        raise ConfigError(
+            f"parallelism dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size} devices, but hardware "
+            f"'{hw.name}' has {devices} (num_nodes={hw.num_nodes} x devices_per_node={hw.devices_per_node}); "
+            f"lower dp/tp/pp or raise hardware.num_nodes to {-(-par.world_size // hw.devices_per_node)}"
+        )

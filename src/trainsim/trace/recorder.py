@@ -1,0 +1,240 @@
+"""Record every aten op and every collective of one rank's training step as execution-graph events.
+
+A TorchDispatchMode sees each op after autograd (so backward and recomputed forward ops appear as
+they run) and each c10d collective or P2P op with its process group. It works the same on fake
+tensors with a fake process group (ex-situ tracing) and on real tensors over gloo (the
+faithfulness check). Dependencies come from storage: an op depends on the last op that wrote to
+any storage it reads, so views and in-place accumulation into gradient buckets are followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from trainsim.workloads.layout import GROUP_KINDS, Layout
+from trainsim.workloads.observe import StepObserver
+
+# c10d op name -> (collective name, index of the tensor arg whose bytes are the message size).
+# Message size follows nccl-tests: all-gather counts the gathered output, reduce-scatter its input.
+C10D_OPS: dict[str, tuple[str, int]] = {
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0),
+    "reduce_": ("reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "barrier": ("barrier", -1),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+    "recv_any_source_": ("recv", 0),
+}
+# Ops that allocate or reinterpret memory but launch no kernel on a GPU.
+NO_KERNEL_OPS = {
+    "aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided", "aten::empty_like",
+    "aten::lift_fresh", "aten::detach", "aten::alias", "aten::_unsafe_view", "aten::set_",
+    "aten::resize_", "aten::record_stream",
+}
+SKIPPED_NAMESPACES = {"prim", "profiler"}
+DTYPE_NAMES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+    torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _encode_arg(a: Any, tensors: list[torch.Tensor]) -> Any:
+    """JSON form of one op argument; tensors become {'t': index} into the op's tensor list."""
+    if isinstance(a, torch.Tensor):
+        tensors.append(a)
+        return {"t": len(tensors) - 1}
+    if isinstance(a, (list, tuple)):
+        return [_encode_arg(x, tensors) for x in a]
+    if isinstance(a, dict):
+        return {str(k): _encode_arg(x, tensors) for k, x in a.items()}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    if isinstance(a, torch.dtype):
+        return {"dtype": dtype_name(a)}
+    if isinstance(a, (torch.device, torch.layout, torch.memory_format)):
+        return str(a)
+    return {"obj": type(a).__name__}
+
+
+def _sdpa_flops(func_name: str, q: torch.Tensor, k: torch.Tensor) -> int:
+    """Two matmuls of [s_q x d] by [d x s_k] per head forward; the backward does 2.5x (5 matmuls)."""
+    b, h, s_q, d = q.shape
+    forward = 4 * b * h * s_q * k.shape[-2] * d
+    return int(forward * 2.5) if "backward" in func_name else forward
+
+
+class ExecutionRecorder(TorchDispatchMode, StepObserver):
+    """Collects the events of one rank; install with `observing(recorder)` and `with recorder:`."""
+
+    def __init__(self, layout: Layout, rank: int):
+        super().__init__()
+        self.layout, self.rank = layout, rank
+        self.events: list[dict[str, Any]] = []
+        self._last_writer: dict[int, int] = {}
+        self._phase, self._chunk, self._microbatch = "setup", 0, 0
+        self._once_per_step = False
+        self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in GROUP_KINDS}
+        self._group_ranks_cache: dict[int, list[int]] = {}
+        self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
+        self.largest_output_bytes = 0  # the biggest temporary one op creates
+        self._saved_storages: set[tuple[int, int]] = set()
+
+    # -- StepObserver -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def section(self, phase: str, chunk: int, microbatch: int) -> Iterator[None]:
+        previous = self._phase, self._chunk, self._microbatch
+        self._phase, self._chunk, self._microbatch = phase, chunk, microbatch
+        hooks = (torch.autograd.graph.saved_tensors_hooks(self._on_save, lambda t: t)
+                 if phase == "forward" else contextlib.nullcontext())
+        try:
+            with hooks:
+                yield
+        finally:
+            self._phase, self._chunk, self._microbatch = previous
+
+    @contextlib.contextmanager
+    def once_per_step(self) -> Iterator[None]:
+        previous, self._once_per_step = self._once_per_step, True
+        try:
+            yield
+        finally:
+            self._once_per_step = previous
+
+    def _on_save(self, t: torch.Tensor) -> torch.Tensor:
+        """Count each storage kept for backward once per (micro-batch, chunk); parameters excluded."""
+        if not isinstance(t, torch.nn.Parameter):
+            key = (self._microbatch, _storage_key(t))
+            if key not in self._saved_storages and self._microbatch == 0:
+                self._saved_storages.add(key)
+                self.saved_activation_bytes[self._chunk] = (
+                    self.saved_activation_bytes.get(self._chunk, 0) + t.untyped_storage().nbytes()
+                )
+        return t
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace not in SKIPPED_NAMESPACES:
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _group_ranks(self, boxed) -> list[int]:
+        pg = ProcessGroup.unbox(boxed)
+        key = id(pg)
+        if key not in self._group_ranks_cache:
+            self._group_ranks_cache[key] = dist.get_process_group_ranks(pg)
+        return self._group_ranks_cache[key]
+
+    def _record(self, func, args, kwargs, out) -> None:
+        tensors: list[torch.Tensor] = []
+        encoded_args = _encode_arg(list(args), tensors)
+        encoded_kwargs = _encode_arg(kwargs, tensors)
+        name = func.name()
+        is_view = func.is_view or name.split(".")[0] in NO_KERNEL_OPS
+        event_id = len(self.events)
+        deps = sorted({self._last_writer[k] for k in map(_storage_key, tensors) if k in self._last_writer})
+        shapes = [list(t.shape) for t in tensors]
+        strides = [list(t.stride()) for t in tensors]
+        dtypes = [dtype_name(t.dtype) for t in tensors]
+        args_json = json.dumps({"args": encoded_args, "kwargs": encoded_kwargs}, separators=(",", ":"))
+        signature_text = json.dumps([name, shapes, strides, dtypes, args_json], separators=(",", ":"))
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+        event: dict[str, Any] = {
+            "id": event_id,
+            "phase": self._phase,
+            "chunk": self._chunk,
+            "microbatch": self._microbatch,
+            "per_microbatch": not (self._once_per_step or self._phase == "optimizer"),
+            "kind": "compute",
+            "stream": "compute",
+            "op": name,
+            "input_shapes": json.dumps(shapes, separators=(",", ":")),
+            "input_strides": json.dumps(strides, separators=(",", ":")),
+            "input_dtypes": ",".join(dtypes),
+            "op_args": args_json,
+            "signature": hashlib.sha1(signature_text.encode()).hexdigest()[:16],
+            "no_kernel": is_view,
+            "flops": 0,
+            "bytes_moved": 0,
+            "collective": None,
+            "group_kind": None,
+            "group_ranks": None,
+            "message_bytes": 0,
+            "comm_dtype": None,
+            "peer": -1,
+            "deps": deps,
+        }
+        if func.namespace == "c10d":
+            self._fill_communication(event, func, args, tensors)
+        elif not is_view:
+            event["bytes_moved"] = sum(map(_tensor_bytes, tensors)) + sum(map(_tensor_bytes, outputs))
+            self.largest_output_bytes = max([self.largest_output_bytes, *map(_tensor_bytes, outputs)])
+            packet = func._overloadpacket
+            if packet in flop_registry:
+                event["flops"] = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            elif "scaled_dot_product" in name:
+                event["flops"] = _sdpa_flops(name, tensors[0], tensors[1])
+            else:  # elementwise / reduction: one operation per output element
+                event["flops"] = sum(t.numel() for t in outputs)
+            if name in ("aten::_to_copy", "aten::copy_") and len({t.device for t in tensors + outputs}) > 1:
+                event["kind"], event["stream"] = "memcpy", "memcpy"
+        self.events.append(event)
+
+        if not is_view:
+            written = list(outputs)
+            for i, arg_schema in enumerate(func._schema.arguments):
+                if arg_schema.alias_info is not None and arg_schema.alias_info.is_write and i < len(args):
+                    written += [t for t in tree_flatten(args[i])[0] if isinstance(t, torch.Tensor)]
+            for t in written:
+                self._last_writer[_storage_key(t)] = event_id
+
+    def _fill_communication(self, event: dict, func, args, tensors: list[torch.Tensor]) -> None:
+        op_name = func._overloadpacket.__name__
+        collective, size_arg = C10D_OPS.get(op_name, (op_name, 0))
+        boxed = next(a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()))
+        ranks = self._group_ranks(boxed)
+        kind = self._group_kind.get(tuple(ranks), "world" if len(ranks) == self.layout.world_size else "other")
+        size_tensors = tree_flatten(args[size_arg])[0] if size_arg >= 0 else []
+        event["kind"] = "p2p" if collective in ("send", "recv") else "collective"
+        event["stream"] = f"comm.{kind}"
+        event["collective"] = collective
+        event["group_kind"] = kind
+        event["group_ranks"] = ranks
+        event["message_bytes"] = sum(_tensor_bytes(t) for t in size_tensors if isinstance(t, torch.Tensor))
+        event["comm_dtype"] = dtype_name(tensors[0].dtype) if tensors else None
+        if event["kind"] == "p2p":
+            group_peer = next(a for a in args[2:] if isinstance(a, int))
+            event["peer"] = ranks[group_peer]

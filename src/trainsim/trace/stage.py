@@ -1,0 +1,27 @@
+"""The trace stage: trace a layout and publish graph, rank classes and memory as one artifact."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from trainsim.artifacts import atomic_artifact
+from trainsim.config.schema import ModelConfig, ParallelismConfig
+from trainsim.trace.tracer import TraceResult, trace_layout
+
+GRAPH_FILE = "graph.parquet"
+RANK_CLASSES_FILE = "rank_classes.parquet"
+MEMORY_FILE = "memory.parquet"
+
+
+def write_trace_artifact(model: ModelConfig, par: ParallelismConfig, keys: dict[str, str], output: Path,
+                         progress=None) -> TraceResult:
+    config = {"model": dataclasses.asdict(model), "parallelism": dataclasses.asdict(par)}
+    with atomic_artifact(output, stage="trace", config=config, config_keys=keys) as tmp:
+        result = trace_layout(model, par, progress=progress)
+        pq.write_table(result.graph, tmp / GRAPH_FILE)
+        pq.write_table(result.rank_classes, tmp / RANK_CLASSES_FILE)
+        pq.write_table(result.memory, tmp / MEMORY_FILE)
+    return result

@@ -1,0 +1,111 @@
+"""Ex-situ tracing: every rank class's training step on one CPU, no cluster, no memory.
+
+Echo's idea (arXiv 2412.12487, sec. 3): run each rank's own initialisation and step sequentially on
+one device, with collectives recorded but not executed. Here the process group is torch's 'fake'
+backend (a world of any size answering instantly) and every tensor is a FakeTensor (shapes and
+dtypes only), so a 175B-parameter shard traces in well under a second.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from trainsim.config.schema import ModelConfig, ParallelismConfig
+from trainsim.errors import TraceError
+from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
+from trainsim.trace.recorder import ExecutionRecorder
+from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
+from trainsim.workloads.layout import Layout
+from trainsim.workloads.observe import observing
+from trainsim.workloads.schedules import pipeline_actions, trace_actions
+from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
+
+
+@dataclass
+class TraceResult:
+    graph: pa.Table
+    rank_classes: pa.Table
+    memory: pa.Table
+    seconds_per_class: list[float]
+
+
+def rank_classes(layout: Layout) -> dict[int, int]:
+    """rank -> class. All dp and tp ranks of one pipeline stage run the same graph up to renaming."""
+    return {rank: layout.position(rank).pp_rank for rank in range(layout.world_size)}
+
+
+def rank_class_table(layout: Layout) -> pa.Table:
+    positions = [layout.position(r) for r in range(layout.world_size)]
+    return pa.table({
+        "rank": [p.rank for p in positions],
+        "rank_class": [p.pp_rank for p in positions],
+        "dp_rank": [p.dp_rank for p in positions],
+        "tp_rank": [p.tp_rank for p in positions],
+        "pp_rank": [p.pp_rank for p in positions],
+    }, schema=RANK_CLASS_SCHEMA)
+
+
+def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> tuple[list[dict], dict]:
+    """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
+    layout = layout_of(par)
+    rank_class = layout.position(rank).pp_rank
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        groups = create_groups(layout, rank, every_group=False)
+        with FakeTensorMode():
+            torch.manual_seed(0)
+            rm = build_rank_model(model_cfg, par, rank, groups)
+            shape = (par.micro_batch_size, model_cfg.seq_length)
+            tokens = torch.zeros(shape, dtype=torch.long)
+            targets = torch.zeros(shape, dtype=torch.long)
+            recorder = ExecutionRecorder(layout, rank)
+            try:
+                with observing(recorder), recorder:
+                    train_step(rm, trace_actions(par.virtual_stages), lambda microbatch: (tokens, targets))
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise TraceError(f"tracing the step of rank {rank} (class {rank_class}) of {model_cfg.name} "
+                                 f"with {par.name} failed: {exc}") from exc
+            params = rm.parameters()
+            memory = memory_row(
+                rank_class,
+                parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+                gradient_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+                optimizer_state_bytes=rm.optimizer.state_bytes(),
+                saved_bytes_per_chunk=recorder.saved_activation_bytes,
+                actions=pipeline_actions(par.schedule, par.pp, layout.position(rank).pp_rank,
+                                         par.num_microbatches, par.virtual_stages),
+                largest_temporary_bytes=recorder.largest_output_bytes,
+            )
+        return recorder.events, memory
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) -> TraceResult:
+    """Trace one representative rank per class; `progress(done, total)` is called after each class."""
+    if dist.is_initialized():
+        raise TraceError("ex-situ tracing needs its own (fake) process group; call it in a process where "
+                         "torch.distributed is not initialised")
+    layout = layout_of(par)
+    graphs, memories, seconds = [], [], []
+    for pp_rank in range(par.pp):
+        start = time.perf_counter()
+        events, memory = _trace_rank(model_cfg, par, layout.stage_representative(pp_rank))
+        graphs.append(events_table(events, rank_class=pp_rank))
+        memories.append(memory)
+        seconds.append(time.perf_counter() - start)
+        if progress:
+            progress(pp_rank + 1, par.pp)
+    return TraceResult(
+        graph=pa.concat_tables(graphs),
+        rank_classes=rank_class_table(layout),
+        memory=pa.Table.from_pylist(memories, schema=MEMORY_SCHEMA),
+        seconds_per_class=seconds,
+    )

@@ -1,0 +1,203 @@
+"""One training step of one rank: pipeline schedule, tensor/data parallelism and the optimizer.
+
+This is the code that runs for real (gloo, 2+ processes) and the code that is traced ex-situ on
+fake tensors and a fake process group; nothing in it knows which of the two is happening.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from trainsim.config.schema import ModelConfig, ParallelismConfig
+from trainsim.errors import TraceError
+from trainsim.workloads.data_parallel import GradientBuckets
+from trainsim.workloads.layout import Layout
+from trainsim.workloads.model import DTYPES, TransformerChunk
+from trainsim.workloads.observe import observer
+from trainsim.workloads.optimizer import MixedPrecisionAdamW
+from trainsim.workloads.schedules import Action, last_backward_microbatch
+
+
+def layout_of(par: ParallelismConfig) -> Layout:
+    return Layout(dp=par.dp, tp=par.tp, pp=par.pp)
+
+
+def create_groups(layout: Layout, rank: int, every_group: bool) -> dict[str, object]:
+    """Process groups of `rank` by kind ('tp', 'dp', 'pp').
+
+    A real run must create every group on every rank in the same order (every_group=True);
+    a traced rank only creates its own (the fake store needs no agreement).
+    """
+    mine: dict[str, object] = {}
+    for kind in ("tp", "dp", "pp"):
+        own = layout.group_ranks(rank, kind)
+        candidates = layout.all_groups(kind) if every_group else [own]
+        for ranks in candidates:
+            group = dist.new_group(ranks, use_local_synchronization=not every_group)
+            if ranks == own:
+                mine[kind] = group
+    return mine
+
+
+@dataclass
+class RankModel:
+    """Everything one rank holds: its model chunks, gradient buckets and optimizer."""
+
+    layout: Layout
+    rank: int
+    model_cfg: ModelConfig
+    par: ParallelismConfig
+    groups: dict[str, object]
+    chunks: list[TransformerChunk]
+    buckets: list[GradientBuckets | None]
+    optimizer: MixedPrecisionAdamW
+    pending_sends: list = field(default_factory=list)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.position(self.rank).pp_rank
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.parameters()]
+
+
+def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, groups: dict[str, object]) -> RankModel:
+    """Build rank `rank`'s sub-model: the layers of its pipeline chunks, sharded for its tp rank."""
+    layout = layout_of(par)
+    pos = layout.position(rank)
+    v = par.virtual_stages
+    layers_per_chunk = model_cfg.num_layers // (par.pp * v)
+    dtype = DTYPES[par.precision]
+    chunks = []
+    try:
+        for c in range(v):
+            virtual_stage = c * par.pp + pos.pp_rank  # Megatron's interleaved assignment
+            first_layer = virtual_stage * layers_per_chunk
+            chunks.append(TransformerChunk(
+                model_cfg,
+                layers=range(first_layer, first_layer + layers_per_chunk),
+                first=virtual_stage == 0,
+                last=virtual_stage == par.pp * v - 1,
+                tp=par.tp, tp_rank=pos.tp_rank, tp_group=groups["tp"],
+                dtype=dtype, recompute=par.recompute, loss_scale=1.0 / par.num_microbatches,
+            ))
+    except (RuntimeError, ValueError) as exc:
+        raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
+                         f"tp_rank={pos.tp_rank}) for {model_cfg.name}: {exc}") from exc
+    buckets = [
+        GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.dp)
+        if par.dp > 1 else None
+        for chunk in chunks
+    ]
+    optimizer = MixedPrecisionAdamW([p for chunk in chunks for p in chunk.parameters()])
+    return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer)
+
+
+def _p2p_tag(microbatch: int, sender_chunk: int, virtual_stages: int, backward: bool) -> int:
+    return ((microbatch * virtual_stages + sender_chunk) << 1) | int(backward)
+
+
+def _neighbour(rm: RankModel, chunk: int, step: int) -> tuple[int, int]:
+    """(global rank, chunk) of the virtual stage `step` (+1 next, -1 previous) from ours."""
+    pp, v = rm.par.pp, rm.par.virtual_stages
+    virtual_stage = chunk * pp + rm.pp_rank + step
+    assert 0 <= virtual_stage < pp * v, "no neighbour beyond the ends of the pipeline"
+    pos = rm.layout.position(rm.rank)
+    return rm.layout.rank_of(pos.dp_rank, pos.tp_rank, virtual_stage % pp), virtual_stage // pp
+
+
+def _activation_shape(rm: RankModel) -> tuple[int, ...]:
+    return (rm.par.micro_batch_size, rm.model_cfg.seq_length, rm.model_cfg.hidden_size)
+
+
+def _recv(rm: RankModel, src: int, tag: int) -> torch.Tensor:
+    buffer = torch.empty(_activation_shape(rm), dtype=DTYPES[rm.par.precision])
+    dist.recv(buffer, src=src, group=rm.groups["pp"], tag=tag)
+    return buffer
+
+
+def _send(rm: RankModel, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    rm.pending_sends.append(dist.isend(tensor.contiguous(), dst=dst, group=rm.groups["pp"], tag=tag))
+
+
+def run_forward(rm: RankModel, action: Action, batch, saved: dict) -> None:
+    chunk = rm.chunks[action.chunk]
+    v = rm.par.virtual_stages
+    tokens, targets = batch(action.microbatch)
+    if chunk.first:
+        inputs = tokens
+    else:
+        src, src_chunk = _neighbour(rm, action.chunk, -1)
+        inputs = _recv(rm, src, _p2p_tag(action.microbatch, src_chunk, v, backward=False)).requires_grad_()
+    output = chunk(inputs, targets if chunk.last else None)
+    if not chunk.last:
+        dst, _ = _neighbour(rm, action.chunk, +1)
+        _send(rm, output.detach(), dst, _p2p_tag(action.microbatch, action.chunk, v, backward=False))
+    saved[(action.microbatch, action.chunk)] = (inputs, output)
+
+
+def run_backward(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -> None:
+    chunk = rm.chunks[action.chunk]
+    v = rm.par.virtual_stages
+    inputs, output = saved.pop((action.microbatch, action.chunk))
+    if rm.buckets[action.chunk] is not None:
+        rm.buckets[action.chunk].start_backward(sync=sync_grads)
+    if chunk.last:
+        output.backward()
+    else:
+        src, src_chunk = _neighbour(rm, action.chunk, +1)
+        grad = _recv(rm, src, _p2p_tag(action.microbatch, src_chunk, v, backward=True))
+        torch.autograd.backward(output, grad)
+    if not chunk.first:
+        dst, _ = _neighbour(rm, action.chunk, -1)
+        _send(rm, inputs.grad, dst, _p2p_tag(action.microbatch, action.chunk, v, backward=True))
+
+
+def zero_grad(rm: RankModel) -> None:
+    for chunk, buckets in zip(rm.chunks, rm.buckets):
+        if buckets is not None:
+            buckets.zero_grad()
+        else:
+            for p in chunk.parameters():
+                p.grad = None
+
+
+def train_step(rm: RankModel, actions: list[Action], batch) -> None:
+    """Run `actions` (a pipeline schedule), synchronise gradients, and step the optimizer.
+
+    batch(microbatch) -> (tokens [b, s], targets [b, s]).
+    """
+    obs = observer()
+    zero_grad(rm)
+    last_mb = last_backward_microbatch(actions)
+    saved: dict = {}
+    for action in actions:
+        phase = "forward" if action.kind == "F" else "backward"
+        with obs.section(phase, action.chunk, action.microbatch):
+            if action.kind == "F":
+                run_forward(rm, action, batch, saved)
+            else:
+                run_backward(rm, action, saved, sync_grads=action.microbatch == last_mb[action.chunk])
+    with obs.section("optimizer", 0, 0):
+        for buckets in rm.buckets:
+            if buckets is not None:
+                buckets.finish()
+        rm.optimizer.step()
+    for work in rm.pending_sends:
+        work.wait()
+    rm.pending_sends.clear()
+
+
+def synthetic_batch(model_cfg: ModelConfig, par: ParallelismConfig, seed: int = 0):
+    """Deterministic random tokens: batch(microbatch) -> (tokens, targets)."""
+
+    def batch(microbatch: int):
+        gen = torch.Generator().manual_seed(seed * 100003 + microbatch)
+        shape = (par.micro_batch_size, model_cfg.seq_length + 1)
+        ids = torch.randint(model_cfg.vocab_size, shape, generator=gen)
+        return ids[:, :-1], ids[:, 1:]
+
+    return batch
