@@ -32,9 +32,9 @@ from trainsim.errors import ConfigError
 
 
 def default_config_dir() -> Path:
-    """conf/ of this checkout (src layout: src/trainsim/config -> repo root), else ./conf."""
-    repo_conf = Path(__file__).resolve().parents[3] / "conf"
-    return repo_conf if repo_conf.is_dir() else Path.cwd() / "conf"
+    """./conf of the working directory (the workflow's project), else conf/ of this checkout."""
+    local = Path.cwd() / "conf"
+    return local if local.is_dir() else Path(__file__).resolve().parents[3] / "conf"
 
 
 def stable_hash(obj: Any, length: int = 8) -> str:

@@ -33,6 +33,7 @@ memory.parquet        one row per class: see trainsim.trace.memory.MEMORY_COLUMN
 
 from __future__ import annotations
 
+import pandas as pd
 import pyarrow as pa
 
 GRAPH_SCHEMA = pa.schema([
@@ -71,8 +72,7 @@ RANK_CLASS_SCHEMA = pa.schema([
 ])
 
 
-def events_table(events: list[dict], rank_class: int) -> pa.Table:
-    """Recorder events of one class as a table of GRAPH_SCHEMA."""
-    columns = {name: [e[name] for e in events] for name in GRAPH_SCHEMA.names if name != "rank_class"}
-    columns["rank_class"] = [rank_class] * len(events)
-    return pa.table(columns, schema=GRAPH_SCHEMA)
+def events_table(events: pd.DataFrame, rank_class: int) -> pa.Table:
+    """Recorder events of one class (a DataFrame of its event dicts) as a table of GRAPH_SCHEMA."""
+    return pa.Table.from_pandas(events.assign(rank_class=rank_class)[GRAPH_SCHEMA.names], schema=GRAPH_SCHEMA,
+                                preserve_index=False)

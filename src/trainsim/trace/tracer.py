@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import pandas as pd
 import pyarrow as pa
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
+from trainsim.trace.expand import rename_for_rank
 from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
 from trainsim.trace.recorder import ExecutionRecorder
 from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
@@ -52,10 +54,22 @@ def rank_class_table(layout: Layout) -> pa.Table:
     }, schema=RANK_CLASS_SCHEMA)
 
 
-def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> tuple[list[dict], dict]:
+@dataclass
+class _TracedStage:
+    """What one traced rank yields: its events and the inputs of its memory estimate."""
+
+    rank: int
+    events: list[dict]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    saved_bytes_per_chunk: dict[int, int]
+    largest_temporary_bytes: int
+
+
+def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> _TracedStage:
     """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
     layout = layout_of(par)
-    rank_class = layout.position(rank).pp_rank
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
         groups = create_groups(layout, rank, every_group=False)
@@ -70,36 +84,59 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> tu
                 with observing(recorder), recorder:
                     train_step(rm, trace_actions(par.virtual_stages), lambda microbatch: (tokens, targets))
             except (RuntimeError, ValueError, TypeError) as exc:
-                raise TraceError(f"tracing the step of rank {rank} (class {rank_class}) of {model_cfg.name} "
-                                 f"with {par.name} failed: {exc}") from exc
+                raise TraceError(f"tracing the step of rank {rank} (pp_rank {layout.position(rank).pp_rank}) "
+                                 f"of {model_cfg.name} with {par.name} failed: {exc}") from exc
             params = rm.parameters()
-            memory = memory_row(
-                rank_class,
+            return _TracedStage(
+                rank=rank,
+                events=recorder.events,
                 parameter_bytes=sum(p.numel() * p.element_size() for p in params),
                 gradient_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
-                saved_bytes_per_chunk=recorder.saved_activation_bytes,
-                actions=pipeline_actions(par.schedule, par.pp, layout.position(rank).pp_rank,
-                                         par.num_microbatches, par.virtual_stages),
+                saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),
                 largest_temporary_bytes=recorder.largest_output_bytes,
             )
-        return recorder.events, memory
     finally:
         dist.destroy_process_group()
 
 
+def _stage_shape(pp_rank: int, pp: int) -> tuple[bool, bool]:
+    """Stages with the same shape build the same layers; only the first and last differ (embedding, loss)."""
+    return pp_rank == 0, pp_rank == pp - 1
+
+
 def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) -> TraceResult:
-    """Trace one representative rank per class; `progress(done, total)` is called after each class."""
+    """Trace one representative rank per class; `progress(done, total)` is called after each class.
+
+    Classes are pipeline stages (their schedules differ). Middle stages build identical layers, so
+    one of them is traced and the others get its events with groups and peers renamed.
+    """
     if dist.is_initialized():
         raise TraceError("ex-situ tracing needs its own (fake) process group; call it in a process where "
                          "torch.distributed is not initialised")
     layout = layout_of(par)
+    traced: dict[tuple[bool, bool], _TracedStage] = {}
     graphs, memories, seconds = [], [], []
     for pp_rank in range(par.pp):
         start = time.perf_counter()
-        events, memory = _trace_rank(model_cfg, par, layout.stage_representative(pp_rank))
+        representative = layout.stage_representative(pp_rank)
+        shape = _stage_shape(pp_rank, par.pp)
+        if shape not in traced:
+            traced[shape] = _trace_rank(model_cfg, par, representative)
+        stage = traced[shape]
+        events = pd.DataFrame(stage.events)
+        if stage.rank != representative:
+            events = rename_for_rank(events, layout, stage.rank, representative)
         graphs.append(events_table(events, rank_class=pp_rank))
-        memories.append(memory)
+        memories.append(memory_row(
+            pp_rank,
+            parameter_bytes=stage.parameter_bytes,
+            gradient_bytes=stage.gradient_bytes,
+            optimizer_state_bytes=stage.optimizer_state_bytes,
+            saved_bytes_per_chunk=stage.saved_bytes_per_chunk,
+            actions=pipeline_actions(par.schedule, par.pp, pp_rank, par.num_microbatches, par.virtual_stages),
+            largest_temporary_bytes=stage.largest_temporary_bytes,
+        ))
         seconds.append(time.perf_counter() - start)
         if progress:
             progress(pp_rank + 1, par.pp)

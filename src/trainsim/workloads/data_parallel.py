@@ -6,7 +6,8 @@ parameters are packed into buckets of about `bucket_size_bytes` in reverse regis
 buffer, so accumulation writes straight into it; when the last gradient of a bucket is ready the
 bucket is averaged and all-reduced asynchronously while backward goes on. Unlike DDP the first
 bucket is not special-cased (Megatron-LM does the same). DDP's C++ reducer calls the process
-group directly and cannot run on fake tensors, hence this Python twin of its schedule.
+group directly and cannot run on fake tensors, hence this Python twin of its schedule. With dp=1
+the buckets still hold the gradients (Megatron's contiguous grad buffer) but nothing is reduced.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class GradientBuckets:
         self._pending = [len(members) for _, members in self._buckets]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.sync_enabled:
+        if not self.sync_enabled or self.dp == 1:
             return
         index = self._bucket_of[param]
         self._pending[index] -= 1

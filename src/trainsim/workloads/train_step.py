@@ -52,7 +52,7 @@ class RankModel:
     par: ParallelismConfig
     groups: dict[str, object]
     chunks: list[TransformerChunk]
-    buckets: list[GradientBuckets | None]
+    buckets: list[GradientBuckets]
     optimizer: MixedPrecisionAdamW
     pending_sends: list = field(default_factory=list)
 
@@ -87,11 +87,8 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     except (RuntimeError, ValueError) as exc:
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
                          f"tp_rank={pos.tp_rank}) for {model_cfg.name}: {exc}") from exc
-    buckets = [
-        GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.dp)
-        if par.dp > 1 else None
-        for chunk in chunks
-    ]
+    buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.dp)
+               for chunk in chunks]
     optimizer = MixedPrecisionAdamW([p for chunk in chunks for p in chunk.parameters()])
     return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer)
 
@@ -143,8 +140,7 @@ def run_backward(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -
     chunk = rm.chunks[action.chunk]
     v = rm.par.virtual_stages
     inputs, output = saved.pop((action.microbatch, action.chunk))
-    if rm.buckets[action.chunk] is not None:
-        rm.buckets[action.chunk].start_backward(sync=sync_grads)
+    rm.buckets[action.chunk].start_backward(sync=sync_grads)
     if chunk.last:
         output.backward()
     else:
@@ -156,22 +152,12 @@ def run_backward(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -
         _send(rm, inputs.grad, dst, _p2p_tag(action.microbatch, action.chunk, v, backward=True))
 
 
-def zero_grad(rm: RankModel) -> None:
-    for chunk, buckets in zip(rm.chunks, rm.buckets):
-        if buckets is not None:
-            buckets.zero_grad()
-        else:
-            for p in chunk.parameters():
-                p.grad = None
-
-
 def train_step(rm: RankModel, actions: list[Action], batch) -> None:
     """Run `actions` (a pipeline schedule), synchronise gradients, and step the optimizer.
 
     batch(microbatch) -> (tokens [b, s], targets [b, s]).
     """
     obs = observer()
-    zero_grad(rm)
     last_mb = last_backward_microbatch(actions)
     saved: dict = {}
     for action in actions:
@@ -183,9 +169,10 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
                 run_backward(rm, action, saved, sync_grads=action.microbatch == last_mb[action.chunk])
     with obs.section("optimizer", 0, 0):
         for buckets in rm.buckets:
-            if buckets is not None:
-                buckets.finish()
+            buckets.finish()
         rm.optimizer.step()
+        for buckets in rm.buckets:  # zero after the step (buffers start at zero), as torch's idiom
+            buckets.zero_grad()
     for work in rm.pending_sends:
         work.wait()
     rm.pending_sends.clear()
@@ -198,6 +185,6 @@ def synthetic_batch(model_cfg: ModelConfig, par: ParallelismConfig, seed: int = 
         gen = torch.Generator().manual_seed(seed * 100003 + microbatch)
         shape = (par.micro_batch_size, model_cfg.seq_length + 1)
         ids = torch.randint(model_cfg.vocab_size, shape, generator=gen)
-        return ids[:, :-1], ids[:, 1:]
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
     return batch

@@ -1,0 +1,136 @@
+"""`trainsim` command line: inspect configs, trace a layout, run the real step, emit dvc.yaml."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from trainsim.errors import ArtifactError, ConfigError, TraceError
+
+GIB = 1024**3
+
+
+def _cmd_config(args, console: Console) -> int:
+    import dataclasses
+
+    import yaml
+
+    from trainsim.config import compose_run
+
+    run = compose_run(args.overrides)
+    plain = {group: run.group(group) for group in ("hardware", "model", "parallelism")}
+    console.print(yaml.safe_dump(plain, sort_keys=False), end="", markup=False, highlight=False)
+    par = run.parallelism
+    console.print(f"# artifact keys: {run.keys}")
+    console.print(f"# world size {par.world_size} = dp {par.dp} x tp {par.tp} x pp {par.pp}; "
+                  f"{par.num_microbatches} micro-batch(es) of {par.micro_batch_size} per step; "
+                  f"{dataclasses.asdict(run.hardware)['num_nodes']} node(s) x {run.hardware.devices_per_node} devices")
+    return 0
+
+
+def _memory_table(memory, capacity_bytes: float, hardware: str) -> Table:
+    from trainsim.trace.memory import oom_verdict
+
+    table = Table(title=f"memory per rank class (GiB) vs {hardware} ({capacity_bytes / GIB:.1f} GiB)")
+    for column in ("class", "weights", "grads", "optimizer", "activations", "in flight", "peak", "verdict"):
+        table.add_column(column, justify="right")
+    for row in memory.to_pylist():
+        fits = not oom_verdict(row["peak_bytes"], capacity_bytes)
+        table.add_row(
+            str(row["rank_class"]),
+            f"{row['parameter_bytes'] / GIB:.2f}", f"{row['gradient_bytes'] / GIB:.2f}",
+            f"{row['optimizer_state_bytes'] / GIB:.2f}", f"{row['peak_activation_bytes'] / GIB:.2f}",
+            str(row["max_inflight_microbatches"]), f"{row['peak_bytes'] / GIB:.2f}",
+            "fits" if fits else "[red]OOM[/red]",
+        )
+    return table
+
+
+def _cmd_trace(args, console: Console) -> int:
+    from trainsim.config import compose_run
+    from trainsim.registry import STAGES
+    from trainsim.trace.stage import write_trace_artifact
+
+    run = compose_run(args.overrides, check="run" if args.check_hardware else "layout")
+    output = Path(args.output or STAGES["trace"].path(run.keys))
+    with console.status(f"tracing {run.model.name} on {run.parallelism.name}"):
+        result = write_trace_artifact(run.model, run.parallelism, run.keys, output)
+    graph = result.graph.to_pandas()
+    console.print(f"{run.parallelism.world_size} ranks in {run.parallelism.pp} class(es); "
+                  f"{len(graph)} events ({(graph['kind'] != 'compute').sum()} communication) "
+                  f"traced in {sum(result.seconds_per_class):.2f} s -> {output}")
+    console.print(_memory_table(result.memory, run.hardware.memory_capacity_bytes, run.hardware.name))
+    return 0
+
+
+def _cmd_run(args, console: Console) -> int:
+    from trainsim.config import compose_run
+    from trainsim.workloads.launch import run_real_step
+
+    run = compose_run(args.overrides)
+    if run.hardware.device_kind != "cpu":
+        raise ConfigError(f"trainsim run executes on this machine; hardware '{run.hardware.name}' is not local "
+                          "(use hardware=local-cpu)")
+    with console.status(f"running {args.steps} real step(s) on {run.parallelism.world_size} process(es)"):
+        ranks = run_real_step(run.model, run.parallelism, steps=args.steps, warmup=args.warmup,
+                              threads_per_rank=run.hardware.threads_per_device)
+    for r in ranks:
+        console.print(f"rank {r.rank}: " + ", ".join(f"{s:.4f}" for s in r.step_seconds) + " s")
+    slowest = [max(r.step_seconds[i] for r in ranks) for i in range(args.steps)]
+    console.print(f"step time (slowest rank, median of {args.steps}): {sorted(slowest)[len(slowest) // 2]:.4f} s")
+    return 0
+
+
+def _cmd_dvc_yaml(args, console: Console) -> int:
+    from trainsim.registry import render_dvc_yaml
+
+    text = render_dvc_yaml()
+    if args.check:
+        current = Path("dvc.yaml").read_text() if Path("dvc.yaml").exists() else ""
+        if current != text:
+            console.print("dvc.yaml is out of date with src/trainsim/registry.py; run `trainsim dvc-yaml > dvc.yaml`")
+            return 1
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainsim", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("config", help="print the composed config and its artifact keys")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-13b parallelism.tp=4")
+    p.set_defaults(func=_cmd_config)
+    p = sub.add_parser("trace", help="trace a layout ex-situ and show memory per rank class")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--output", help="artifact directory (default: the registry path under artifacts/)")
+    p.add_argument("--check-hardware", action="store_true",
+                   help="also require the layout to fit the hardware's device count")
+    p.set_defaults(func=_cmd_trace)
+    p = sub.add_parser("run", help="run the reference training step for real (gloo, one process per rank)")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
+    p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")
+    p.set_defaults(func=_cmd_dvc_yaml)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        return args.func(args, console)
+    except (ConfigError, TraceError, ArtifactError) as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

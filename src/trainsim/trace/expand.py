@@ -1,0 +1,56 @@
+"""From a class's one-micro-batch trace to the full op sequence of any rank in a step.
+
+The trace holds one forward and one backward per chunk; a step runs them once per micro-batch in
+the order of the pipeline schedule, with the gradient sync (once-per-step events) only in each
+chunk's last backward and the optimizer at the end. Ranks of a class differ only in the members of
+their groups and their P2P peers, which are renamed here.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from trainsim.workloads.layout import Layout
+from trainsim.workloads.schedules import Action, last_backward_microbatch
+
+
+def expand_step(class_events: pd.DataFrame, actions: list[Action]) -> pd.DataFrame:
+    """Events of one rank class repeated along `actions`, with the micro-batch of each occurrence."""
+    last_mb = last_backward_microbatch(actions)
+    by_pass = {
+        (phase, chunk): group for (phase, chunk), group in class_events.groupby(["phase", "chunk"], sort=False)
+    }
+    pieces = []
+    for action in actions:
+        phase = "forward" if action.kind == "F" else "backward"
+        events = by_pass.get((phase, action.chunk))
+        if events is None:
+            continue
+        if action.kind == "B" and action.microbatch != last_mb[action.chunk]:
+            events = events[events["per_microbatch"]]
+        pieces.append(events.assign(microbatch=action.microbatch))
+    optimizer = class_events[class_events["phase"] == "optimizer"]
+    pieces.append(optimizer)
+    return pd.concat(pieces, ignore_index=True)
+
+
+def rename_for_rank(events: pd.DataFrame, layout: Layout, representative: int, rank: int) -> pd.DataFrame:
+    """Rewrite the group members and P2P peers of `representative`'s events as seen from `rank`.
+
+    Peers keep their pipeline offset (next stage stays next stage, wrapping around for interleaved
+    schedules); tp/dp/pp groups become `rank`'s own.
+    """
+    pos, rep = layout.position(rank), layout.position(representative)
+    groups = {kind: layout.group_ranks(rank, kind) for kind in ("tp", "dp", "pp")}
+
+    def peer(p: int) -> int:
+        if p < 0:
+            return -1
+        stage = (pos.pp_rank + layout.position(int(p)).pp_rank - rep.pp_rank) % layout.pp
+        return layout.rank_of(pos.dp_rank, pos.tp_rank, stage)
+
+    out = events.copy()
+    out["group_ranks"] = [groups.get(kind, members) if kind is not None else None
+                          for kind, members in zip(out["group_kind"], out["group_ranks"])]
+    out["peer"] = out["peer"].map(peer)
+    return out

@@ -1,0 +1,89 @@
+"""Run the reference training step for real: one process per rank, gloo over loopback.
+
+This is the ground truth the simulator is judged against on this machine, and the check that
+the ex-situ trace is faithful (the same recorder can be switched on here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainsim.config.schema import ModelConfig, ParallelismConfig
+from trainsim.workloads.observe import observing
+from trainsim.workloads.schedules import pipeline_actions
+from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, synthetic_batch, train_step
+
+
+@dataclasses.dataclass
+class RankRun:
+    rank: int
+    step_seconds: list[float]
+    """Wall time of each measured step on this rank (after a barrier at its start)."""
+    events: list[dict] | None
+    """Recorded events of the last step when recording was requested."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, model_cfg: ModelConfig, par: ParallelismConfig, port: int, steps: int, warmup: int,
+            record: bool, threads: int, out_dir: str) -> None:
+    from trainsim.trace.recorder import ExecutionRecorder  # the recorder is optional in real runs
+
+    torch.set_num_threads(threads)
+    layout = layout_of(par)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=layout.world_size)
+    try:
+        groups = create_groups(layout, rank, every_group=True)
+        pos = layout.position(rank)
+        torch.manual_seed(1234 + pos.pp_rank * 100 + pos.tp_rank)  # replicas start identical
+        rm = build_rank_model(model_cfg, par, rank, groups)
+        actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
+        make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
+        batches = [make_batch(mb) for mb in range(par.num_microbatches)]  # data loading is not in the step
+        seconds, events = [], None
+        for step in range(warmup + steps):
+            dist.barrier()
+            start = time.perf_counter()
+            if record and step == warmup + steps - 1:
+                recorder = ExecutionRecorder(layout, rank)
+                with observing(recorder), recorder:
+                    train_step(rm, actions, batches.__getitem__)
+                events = recorder.events
+            else:
+                train_step(rm, actions, batches.__getitem__)
+            if step >= warmup:
+                seconds.append(time.perf_counter() - start)
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump(RankRun(rank, seconds, events), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_real_step(model_cfg: ModelConfig, par: ParallelismConfig, *, steps: int = 1, warmup: int = 0,
+                  record: bool = False, threads_per_rank: int = 1) -> list[RankRun]:
+    """Spawn dp*tp*pp processes, run `warmup + steps` training steps, return per-rank results."""
+    world = par.dp * par.tp * par.pp
+    with tempfile.TemporaryDirectory(prefix="trainsim-real-") as out_dir:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        mp.spawn(_worker, nprocs=world, join=True,
+                 args=(model_cfg, par, _free_port(), steps, warmup, record, threads_per_rank, out_dir))
+        runs = []
+        for rank in range(world):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
+                runs.append(pickle.load(f))
+    return runs

@@ -1,0 +1,42 @@
+"""Shared fixtures: the repository root and a throwaway copy of the project for workflow runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT_FILES = ("Snakefile", "dvc.yaml", "params.yaml", "conf", "stages", "src", "pyproject.toml")
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture
+def project_copy(tmp_path: Path) -> Path:
+    """A fresh copy of the workflow files, so runs never touch the checkout's artifacts/."""
+    dest = tmp_path / "project"
+    dest.mkdir()
+    for name in PROJECT_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+@pytest.fixture
+def workflow_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["DVC_NO_ANALYTICS"] = "1"
+    env.setdefault("GIT_AUTHOR_NAME", "trainsim-tests")
+    env.setdefault("GIT_AUTHOR_EMAIL", "tests@trainsim.invalid")
+    env.setdefault("GIT_COMMITTER_NAME", "trainsim-tests")
+    env.setdefault("GIT_COMMITTER_EMAIL", "tests@trainsim.invalid")
+    return env

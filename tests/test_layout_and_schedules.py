@@ -1,0 +1,59 @@
+"""Rank placement and pipeline schedules: the orders every later stage relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainsim.workloads.layout import Layout
+from trainsim.workloads.schedules import pipeline_actions
+
+
+def test_megatron_rank_order_tp_fastest_then_dp_then_pp():
+    layout = Layout(dp=2, tp=4, pp=3)
+    assert layout.group_ranks(0, "tp") == [0, 1, 2, 3]
+    assert layout.group_ranks(5, "dp") == [1, 5]
+    assert layout.group_ranks(5, "pp") == [5, 13, 21]
+    for rank in range(layout.world_size):
+        p = layout.position(rank)
+        assert layout.rank_of(p.dp_rank, p.tp_rank, p.pp_rank) == rank
+    assert sorted(r for g in layout.all_groups("dp") for r in g) == list(range(24))
+
+
+def _check_dependencies(actions, m, v):
+    done = set()
+    for a in actions:
+        if a.kind == "B":
+            assert ("F", a.microbatch, a.chunk) in done, f"backward before forward: {a}"
+        done.add((a.kind, a.microbatch, a.chunk))
+    assert len(done) == 2 * m * v == len(actions)
+
+
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_every_microbatch_runs_forward_then_backward_once(schedule, v):
+    for rank in range(4):
+        _check_dependencies(pipeline_actions(schedule, 4, rank, 8, v), 8, v)
+
+
+def _max_in_flight(actions):
+    live = peak = 0
+    for a in actions:
+        live += 1 if a.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def test_1f1b_bounds_in_flight_microbatches_gpipe_does_not():
+    pp, m = 4, 8
+    for rank in range(pp):
+        assert _max_in_flight(pipeline_actions("1f1b", pp, rank, m)) == pp - rank
+        assert _max_in_flight(pipeline_actions("gpipe", pp, rank, m)) == m
+
+
+def test_interleaved_warmup_matches_megatron():
+    # Megatron: warmup = (pp - rank - 1) * 2 + (v - 1) * pp forward chunks before the first backward
+    pp, v, m = 4, 2, 8
+    for rank in range(pp):
+        actions = pipeline_actions("interleaved-1f1b", pp, rank, m, v)
+        first_backward = next(i for i, a in enumerate(actions) if a.kind == "B")
+        assert first_backward == (pp - rank - 1) * 2 + (v - 1) * pp + 1
+        assert actions[first_backward].chunk == v - 1

@@ -1,0 +1,171 @@
+"""Ex-situ tracing: what the execution graph says about a step, checked against hand counts."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from trainsim.config import compose_run
+from trainsim.errors import TraceError
+from trainsim.trace import trace_layout
+from trainsim.trace.tracer import _trace_rank
+from trainsim.trace.expand import rename_for_rank
+from trainsim.workloads.model import padded_vocab_size
+from trainsim.workloads.train_step import layout_of
+
+
+def _trace(*overrides):
+    run = compose_run(list(overrides), check="layout")
+    return run, trace_layout(run.model, run.parallelism)
+
+
+def _comm(graph: pd.DataFrame) -> pd.DataFrame:
+    return graph[graph["kind"].isin(["collective", "p2p"])]
+
+
+def test_dp_gradients_are_all_reduced_in_buckets_once_per_step():
+    run, result = _trace("parallelism=dp2", "parallelism.dp_bucket_size_bytes=300000")
+    graph = result.graph.to_pandas()
+    dp = _comm(graph)
+    assert set(dp["collective"]) == {"all_reduce"} and set(dp["group_kind"]) == {"dp"}
+    assert not dp["per_microbatch"].any()  # only in the last micro-batch's backward
+    assert (dp["phase"] == "backward").all()  # overlapped with backward, not after it
+    parameter_bytes = result.memory.to_pandas()["parameter_bytes"].iloc[0]
+    assert dp["message_bytes"].sum() == parameter_bytes  # every gradient exactly once
+    assert len(dp) >= 3  # 1.08 MB of fp32 gradients in ~300 kB buckets
+    assert dp["group_ranks"].map(list).tolist() == [[0, 1]] * len(dp)
+
+
+def test_tp_collectives_follow_megatron():
+    run, result = _trace("parallelism=tp2")
+    comm = _comm(result.graph.to_pandas())
+    layers = run.model.num_layers
+    forward = comm[comm["phase"] == "forward"]
+    backward = comm[comm["phase"] == "backward"]
+    # forward: embedding + 2 per layer (attention, MLP) + 3 for the vocab-parallel loss
+    assert len(forward) == 1 + 2 * layers + 3
+    # backward: 2 per layer (f of attention and MLP) + 1 for the output layer's input
+    assert len(backward) == 2 * layers + 1
+    activation_bytes = run.parallelism.micro_batch_size * run.model.seq_length * run.model.hidden_size * 4
+    assert (forward["message_bytes"].iloc[1:1 + 2 * layers] == activation_bytes).all()
+    assert set(comm["group_kind"]) == {"tp"}
+
+
+def test_pp_stages_exchange_activations_and_gradients():
+    run, result = _trace("parallelism=pp2")
+    comm = _comm(result.graph.to_pandas())
+    first, last = comm[comm["rank_class"] == 0], comm[comm["rank_class"] == 1]
+    assert list(zip(first["phase"], first["collective"], first["peer"])) == [("forward", "send", 1), ("backward", "recv", 1)]
+    assert list(zip(last["phase"], last["collective"], last["peer"])) == [("forward", "recv", 0), ("backward", "send", 0)]
+    assert result.rank_classes.num_rows == 2
+
+
+def test_matmul_flops_and_no_kernel_views():
+    run, result = _trace("parallelism=single")
+    graph = result.graph.to_pandas()
+    mm = graph[graph["op"] == "aten::addmm"].iloc[0]
+    shapes = eval(mm["input_shapes"])  # [bias, input, weight^T]
+    m, k = shapes[1]
+    n = shapes[2][1]
+    assert mm["flops"] == 2 * m * n * k
+    views = graph[graph["op"].isin(["aten::view", "aten::t", "aten::transpose.int", "aten::detach"])]
+    assert len(views) > 0 and views["no_kernel"].all() and (views["flops"] == 0).all()
+    compute = graph[(graph["kind"] == "compute") & ~graph["no_kernel"]]
+    assert (compute["bytes_moved"] > 0).all()
+
+
+def test_forward_matmul_flops_match_the_6nd_rule():
+    # training FLOPs ~ 6 * params * tokens (Kaplan et al. 2020) for the matmul part, without attention
+    run, result = _trace("model=gpt-small", "parallelism=single", "parallelism.global_batch_size=2")
+    graph = result.graph.to_pandas()
+    m = run.model
+    block_params = 12 * m.hidden_size**2 * m.num_layers
+    head_params = padded_vocab_size(m.vocab_size, 1) * m.hidden_size
+    tokens = run.parallelism.micro_batch_size * m.seq_length
+    matmul = graph["op"].isin(["aten::addmm", "aten::mm", "aten::bmm"])
+    total = graph.loc[matmul & (graph["phase"] != "optimizer"), "flops"].sum()
+    assert total == pytest.approx(6 * (block_params + head_params) * tokens, rel=0.01)
+
+
+def test_collectives_depend_on_their_producers():
+    _, result = _trace("parallelism=tp2")
+    graph = result.graph.to_pandas().set_index("id")
+    for event_id, event in _comm(graph.reset_index()).set_index("id").iterrows():
+        assert len(event["deps"]) > 0 and all(d < event_id for d in event["deps"])
+        consumers = graph[graph["deps"].map(lambda deps, e=event_id: e in deps)]
+        assert len(consumers) > 0, f"nothing reads the result of collective {event_id}"
+
+
+def test_memory_accounts_mixed_precision_and_schedule():
+    run, result = _trace("model=gpt-small", "parallelism=pp2", "parallelism.precision=bf16",
+                         "parallelism.schedule=gpipe")
+    mem = result.memory.to_pandas().set_index("rank_class")
+    params = mem["parameter_bytes"] // 2  # bf16
+    assert (mem["gradient_bytes"] == mem["parameter_bytes"]).all()
+    assert (mem["optimizer_state_bytes"] == 12 * params).all()  # fp32 master + two Adam moments
+    assert (mem["max_inflight_microbatches"] == run.parallelism.num_microbatches).all()  # GPipe keeps all
+    one_f1b = _trace("model=gpt-small", "parallelism=pp2", "parallelism.precision=bf16")[1].memory.to_pandas()
+    assert one_f1b["max_inflight_microbatches"].tolist() == [2, 1]
+    assert (one_f1b["peak_bytes"] < mem["peak_bytes"].values).all()
+
+
+def test_recompute_trades_activation_memory_for_recomputed_ops():
+    base = _trace("model=gpt-small", "parallelism=single")[1]
+    full = _trace("model=gpt-small", "parallelism=single", "parallelism.recompute=full")[1]
+    selective = _trace("model=gpt-small", "parallelism=single", "parallelism.recompute=selective")[1]
+    act = {name: r.memory.to_pandas()["activation_bytes_per_microbatch"].iloc[0]
+           for name, r in (("none", base), ("full", full), ("selective", selective))}
+    assert act["full"] < act["selective"] <= act["none"]
+    flops = {name: r.graph.to_pandas()["flops"].sum() for name, r in (("none", base), ("full", full))}
+    assert flops["full"] > flops["none"] * 1.1  # the blocks' forward runs again in backward
+
+
+def test_llama_uses_grouped_query_attention_and_swiglu():
+    run, result = _trace("model=llama3-8b", "model.num_layers=2", "model.seq_length=128", "parallelism=tp2")
+    graph = result.graph.to_pandas()
+    assert graph["op"].str.contains("silu").any()
+    assert graph["op"].str.contains("rms_norm").any() or graph["op"].str.contains("rsqrt").any()
+    qkv = graph[(graph["op"] == "aten::mm") & (graph["phase"] == "forward")].iloc[0]
+    # local q + 2 kv heads: (32 + 2 * 8) / tp2 heads of 128
+    assert eval(qkv["input_shapes"])[1][1] == (32 + 16) // 2 * 128
+
+
+def test_middle_stages_reuse_one_trace_with_renamed_peers():
+    run, result = _trace("parallelism=pp2", "parallelism.pp=4", "parallelism.global_batch_size=8")
+    graph = result.graph.to_pandas()
+    layout = layout_of(run.parallelism)
+    direct = pd.DataFrame(_trace_rank(run.model, run.parallelism, layout.stage_representative(2)).events)
+    copied = graph[graph["rank_class"] == 2].reset_index(drop=True)
+    assert copied["op"].tolist() == direct["op"].tolist()
+    assert copied["peer"].tolist() == direct["peer"].tolist()
+    assert copied["group_ranks"].map(lambda g: None if g is None else list(g)).tolist() == \
+        direct["group_ranks"].map(lambda g: None if g is None else list(g)).tolist()
+
+
+def test_rename_for_rank_uses_that_ranks_groups():
+    run, result = _trace("parallelism=tp2")
+    layout = layout_of(run.parallelism)
+    graph = result.graph.to_pandas()
+    renamed = rename_for_rank(graph, layout, representative=0, rank=1)
+    comm = _comm(renamed)
+    assert comm["group_ranks"].map(list).tolist() == [[0, 1]] * len(comm)
+
+
+def test_trace_speed_scales_to_thousands_of_ranks():
+    run = compose_run(["model=gpt-tiny", "parallelism=pp2", "parallelism.dp=512", "parallelism.tp=4",
+                       "parallelism.global_batch_size=2048"], check="layout")
+    result = trace_layout(run.model, run.parallelism)
+    assert result.rank_classes.num_rows == 4096
+    assert result.rank_classes.to_pandas()["rank_class"].nunique() == 2
+
+
+def test_tracing_refuses_an_initialised_process_group():
+    run = compose_run([], check="layout")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(TraceError, match="not initialised"):
+            trace_layout(run.model, run.parallelism)
+    finally:
+        dist.destroy_process_group()
