@@ -1,8 +1,9 @@
 # trainsim workflow. Rules are built from the stage registry (src/trainsim/registry.py).
 #   snakemake --cores 2                                    # default point (conf/config.yaml)
 #   snakemake --cores 2 --config model=gpt-small parallelism=tp2
+#   snakemake --cores 2 --config parallelism=tp2 overrides='[parallelism.recompute=full]'
 #   snakemake --cores 2 --config model=gpt-tiny,gpt-small parallelism=dp2,pp2   # sweep: 4 points
-# Every --config entry is a Hydra override; see README "Configuration".
+# Every --config entry is a Hydra override (field-level ones under `overrides`); see README.
 import json
 
 from trainsim.config import compose_run

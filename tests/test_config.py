@@ -93,3 +93,6 @@ def test_sweep_expands_cartesian_product():
     assert len(points) == 4
     assert ["model=gpt-small", "parallelism=tp2", "parallelism.recompute=full"] in points
     assert expand_sweep({}) == [[]]
+    assert expand_sweep({"overrides": ["parallelism.tp=1,2", "hardware.num_nodes=4"]}) == [
+        ["parallelism.tp=1", "hardware.num_nodes=4"], ["parallelism.tp=2", "hardware.num_nodes=4"]]
+    assert expand_sweep({"overrides": "parallelism.tp=2"}) == [["parallelism.tp=2"]]

@@ -1,0 +1,88 @@
+"""The Snakemake and DVC front ends: plans, incremental re-runs, sweeps, and the stage registry."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trainsim.artifacts import read_manifest
+from trainsim.registry import STAGES, render_dvc_yaml
+
+
+def _run(args: list[str], cwd: Path, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _planned_jobs(cwd: Path, env: dict, *config: str) -> dict[str, int]:
+    """Rule -> job count of `snakemake -n` (dry run) with the given --config overrides."""
+    args = ["snakemake", "-n", "--cores", "1", "--quiet", "rules"]
+    if config:
+        args += ["--config", *config]
+    out = _run(args, cwd, env).stdout
+    jobs = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] != "total":
+            jobs[parts[0]] = int(parts[1])
+    return jobs
+
+
+def test_committed_dvc_yaml_is_generated_from_the_registry(repo):
+    assert (repo / "dvc.yaml").read_text() == render_dvc_yaml()
+
+
+def test_snakefile_rules_come_from_the_registry(repo, workflow_env):
+    rules = _run(["snakemake", "--list-rules"], repo, workflow_env).stdout.split()
+    assert set(STAGES) <= set(rules)
+
+
+@pytest.mark.slow
+def test_snakemake_runs_then_reruns_only_what_changed(project_copy, workflow_env):
+    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1}
+    _run(["snakemake", "--cores", "2"], project_copy, workflow_env)
+    artifact = project_copy / STAGES["trace"].path({"model": "gpt-tiny", "parallelism": "dp2"})
+    assert read_manifest(artifact)["config_keys"] == {"model": "gpt-tiny", "parallelism": "dp2"}
+    assert (project_copy / "logs/traces/gpt-tiny/dp2.log").is_file()
+
+    assert _planned_jobs(project_copy, workflow_env) == {}  # nothing changed: nothing to do
+    # a hardware change never re-traces
+    assert _planned_jobs(project_copy, workflow_env, "hardware=a100-80g-dgx") == {}
+    assert _planned_jobs(project_copy, workflow_env, "overrides=hardware.num_nodes=4") == {}
+    # a parallelism change re-traces only that layout
+    assert _planned_jobs(project_copy, workflow_env, "parallelism=tp2") == {"all": 1, "trace": 1}
+    assert _planned_jobs(project_copy, workflow_env, "overrides=[parallelism.recompute=full]") == {"all": 1, "trace": 1}
+    # a sweep is one cached job per point
+    assert _planned_jobs(project_copy, workflow_env, "parallelism=dp2,tp2,pp2") == {"all": 1, "trace": 2}
+    # editing the model's YAML re-traces (params track the resolved values, not just the name)
+    model_yaml = project_copy / "conf/model/gpt-tiny.yaml"
+    model_yaml.write_text(model_yaml.read_text().replace("seq_length: 64", "seq_length: 32"))
+    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1}
+
+
+@pytest.mark.slow
+def test_snakemake_rejects_an_impossible_layout_before_running(project_copy, workflow_env):
+    proc = _run(["snakemake", "-n", "--cores", "1", "--config", "overrides=parallelism.tp=3"], project_copy, workflow_env,
+                check=False)
+    assert proc.returncode != 0
+    assert "tp=3 does not divide model.num_attention_heads=4" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_dvc_repro_runs_the_trace_then_does_nothing(project_copy, workflow_env):
+    _run(["git", "init", "-q"], project_copy, workflow_env)
+    _run(["dvc", "init", "-q"], project_copy, workflow_env)
+    _run(["git", "add", "-A"], project_copy, workflow_env)
+    _run(["git", "commit", "-qm", "init"], project_copy, workflow_env)
+    first = _run(["dvc", "repro"], project_copy, workflow_env)
+    assert "Running stage 'trace'" in first.stdout
+    read_manifest(project_copy / "artifacts/traces/gpt-tiny/dp2")
+    second = _run(["dvc", "repro"], project_copy, workflow_env)
+    assert "Running stage" not in second.stdout
+    assert "didn't change" in second.stdout or "up to date" in second.stdout.lower()
+    third = _run(["dvc", "repro", "--dry"], project_copy, workflow_env)
+    assert "Running stage" not in third.stdout
