@@ -15,20 +15,18 @@ GIB = 1024**3
 
 
 def _cmd_config(args, console: Console) -> int:
-    import dataclasses
-
     import yaml
 
     from trainsim.config import compose_run
 
     run = compose_run(args.overrides)
+    par, hw = run.parallelism, run.hardware
     plain = {group: run.group(group) for group in ("hardware", "model", "parallelism")}
-    console.print(yaml.safe_dump(plain, sort_keys=False), end="", markup=False, highlight=False)
-    par = run.parallelism
-    console.print(f"# artifact keys: {run.keys}")
-    console.print(f"# world size {par.world_size} = dp {par.dp} x tp {par.tp} x pp {par.pp}; "
-                  f"{par.num_microbatches} micro-batch(es) of {par.micro_batch_size} per step; "
-                  f"{dataclasses.asdict(run.hardware)['num_nodes']} node(s) x {run.hardware.devices_per_node} devices")
+    sys.stdout.write(yaml.safe_dump(plain, sort_keys=False))
+    sys.stdout.write(f"# artifact keys: {run.keys}\n"
+                     f"# world size {par.world_size} = dp {par.dp} x tp {par.tp} x pp {par.pp}; "
+                     f"{par.num_microbatches} micro-batch(es) of {par.micro_batch_size} per step; "
+                     f"{hw.num_nodes} node(s) x {hw.devices_per_node} devices\n")
     return 0
 
 

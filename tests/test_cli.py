@@ -1,0 +1,48 @@
+"""The `trainsim` command: what a user sees for good and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainsim.artifacts import read_manifest
+from trainsim.cli import main
+
+
+def test_config_prints_composed_values_and_keys(capsys):
+    assert main(["config", "parallelism=tp2", "model=gpt-small"]) == 0
+    out = capsys.readouterr().out
+    assert "hidden_size: 768" in out and "tp: 2" in out
+    assert "'parallelism': 'tp2'" in out and "world size 2" in out
+
+
+def test_trace_writes_artifact_and_memory_verdict(tmp_path, capsys):
+    out_dir = tmp_path / "trace"
+    assert main(["trace", "model=gpt-175b", "parallelism=pp12-tp8-dp1", "parallelism.recompute=none",
+                 "parallelism.micro_batch_size=2", "hardware=h800-dgx", "--output", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "96 ranks in 12 class(es)" in out
+    # without recompute, 12 in-flight micro-batches of 2 x 2048 tokens do not fit the first stage in 80 GiB,
+    # while the last stage (one in flight) does
+    assert "OOM" in out and "fits" in out
+    assert read_manifest(out_dir)["config_keys"]["parallelism"].startswith("pp12-tp8-dp1-")
+
+
+def test_bad_input_exits_2_with_the_reason(capsys):
+    assert main(["trace", "model=gpt-9000"]) == 2
+    assert "Available options in 'model'" in capsys.readouterr().err
+    assert main(["config", "parallelism.tp=3"]) == 2
+    assert "choose tp among 1, 2, 4" in capsys.readouterr().err
+    assert main(["run", "hardware=a100-80g-dgx"]) == 2
+    assert "use hardware=local-cpu" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_measures_real_steps(capsys):
+    assert main(["run", "--steps", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0:" in out and "rank 1:" in out and "step time" in out
+
+
+def test_dvc_yaml_check(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    assert main(["dvc-yaml", "--check"]) == 0
