@@ -58,6 +58,7 @@ def test_wrongly_typed_field_names_field_and_value():
     (["parallelism.schedule=zigzag"], r"schedule='zigzag' is not supported; accepted: gpipe, 1f1b"),
     (["parallelism.precision=fp8"], r"precision='fp8' is not supported"),
     (["model.num_kv_heads=3"], r"num_kv_heads=3 must divide"),
+    (["model.family=llama", "model.hidden_size=60"], r"must be even for rotary"),
 ])
 def test_impossible_layouts_fail_at_composition(overrides, message):
     with pytest.raises(ConfigError, match=message):

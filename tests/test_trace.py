@@ -169,3 +169,13 @@ def test_tracing_refuses_an_initialised_process_group():
             trace_layout(run.model, run.parallelism)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_be_built_or_stepped_is_named():
+    run = compose_run(["parallelism=pp2"], check="layout")
+    from dataclasses import replace
+
+    # rotary embeddings need an even head dimension; 60 / 4 = 15 (not caught by validation)
+    broken = replace(run.model, family="llama", hidden_size=60)
+    with pytest.raises(TraceError, match=r"rank 0 .*gpt-tiny"):
+        trace_layout(broken, run.parallelism)

@@ -44,6 +44,11 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(
             f"model.num_kv_heads={kv_heads} must divide model.num_attention_heads={model.num_attention_heads}"
         )
+    if model.family == "llama" and (model.hidden_size // model.num_attention_heads) % 2:
+        raise ConfigError(
+            f"model.hidden_size / num_attention_heads = {model.hidden_size // model.num_attention_heads} must be "
+            "even for rotary position embeddings (family 'llama')"
+        )
     if not 0.0 <= model.dropout < 1.0:
         raise ConfigError(f"model.dropout={model.dropout} must be in [0, 1)")
 
