@@ -8,7 +8,7 @@ import json
 
 from trainsim.config import compose_run
 from trainsim.config.sweep import expand_sweep
-from trainsim.registry import STAGES
+from trainsim.registry import STAGES, leaf_stages, stage_command
 
 RUNS = [compose_run(overrides) for overrides in expand_sweep(config)]
 
@@ -28,19 +28,34 @@ def stage_config_json(stage, wildcards):
 
 rule all:
     input:
-        [STAGES["trace"].path(run.keys) for run in RUNS],
+        [stage.path(run.keys) for stage in leaf_stages() for run in RUNS],
 
 
-for stage in STAGES.values():
+def declare_rule(stage):
+    """One rule per registry stage (a function, so each rule's shell command binds its own stage)."""
+    command = stage_command(
+        stage,
+        output="{output:q}",
+        inputs={name: f"{{input.{name}:q}}" for name in stage.inputs},
+        database="{params.database:q}" if stage.database else None,
+        config="--config-json {params.config_json:q}",
+    )
 
     rule:
         name:
             stage.name
+        input:
+            unpack(lambda wildcards: {name: STAGES[name].path(wildcards) for name in stage.inputs}),
         output:
             directory(stage.output),
         params:
-            config_json=lambda wildcards, stage=stage: stage_config_json(stage, wildcards),
+            config_json=lambda wildcards: stage_config_json(stage, wildcards),
+            database=lambda wildcards: stage.database_path(wildcards) if stage.database else "",
         log:
             stage.output.replace("artifacts/", "logs/", 1) + ".log",
         shell:
-            "python " + stage.script + " --output {output:q} --config-json {params.config_json:q} > {log:q} 2>&1"
+            command + " > {log:q} 2>&1"
+
+
+for stage in STAGES.values():
+    declare_rule(stage)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainsim.artifacts import read_manifest
+from trainsim.artifacts.store import file_sha256
 from trainsim.registry import STAGES, render_dvc_yaml
 
 
@@ -43,25 +44,31 @@ def test_snakefile_rules_come_from_the_registry(repo, workflow_env):
 
 @pytest.mark.slow
 def test_snakemake_runs_then_reruns_only_what_changed(project_copy, workflow_env):
-    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1}
+    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1, "profile": 1}
     _run(["snakemake", "--cores", "2"], project_copy, workflow_env)
     artifact = project_copy / STAGES["trace"].path({"model": "gpt-tiny", "parallelism": "dp2"})
     assert read_manifest(artifact)["config_keys"] == {"model": "gpt-tiny", "parallelism": "dp2"}
     assert (project_copy / "logs/traces/gpt-tiny/dp2.log").is_file()
 
+    assert (project_copy / "artifacts/profiles/local-cpu/kernels.parquet").is_dir()
+
     assert _planned_jobs(project_copy, workflow_env) == {}  # nothing changed: nothing to do
-    # a hardware change never re-traces
-    assert _planned_jobs(project_copy, workflow_env, "hardware=a100-80g-dgx") == {}
-    assert _planned_jobs(project_copy, workflow_env, "overrides=hardware.num_nodes=4") == {}
+    # a hardware change re-profiles but never re-traces
+    assert _planned_jobs(project_copy, workflow_env, "hardware=a100-80g-dgx") == {"all": 1, "profile": 1}
+    assert _planned_jobs(project_copy, workflow_env, "overrides=hardware.num_nodes=4") == {"all": 1, "profile": 1}
     # a parallelism change re-traces only that layout
-    assert _planned_jobs(project_copy, workflow_env, "parallelism=tp2") == {"all": 1, "trace": 1}
-    assert _planned_jobs(project_copy, workflow_env, "overrides=[parallelism.recompute=full]") == {"all": 1, "trace": 1}
+    both = {"all": 1, "trace": 1, "profile": 1}
+    assert _planned_jobs(project_copy, workflow_env, "parallelism=tp2") == both
+    assert _planned_jobs(project_copy, workflow_env, "overrides=[parallelism.recompute=full]") == both
     # a sweep is one cached job per point
-    assert _planned_jobs(project_copy, workflow_env, "parallelism=dp2,tp2,pp2") == {"all": 1, "trace": 2}
-    # editing the model's YAML re-traces (params track the resolved values, not just the name)
+    assert _planned_jobs(project_copy, workflow_env, "parallelism=dp2,tp2,pp2") == {"all": 1, "trace": 2, "profile": 2}
+    # editing a hardware YAML re-profiles only; editing the model's YAML re-traces (params track values)
+    hardware_yaml = project_copy / "conf/hardware/local-cpu.yaml"
+    hardware_yaml.write_text(hardware_yaml.read_text().replace("threads_per_device: 1", "threads_per_device: 2"))
+    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "profile": 1}
     model_yaml = project_copy / "conf/model/gpt-tiny.yaml"
     model_yaml.write_text(model_yaml.read_text().replace("seq_length: 64", "seq_length: 32"))
-    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1}
+    assert _planned_jobs(project_copy, workflow_env) == both
 
 
 @pytest.mark.slow
@@ -79,10 +86,29 @@ def test_dvc_repro_runs_the_trace_then_does_nothing(project_copy, workflow_env):
     _run(["git", "add", "-A"], project_copy, workflow_env)
     _run(["git", "commit", "-qm", "init"], project_copy, workflow_env)
     first = _run(["dvc", "repro"], project_copy, workflow_env)
-    assert "Running stage 'trace'" in first.stdout
+    assert "Running stage 'trace'" in first.stdout and "Running stage 'profile'" in first.stdout
     read_manifest(project_copy / "artifacts/traces/gpt-tiny/dp2")
     second = _run(["dvc", "repro"], project_copy, workflow_env)
     assert "Running stage" not in second.stdout
     assert "didn't change" in second.stdout or "up to date" in second.stdout.lower()
     third = _run(["dvc", "repro", "--dry"], project_copy, workflow_env)
     assert "Running stage" not in third.stdout
+
+    # the profile database is a versioned dataset: push it, clone, pull it back bit for bit
+    remote = project_copy.parent / "dvc-remote"
+    _run(["dvc", "remote", "add", "-d", "local", str(remote)], project_copy, workflow_env)
+    _run(["dvc", "push"], project_copy, workflow_env)
+    _run(["git", "add", "-A"], project_copy, workflow_env)
+    _run(["git", "commit", "-qm", "profiled"], project_copy, workflow_env)
+    clone = project_copy.parent / "clone"
+    _run(["git", "clone", "-q", str(project_copy), str(clone)], project_copy.parent, workflow_env)
+    _run(["dvc", "pull"], clone, workflow_env)
+    database = "artifacts/profiles/local-cpu/kernels.parquet"
+    assert _tree_digest(clone / database) == _tree_digest(project_copy / database) != {}
+    assert _tree_digest(clone / "artifacts/traces/gpt-tiny/dp2") == _tree_digest(project_copy / "artifacts/traces/gpt-tiny/dp2")
+    status = _run(["dvc", "status"], clone, workflow_env).stdout
+    assert "up to date" in status.lower() or "changed" not in status
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): file_sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}

@@ -15,3 +15,7 @@ class ArtifactError(RuntimeError):
 
 class TraceError(RuntimeError):
     """The sub-model or training step of one rank could not be built or traced; names the rank."""
+
+
+class ReplayError(RuntimeError):
+    """A traced op cannot be rebuilt and run for measurement (custom, data-dependent, unsupported dtype)."""

@@ -7,7 +7,7 @@ Each output path has exactly one owning stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -24,9 +24,17 @@ class Stage:
     code: tuple[str, ...]
     """Source paths whose change invalidates the output (DVC deps)."""
     summary: str
+    inputs: tuple[str, ...] = ()
+    """Upstream stages whose artifacts (for the same keys) this stage reads."""
+    database: str | None = None
+    """A shared, append-only store the stage adds to (never deleted before a run; DVC `persist`)."""
 
     def path(self, keys: dict[str, str]) -> str:
         return self.output.format(**{k: keys[k] for k in self.keyed_by})
+
+    def database_path(self, keys: dict[str, str]) -> str:
+        assert self.database is not None
+        return self.database.format(**keys)
 
 
 STAGES: dict[str, Stage] = {
@@ -34,26 +42,56 @@ STAGES: dict[str, Stage] = {
         name="trace",
         keyed_by=("model", "parallelism"),
         output="artifacts/traces/{model}/{parallelism}",
-        script="stages/trace.py",
-        code=("stages/trace.py", "src/trainsim/trace", "src/trainsim/workloads", "src/trainsim/config"),
+        script="stages/trace_stage.py",
+        code=("stages/trace_stage.py", "src/trainsim/trace", "src/trainsim/workloads", "src/trainsim/config"),
         summary="ex-situ per-rank-class execution graphs, rank -> class map, memory per class",
     ),
+    "profile": Stage(
+        name="profile",
+        keyed_by=("hardware", "model", "parallelism"),
+        output="artifacts/profiles/{hardware}/runs/{model}/{parallelism}",
+        script="stages/profile_stage.py",
+        code=("stages/profile_stage.py", "src/trainsim/profile"),
+        summary="solo time of every distinct compute op of the trace (measured, reused or analytical)",
+        inputs=("trace",),
+        database="artifacts/profiles/{hardware}/kernels.parquet",
+    ),
 }
+
+
+def leaf_stages() -> list[Stage]:
+    """Stages no other stage reads: what `rule all` / a full run asks for."""
+    used = {name for stage in STAGES.values() for name in stage.inputs}
+    return [stage for name, stage in STAGES.items() if name not in used]
+
+
+def stage_command(stage: Stage, output: str, inputs: dict[str, str], database: str | None, config: str) -> str:
+    """The shell command of a stage; `config` is '--config-json ...' or Hydra overrides."""
+    parts = [f"python {stage.script} --output {output}"]
+    parts += [f"--input {name}={path}" for name, path in inputs.items()]
+    if database:
+        parts.append(f"--database {database}")
+    return " ".join([*parts, config])
 
 
 def render_dvc_yaml() -> str:
     """dvc.yaml for `dvc repro` / `dvc exp run -S model=...`: config choices come from params.yaml."""
     stages = {}
+    keys = {group: f"${{{group}}}" for group in ("hardware", "model", "parallelism")}
     for stage in STAGES.values():
-        keys = {group: f"${{{group}}}" for group in stage.keyed_by}
         output = stage.path(keys)
+        inputs = {name: STAGES[name].path(keys) for name in stage.inputs}
+        database = stage.database_path(keys) if stage.database else None
         choices = " ".join(f"{group}=${{{group}}}" for group in stage.keyed_by)
+        outs: list = [output]
+        if database:
+            outs.append({database: {"persist": True}})
         stages[stage.name] = {
             "desc": stage.summary,
-            "cmd": f"python {stage.script} --output {output} {choices}",
-            "deps": [*stage.code, *(f"conf/{group}/${{{group}}}.yaml" for group in stage.keyed_by)],
+            "cmd": stage_command(stage, output, inputs, database, choices),
+            "deps": [*inputs.values(), *stage.code, *(f"conf/{group}/${{{group}}}.yaml" for group in stage.keyed_by)],
             "params": list(stage.keyed_by),
-            "outs": [output],
+            "outs": outs,
         }
     header = "# Generated from src/trainsim/registry.py by `trainsim dvc-yaml > dvc.yaml`; do not edit.\n"
     return header + yaml.safe_dump({"stages": stages}, sort_keys=False)

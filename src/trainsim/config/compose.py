@@ -73,7 +73,7 @@ class Run:
         return {name: self.key(name) for name in CONFIG_GROUPS}
 
 
-def _detect_local_devices(hw: HardwareConfig) -> HardwareConfig:
+def detect_local_devices(hw: HardwareConfig) -> HardwareConfig:
     """Fill 'detect' (0) fields of a CPU hardware config from this machine."""
     if hw.device_kind != "cpu":
         return hw
@@ -111,7 +111,7 @@ def compose_run(
     choices = {name: str(cfg.hydra.runtime.choices[name]) for name in CONFIG_GROUPS}
     typed = {name: OmegaConf.to_object(cfg[name]) for name in CONFIG_GROUPS}
     run = Run(
-        hardware=_detect_local_devices(typed["hardware"]),
+        hardware=detect_local_devices(typed["hardware"]),
         model=typed["model"],
         parallelism=typed["parallelism"],
         choices=choices,

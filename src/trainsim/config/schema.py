@@ -32,6 +32,30 @@ class NcclConfig:
 
 
 @dataclass
+class KernelModelConfig:
+    """Analytical kernel-time model (roofline with efficiency curves), used where kernels are not measured.
+
+    time = launch_overhead_s + max(flops / (peak * matmul_efficiency * sat(flops, matmul_half_flops)),
+                                   bytes / (bandwidth * memory_efficiency * sat(bytes, memory_half_bytes)))
+    with sat(x, h) = x / (x + h); non-matmul ops use the bandwidth term (and vector_flops_per_s).
+    Fitted to measured kernels by `trainsim profile-fit`.
+    """
+
+    matmul_efficiency: float = 0.75
+    """Fraction of peak FLOP/s that large matrix multiplies reach."""
+    matmul_half_flops: float = 2.0e9
+    """FLOPs at which a matrix multiply reaches half of that efficiency (small GEMMs are inefficient)."""
+    memory_efficiency: float = 0.8
+    """Fraction of memory bandwidth that large memory-bound kernels reach."""
+    memory_half_bytes: float = 4.0e6
+    """Bytes at which a memory-bound kernel reaches half of that efficiency."""
+    vector_flops_per_s: float = 0.0
+    """Throughput of non-matmul arithmetic; 0 = fp32 peak (CUDA cores) / 2."""
+    launch_overhead_s: float = 4.0e-6
+    """Floor per kernel: launch and tail effects."""
+
+
+@dataclass
 class HardwareConfig:
     """One cluster: identical devices, `devices_per_node` per node, `num_nodes` nodes."""
 
@@ -65,6 +89,11 @@ class HardwareConfig:
     """torch.distributed backend: 'gloo' (CPU) or 'nccl' (CUDA)."""
     nccl: NcclConfig = field(default_factory=NcclConfig)
     """Collective-library version and settings."""
+    profile_backend: str = "auto"
+    """Kernel timing: 'measure' (this machine's device), 'analytical' (kernel_model), or 'auto'
+    (measure when the device kind is present here, else analytical)."""
+    kernel_model: KernelModelConfig = field(default_factory=KernelModelConfig)
+    """Parameters of the analytical backend."""
     price_per_device_hour: float = 0.0
     """Cost of one device for one hour in USD (for cost-per-step figures); 0 = unknown."""
 

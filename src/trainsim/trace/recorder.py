@@ -70,10 +70,13 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 
 def _encode_arg(a: Any, tensors: list[torch.Tensor]) -> Any:
-    """JSON form of one op argument; tensors become {'t': index} into the op's tensor list."""
+    """JSON form of one op argument; tensors become {'$t': index} into the op's tensor list.
+
+    Markers start with '$' so they cannot be confused with keyword-argument names.
+    """
     if isinstance(a, torch.Tensor):
         tensors.append(a)
-        return {"t": len(tensors) - 1}
+        return {"$t": len(tensors) - 1}
     if isinstance(a, (list, tuple)):
         return [_encode_arg(x, tensors) for x in a]
     if isinstance(a, dict):
@@ -81,10 +84,10 @@ def _encode_arg(a: Any, tensors: list[torch.Tensor]) -> Any:
     if a is None or isinstance(a, (bool, int, float, str)):
         return a
     if isinstance(a, torch.dtype):
-        return {"dtype": dtype_name(a)}
+        return {"$dtype": dtype_name(a)}
     if isinstance(a, (torch.device, torch.layout, torch.memory_format)):
         return str(a)
-    return {"obj": type(a).__name__}
+    return {"$obj": type(a).__name__}
 
 
 def _sdpa_flops(func_name: str, q: torch.Tensor, k: torch.Tensor) -> int:

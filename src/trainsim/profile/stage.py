@@ -1,0 +1,164 @@
+"""The kernel-profile stage: every distinct compute op of the traces gets a solo time on the hardware.
+
+Only signatures the database lacks for this hardware are measured (or computed analytically);
+everything else is reused. Ops that cannot be replayed fall back to the analytical model, and the
+reason is kept in the row. New rows are appended in batches, so an interrupted run keeps its work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from trainsim.artifacts import atomic_artifact, read_table
+from trainsim.config.schema import HardwareConfig
+from trainsim.errors import ConfigError, ReplayError
+from trainsim.profile.analytical import fit_rates, predict, predict_rows, is_matmul
+from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
+from trainsim.profile.measure import time_cpu, time_cuda
+from trainsim.profile.replay import build_call
+from trainsim.trace.stage import GRAPH_FILE
+
+OP_COLUMNS = ["signature", "op", "input_shapes", "input_strides", "input_dtypes", "op_args", "flops", "bytes_moved"]
+MEASURED_BACKENDS = ("cpu", "cuda")
+PROFILE_FILE = "kernels.parquet"
+SUMMARY_FILE = "summary.json"
+APPEND_EVERY = 50
+
+
+@dataclass
+class ProfileSummary:
+    backend: str
+    distinct: int = 0
+    reused: int = 0
+    measured: int = 0
+    analytical: int = 0
+    fallback: list[dict] = field(default_factory=list)
+    """Ops that could not be measured: {op, signature, reason}."""
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "fallback_count": len(self.fallback)}
+
+
+def distinct_ops(graph: pd.DataFrame) -> pd.DataFrame:
+    """One row per distinct compute-op signature that launches a kernel."""
+    compute = graph[(graph["kind"] == "compute") & ~graph["no_kernel"]]
+    return compute.drop_duplicates("signature")[OP_COLUMNS].reset_index(drop=True)
+
+
+def local_device_kind() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def choose_backend(hw: HardwareConfig) -> str:
+    """'cpu' or 'cuda' (measure here) or 'analytical', from hardware.profile_backend."""
+    local = local_device_kind()
+    if hw.profile_backend == "analytical":
+        return "analytical"
+    if hw.profile_backend == "measure":
+        if hw.device_kind != local:
+            raise ConfigError(f"hardware.profile_backend='measure' needs a {hw.device_kind} device, but this machine "
+                              f"has {local} only; use profile_backend=analytical or import a database measured there")
+        return local
+    if hw.profile_backend == "auto":
+        return local if hw.device_kind == local else "analytical"
+    raise ConfigError(f"hardware.profile_backend={hw.profile_backend!r}; accepted: auto, measure, analytical")
+
+
+def _row(op: pd.Series, hardware_key: str, backend: str, median_s: float, **extra) -> dict:
+    row = {c: op[c] for c in OP_COLUMNS}
+    row.update(hardware=hardware_key, backend=backend, median_s=float(median_s), spread=0.0, min_s=float(median_s),
+               repeats=0, threads=0, kernels="[]", metrics="{}", fallback_reason=None, source="measured here",
+               measured_at=now_utc(), tool_versions=tool_versions_json())
+    row.update(extra)
+    return row
+
+
+def _measure(op: pd.Series, hardware_key: str, backend: str, threads: int) -> dict:
+    call = build_call(op.to_dict(), device=backend)
+    timing = time_cpu(call) if backend == "cpu" else time_cuda(call)
+    return _row(op, hardware_key, backend, timing.median_s, spread=timing.spread, min_s=timing.min_s,
+                repeats=timing.repeats, threads=threads, kernels=json.dumps(timing.kernels),
+                metrics=json.dumps(timing.metrics))
+
+
+def _analytical_times(ops: pd.DataFrame, hw: HardwareConfig, measured: pd.DataFrame) -> np.ndarray:
+    """Roofline times from the hardware's rates, or, where it has none (a CPU), from rates fitted to
+    the ops measured on it."""
+    try:
+        return predict_rows(ops, hw)
+    except ConfigError as missing_rates:
+        if len(measured) < 6:
+            raise ConfigError(f"{missing_rates}; with fewer than 6 measured ops on this hardware nothing to fit "
+                              "instead") from missing_rates
+        rates = fit_rates(measured)
+        return predict(rates, ops["flops"], ops["bytes_moved"], ops["op"].map(is_matmul))
+
+
+def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: ProfileDatabase,
+                progress=None) -> tuple[pd.DataFrame, ProfileSummary]:
+    """Fill `db` for the signatures of `ops` it lacks; return the rows of all of them and a summary."""
+    backend = choose_backend(hw)
+    known = db.read()
+    known = known[known["hardware"] == hardware_key]
+    missing = ops[~ops["signature"].isin(set(known["signature"]))].reset_index(drop=True)
+    summary = ProfileSummary(backend=backend, distinct=len(ops), reused=len(ops) - len(missing))
+
+    pending: list[dict] = []
+    to_model: list[int] = []
+    if backend in MEASURED_BACKENDS:
+        torch.set_num_threads(hw.threads_per_device)
+        for i, op in missing.iterrows():
+            try:
+                pending.append(_measure(op, hardware_key, backend, hw.threads_per_device))
+                summary.measured += 1
+            except ReplayError as exc:
+                to_model.append(i)
+                summary.fallback.append({"op": op["op"], "signature": op["signature"], "reason": str(exc)})
+            if len(pending) >= APPEND_EVERY:
+                db.append(pd.DataFrame(pending))
+                pending.clear()
+            if progress:
+                progress(i + 1, len(missing))
+    else:
+        to_model = list(range(len(missing)))
+    db.append(pd.DataFrame(pending))
+
+    if to_model:
+        model_ops = missing.iloc[to_model]
+        measured = db.read()
+        measured = measured[(measured["hardware"] == hardware_key) & measured["backend"].isin(MEASURED_BACKENDS)]
+        times = _analytical_times(model_ops, hw, measured)
+        reasons = {f["signature"]: f["reason"] for f in summary.fallback}
+        rows = [_row(op, hardware_key, "analytical", t, fallback_reason=reasons.get(op["signature"]))
+                for (_, op), t in zip(model_ops.iterrows(), times)]
+        db.append(pd.DataFrame(rows))
+        summary.analytical = len(rows)
+
+    rows = db.read()
+    rows = rows[(rows["hardware"] == hardware_key) & rows["signature"].isin(set(ops["signature"]))]
+    return rows.reset_index(drop=True)[PROFILE_SCHEMA.names], summary
+
+
+def write_summary(path: Path, summary: ProfileSummary) -> None:
+    path.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
+
+
+def write_profile_artifact(hw: HardwareConfig, keys: dict[str, str], trace_dir: Path, database: Path,
+                           output: Path, progress=None) -> ProfileSummary:
+    """Profile the ops of one trace artifact into `database` and publish this run's rows."""
+    graph = read_table(trace_dir, GRAPH_FILE).to_pandas()
+    config = {"hardware": dataclasses.asdict(hw)}
+    with atomic_artifact(output, stage="profile", config=config, config_keys=keys, inputs=[trace_dir]) as tmp:
+        rows, summary = profile_ops(distinct_ops(graph), hw, keys["hardware"], ProfileDatabase(database), progress)
+        pq.write_table(pa.Table.from_pandas(rows, schema=PROFILE_SCHEMA, preserve_index=False), tmp / PROFILE_FILE)
+        write_summary(tmp / SUMMARY_FILE, summary)
+    return summary

@@ -1,0 +1,176 @@
+"""Kernel profiling: replay, the append-only database, backends, fallbacks and incremental runs."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trainsim.config import compose_run
+from trainsim.errors import ArtifactError, ConfigError, ReplayError
+from trainsim.profile.analytical import fit_rates, predict, predict_rows, is_matmul
+from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase
+from trainsim.profile.replay import build_call
+from trainsim.profile.stage import choose_backend, distinct_ops, profile_ops
+from trainsim.trace import trace_layout
+
+
+def _ops(*overrides) -> pd.DataFrame:
+    run = compose_run(list(overrides), check="layout")
+    return distinct_ops(trace_layout(run.model, run.parallelism).graph.to_pandas())
+
+
+@pytest.fixture(scope="module")
+def tiny_ops() -> pd.DataFrame:
+    return _ops("parallelism=tp2")
+
+
+def test_every_traced_op_of_gpt_and_llama_replays(tiny_ops):
+    llama = _ops("model=llama3-8b", "model.num_layers=1", "model.hidden_size=256", "model.num_attention_heads=4",
+                 "model.num_kv_heads=2", "model.ffn_hidden_size=512", "model.seq_length=32",
+                 "model.vocab_size=1000", "parallelism=tp2", "parallelism.precision=bf16")
+    for ops in (tiny_ops, llama):
+        for _, op in ops.iterrows():
+            build_call(op.to_dict())()  # raises ReplayError with the reason if an op cannot run
+
+
+def test_replay_reproduces_shapes_strides_and_dtypes(tiny_ops):
+    mm = tiny_ops[tiny_ops["op"] == "aten::mm"].iloc[0]
+    out = build_call(mm.to_dict())()
+    a, b = json.loads(mm["input_shapes"])
+    assert list(out.shape) == [a[0], b[1]]
+    transposed = tiny_ops[tiny_ops["input_strides"].str.contains(r"\[1,")]
+    assert len(transposed) > 0  # non-contiguous layouts are traced and rebuilt as such
+
+
+def test_unreplayable_ops_say_why():
+    base = {"input_shapes": "[[4]]", "input_strides": "[[1]]", "input_dtypes": "fp32",
+            "op_args": json.dumps({"args": [{"$t": 0}], "kwargs": {}})}
+    with pytest.raises(ReplayError, match="not an aten op"):
+        build_call({**base, "op": "mylib::fused_thing"})
+    with pytest.raises(ReplayError, match="not available in this torch build"):
+        build_call({**base, "op": "aten::no_such_op"})
+    with pytest.raises(ReplayError, match="cannot be materialised"):
+        build_call({**base, "op": "aten::relu", "op_args": json.dumps({"args": [{"$obj": "Generator"}], "kwargs": {}})})
+    with pytest.raises(ReplayError, match="dtype 'complex32' cannot be materialised"):
+        build_call({**base, "op": "aten::relu", "input_dtypes": "complex32"})
+
+
+def test_profile_measures_once_then_reuses(tmp_path, tiny_ops):
+    hw = compose_run([]).hardware
+    db = ProfileDatabase(tmp_path / "kernels.parquet")
+    rows, first = profile_ops(tiny_ops, hw, "local-cpu", db)
+    assert first.backend == "cpu" and first.measured == len(tiny_ops) and first.reused == 0
+    assert set(rows["signature"]) == set(tiny_ops["signature"])
+    assert (rows["median_s"] > 0).all() and (rows["repeats"] >= 7).all() and (rows["backend"] == "cpu").all()
+    _, second = profile_ops(tiny_ops, hw, "local-cpu", db)
+    assert second.measured == 0 and second.reused == len(tiny_ops)
+
+    # a second model measures only the signatures the database lacks
+    other = _ops("parallelism=tp2", "model.seq_length=32")
+    new = set(other["signature"]) - set(tiny_ops["signature"])
+    _, third = profile_ops(other, hw, "local-cpu", db)
+    assert third.measured == len(new) > 0 and third.reused == len(other) - len(new)
+
+
+def test_gpu_hardware_uses_the_analytical_backend(tmp_path, tiny_ops):
+    hw = compose_run(["hardware=a100-80g-dgx"]).hardware
+    assert choose_backend(hw) == "analytical"
+    rows, summary = profile_ops(tiny_ops, hw, "a100-80g-dgx", ProfileDatabase(tmp_path / "db"))
+    assert summary.analytical == len(tiny_ops) and (rows["backend"] == "analytical").all()
+    assert (rows["median_s"] >= hw.kernel_model.launch_overhead_s).all()
+    with pytest.raises(ConfigError, match="needs a cuda device"):
+        choose_backend(compose_run(["hardware=a100-80g-dgx", "hardware.profile_backend=measure"]).hardware)
+
+
+def test_analytical_backend_names_missing_peak_rate(tiny_ops):
+    hw = compose_run(["hardware=a100-80g-dgx", "parallelism.precision=fp32"]).hardware
+    hw.peak_flops_per_s.pop("fp32")
+    with pytest.raises(ConfigError, match=r"hardware.peak_flops_per_s.fp32"):
+        predict_rows(tiny_ops, hw)
+
+
+def test_roofline_shape():
+    from trainsim.profile.analytical import rates_for
+
+    rates = rates_for(compose_run(["hardware=h100-sxm-dgx"]).hardware, "bf16")
+    big = predict(rates, [2 * 8192**3], [3 * 2 * 8192**2], [True])[0]
+    assert big == pytest.approx(2 * 8192**3 / (989e12 * 0.75), rel=0.05)  # compute-bound at peak x efficiency
+    tiny = predict(rates, [2 * 16**3], [3 * 2 * 16**2], [True])[0]
+    assert tiny < 3 * rates.launch_overhead_s  # latency-bound
+    assert is_matmul("aten::addmm") and is_matmul("aten::_scaled_dot_product_flash_attention_for_cpu")
+    assert not is_matmul("aten::add.Tensor")
+
+
+def test_fit_recovers_rates_from_synthetic_measurements():
+    from trainsim.profile.analytical import RooflineRates
+
+    truth = RooflineRates(5e10, 1e7, 1e10, 1e5, 2e9, 3e-6)
+    flops = [2 * n**3 for n in (8, 32, 64, 128, 256, 512, 1024)] + [n for n in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8)]
+    bytes_moved = [12 * n**2 for n in (8, 32, 64, 128, 256, 512, 1024)] + [12 * n for n in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8)]
+    ops = ["aten::mm"] * 7 + ["aten::add.Tensor"] * 6
+    rows = pd.DataFrame({"flops": flops, "bytes_moved": bytes_moved, "op": ops})
+    rows["median_s"] = predict(truth, rows["flops"], rows["bytes_moved"], rows["op"].map(is_matmul))
+    fitted = fit_rates(rows)
+    again = predict(fitted, rows["flops"], rows["bytes_moved"], rows["op"].map(is_matmul))
+    assert (abs(again / rows["median_s"] - 1) < 0.05).all()
+
+
+def test_unreplayable_op_falls_back_to_analytical_with_reason(tmp_path, tiny_ops):
+    hw = compose_run([]).hardware
+    weird = tiny_ops.iloc[:1].assign(signature="custom0", op="mylib::fused_thing")
+    rows, summary = profile_ops(pd.concat([tiny_ops, weird], ignore_index=True), hw, "local-cpu",
+                                ProfileDatabase(tmp_path / "db"))
+    assert summary.analytical == 1 and summary.fallback[0]["op"] == "mylib::fused_thing"
+    row = rows[rows["signature"] == "custom0"].iloc[0]
+    assert row["backend"] == "analytical" and "not an aten op" in row["fallback_reason"]
+    assert row["median_s"] > 0  # rates fitted to this machine's measured ops
+
+
+def _append_rows(path: str, start: int) -> None:
+    rows = pd.DataFrame([{name: None for name in PROFILE_SCHEMA.names} | {
+        "hardware": "hw", "signature": f"sig{start + i}", "op": "aten::mm", "input_shapes": "[]",
+        "input_strides": "[]", "input_dtypes": "", "op_args": "{}", "flops": 1, "bytes_moved": 1,
+        "backend": "cpu", "median_s": 1e-6, "spread": 0.0, "min_s": 1e-6, "repeats": 1, "threads": 1,
+        "kernels": "[]", "metrics": "{}", "source": "measured here", "measured_at": "2026-01-01T00:00:00+00:00",
+        "tool_versions": "{}"} for i in range(50)])
+    db = ProfileDatabase(Path(path))
+    for k in range(5):
+        db.append(rows.iloc[k * 10:(k + 1) * 10])
+
+
+def test_concurrent_writers_lose_no_rows(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_append_rows, args=(str(tmp_path / "db"), 1000 * i)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(ProfileDatabase(tmp_path / "db").read()) == 200
+
+
+def test_corrupt_part_is_reported_not_rebuilt(tmp_path):
+    _append_rows(str(tmp_path / "db"), 0)
+    part = ProfileDatabase(tmp_path / "db").parts()[0]
+    part.write_bytes(b"not parquet")
+    with pytest.raises(ArtifactError, match=rf"{part.name} is corrupt"):
+        ProfileDatabase(tmp_path / "db").read()
+    assert part.exists()
+
+
+def test_import_merges_and_checks_schema(tmp_path):
+    _append_rows(str(tmp_path / "elsewhere"), 0)
+    db = ProfileDatabase(tmp_path / "here")
+    assert db.import_from(tmp_path / "elsewhere") == 50
+    assert db.import_from(tmp_path / "elsewhere") == 0  # nothing new
+    assert set(db.read()["source"]) == {f"imported from {tmp_path / 'elsewhere'}"}
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"hardware": ["hw"], "signature": ["s"]}), bad)
+    with pytest.raises(ArtifactError, match=r"column 'op' \(string\) is missing"):
+        db.import_from(bad)
