@@ -13,7 +13,7 @@ import pytest
 
 from trainsim.config import compose_run
 from trainsim.errors import ArtifactError, ConfigError, ReplayError
-from trainsim.profile.analytical import fit_rates, predict, predict_rows, is_matmul
+from trainsim.profile.analytical import fit_rates, is_matmul, op_kind, predict, predict_rows
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase
 from trainsim.profile.replay import build_call
 from trainsim.profile.stage import choose_backend, distinct_ops, profile_ops
@@ -99,25 +99,28 @@ def test_roofline_shape():
     from trainsim.profile.analytical import rates_for
 
     rates = rates_for(compose_run(["hardware=h100-sxm-dgx"]).hardware, "bf16")
-    big = predict(rates, [2 * 8192**3], [3 * 2 * 8192**2], [True])[0]
+    big = predict(rates, [2 * 8192**3], [3 * 2 * 8192**2], ["matmul"])[0]
     assert big == pytest.approx(2 * 8192**3 / (989e12 * 0.75), rel=0.05)  # compute-bound at peak x efficiency
-    tiny = predict(rates, [2 * 16**3], [3 * 2 * 16**2], [True])[0]
+    tiny = predict(rates, [2 * 16**3], [3 * 2 * 16**2], ["matmul"])[0]
     assert tiny < 3 * rates.launch_overhead_s  # latency-bound
     assert is_matmul("aten::addmm") and is_matmul("aten::_scaled_dot_product_flash_attention_for_cpu")
     assert not is_matmul("aten::add.Tensor")
+    assert op_kind("aten::native_layer_norm_backward") == "normalization"
+    assert op_kind("aten::_foreach_addcdiv_.ScalarList") == "optimizer"
+    assert op_kind("aten::add.Tensor") == "elementwise"
 
 
 def test_fit_recovers_rates_from_synthetic_measurements():
     from trainsim.profile.analytical import RooflineRates
 
-    truth = RooflineRates(5e10, 1e7, 1e10, 1e5, 2e9, 3e-6)
+    truth = RooflineRates(5e10, 1e7, 1e10, 1e5, 2e9, 3e-6, kind_efficiency=(("normalization", 0.3),))
     flops = [2 * n**3 for n in (8, 32, 64, 128, 256, 512, 1024)] + [n for n in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8)]
     bytes_moved = [12 * n**2 for n in (8, 32, 64, 128, 256, 512, 1024)] + [12 * n for n in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8)]
-    ops = ["aten::mm"] * 7 + ["aten::add.Tensor"] * 6
+    ops = ["aten::mm"] * 7 + ["aten::add.Tensor"] * 3 + ["aten::native_layer_norm"] * 3
     rows = pd.DataFrame({"flops": flops, "bytes_moved": bytes_moved, "op": ops})
-    rows["median_s"] = predict(truth, rows["flops"], rows["bytes_moved"], rows["op"].map(is_matmul))
+    rows["median_s"] = predict(truth, rows["flops"], rows["bytes_moved"], rows["op"].map(op_kind))
     fitted = fit_rates(rows)
-    again = predict(fitted, rows["flops"], rows["bytes_moved"], rows["op"].map(is_matmul))
+    again = predict(fitted, rows["flops"], rows["bytes_moved"], rows["op"].map(op_kind))
     assert (abs(again / rows["median_s"] - 1) < 0.05).all()
 
 

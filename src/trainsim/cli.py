@@ -83,6 +83,46 @@ def _cmd_run(args, console: Console) -> int:
     return 0
 
 
+def _profile_database(run):
+    from trainsim.profile.database import ProfileDatabase
+    from trainsim.registry import STAGES
+
+    return ProfileDatabase(Path(STAGES["profile"].database_path(run.keys)))
+
+
+def _cmd_profile_fit(args, console: Console) -> int:
+    import yaml
+
+    from trainsim.config import compose_run
+    from trainsim.profile.analytical import evaluate_fit, fitted_kernel_model, op_dtype
+    from trainsim.profile.stage import MEASURED_BACKENDS
+
+    run = compose_run(args.overrides)
+    db = _profile_database(run)
+    rows = db.read()
+    rows = rows[(rows["hardware"] == run.key("hardware")) & rows["backend"].isin(MEASURED_BACKENDS)]
+    if rows.empty:
+        raise ConfigError(f"no measured kernels for hardware '{run.key('hardware')}' in {db.path}; run the pipeline "
+                          "(profile stage) on that hardware first, or import a database")
+    report = evaluate_fit(rows, args.train_fraction, args.seed)
+    dtype = rows["input_dtypes"].map(op_dtype).mode().iloc[0]
+    console.print(f"fitted on {report.train_ops} signatures, held out {report.test_ops}: median error "
+                  f"{report.median_error_pct:.1f} %, p90 {report.p90_error_pct:.1f} %")
+    sys.stdout.write(f"# paste into conf/hardware/{run.choices['hardware']}.yaml\n")
+    sys.stdout.write(yaml.safe_dump(fitted_kernel_model(report.rates, run.hardware, dtype), sort_keys=False))
+    return 0
+
+
+def _cmd_profile_import(args, console: Console) -> int:
+    from trainsim.config import compose_run
+
+    run = compose_run(args.overrides)
+    db = _profile_database(run)
+    added = db.import_from(Path(args.source), hardware=None if args.all_hardware else run.key("hardware"))
+    console.print(f"imported {added} new row(s) from {args.source} into {db.path}")
+    return 0
+
+
 def _cmd_dvc_yaml(args, console: Console) -> int:
     from trainsim.registry import render_dvc_yaml
 
@@ -114,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("profile-fit", help="fit the analytical kernel model to measured kernels, report held-out error")
+    p.add_argument("overrides", nargs="*", help="selects the hardware, e.g. hardware=local-cpu")
+    p.add_argument("--train-fraction", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_profile_fit)
+    p = sub.add_parser("profile-import", help="merge a profile database measured elsewhere (same schema)")
+    p.add_argument("source", help="a kernels.parquet directory or Parquet file")
+    p.add_argument("overrides", nargs="*", help="selects the hardware whose rows are imported")
+    p.add_argument("--all-hardware", action="store_true", help="import rows of every hardware in the source")
+    p.set_defaults(func=_cmd_profile_import)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")
     p.set_defaults(func=_cmd_dvc_yaml)

@@ -36,8 +36,9 @@ class KernelModelConfig:
     """Analytical kernel-time model (roofline with efficiency curves), used where kernels are not measured.
 
     time = launch_overhead_s + max(flops / (peak * matmul_efficiency * sat(flops, matmul_half_flops)),
-                                   bytes / (bandwidth * memory_efficiency * sat(bytes, memory_half_bytes)))
+                                   bytes / (bandwidth * memory_efficiency * e_kind * sat(bytes, memory_half_bytes)))
     with sat(x, h) = x / (x + h); non-matmul ops use the bandwidth term (and vector_flops_per_s).
+    See trainsim/profile/analytical.py.
     Fitted to measured kernels by `trainsim profile-fit`.
     """
 
@@ -53,6 +54,9 @@ class KernelModelConfig:
     """Throughput of non-matmul arithmetic; 0 = fp32 peak (CUDA cores) / 2."""
     launch_overhead_s: float = 4.0e-6
     """Floor per kernel: launch and tail effects."""
+    kind_efficiency: dict[str, float] = field(default_factory=dict)
+    """Bandwidth efficiency per op kind (normalization, softmax_loss, optimizer, ...) relative to
+    elementwise kernels; kinds not listed have 1."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 from trainsim.artifacts import atomic_artifact, read_table
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError, ReplayError
-from trainsim.profile.analytical import fit_rates, predict, predict_rows, is_matmul
+from trainsim.profile.analytical import fit_rates, op_kind, predict, predict_rows
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
 from trainsim.profile.measure import time_cpu, time_cuda
 from trainsim.profile.replay import build_call
@@ -100,7 +100,7 @@ def _analytical_times(ops: pd.DataFrame, hw: HardwareConfig, measured: pd.DataFr
             raise ConfigError(f"{missing_rates}; with fewer than 6 measured ops on this hardware nothing to fit "
                               "instead") from missing_rates
         rates = fit_rates(measured)
-        return predict(rates, ops["flops"], ops["bytes_moved"], ops["op"].map(is_matmul))
+        return predict(rates, ops["flops"], ops["bytes_moved"], ops["op"].map(op_kind))
 
 
 def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: ProfileDatabase,

@@ -73,11 +73,13 @@ class GradientBuckets:
             buffer = self._buckets[index][0]
             with observer().once_per_step():
                 buffer.div_(self.dp)  # average (gloo has no AVG reduction; DDP divides before too)
-                self._works.append(dist.all_reduce(buffer, group=self.group, async_op=True))
+                with observer().communication():
+                    self._works.append(dist.all_reduce(buffer, group=self.group, async_op=True))
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce (before the optimizer step)."""
-        for work in self._works:
-            work.wait()
+        with observer().communication():
+            for work in self._works:
+                work.wait()
         self._works.clear()
         self.sync_enabled = False

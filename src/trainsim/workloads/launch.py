@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
-from trainsim.workloads.observe import observing
+from trainsim.workloads.observe import StepTimer, observing
 from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, synthetic_batch, train_step
 
@@ -29,8 +29,17 @@ class RankRun:
     rank: int
     step_seconds: list[float]
     """Wall time of each measured step on this rank (after a barrier at its start)."""
+    phase_seconds: list[dict[str, float]]
+    """Per measured step: wall time of forward, backward and optimizer phases."""
+    communication_seconds: list[dict[str, float]]
+    """Per measured step and phase: time spent issuing or waiting for communication."""
     events: list[dict] | None
-    """Recorded events of the last step when recording was requested."""
+    """Recorded events of one extra step when recording was requested."""
+
+    def compute_seconds(self, step: int) -> float:
+        """Forward + backward wall time minus the communication inside them, for one measured step."""
+        return sum(self.phase_seconds[step].get(p, 0.0) - self.communication_seconds[step].get(p, 0.0)
+                   for p in ("forward", "backward"))
 
 
 def _free_port() -> int:
@@ -55,28 +64,33 @@ def _worker(rank: int, model_cfg: ModelConfig, par: ParallelismConfig, port: int
         actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
         make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
         batches = [make_batch(mb) for mb in range(par.num_microbatches)]  # data loading is not in the step
-        seconds, events = [], None
+        result = RankRun(rank, [], [], [], None)
         for step in range(warmup + steps):
+            timer = StepTimer()
             dist.barrier()
             start = time.perf_counter()
-            if record and step == warmup + steps - 1:
-                recorder = ExecutionRecorder(layout, rank)
-                with observing(recorder), recorder:
-                    train_step(rm, actions, batches.__getitem__)
-                events = recorder.events
-            else:
+            with observing(timer):
                 train_step(rm, actions, batches.__getitem__)
             if step >= warmup:
-                seconds.append(time.perf_counter() - start)
+                result.step_seconds.append(time.perf_counter() - start)
+                result.phase_seconds.append(timer.phase_seconds)
+                result.communication_seconds.append(timer.communication_seconds)
+        if record:  # an extra step: the recorder's own overhead must not distort the timings above
+            dist.barrier()
+            recorder = ExecutionRecorder(layout, rank)
+            with observing(recorder), recorder:
+                train_step(rm, actions, batches.__getitem__)
+            result.events = recorder.events
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-            pickle.dump(RankRun(rank, seconds, events), f)
+            pickle.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
 def run_real_step(model_cfg: ModelConfig, par: ParallelismConfig, *, steps: int = 1, warmup: int = 0,
                   record: bool = False, threads_per_rank: int = 1) -> list[RankRun]:
-    """Spawn dp*tp*pp processes, run `warmup + steps` training steps, return per-rank results."""
+    """Spawn dp*tp*pp processes, run `warmup + steps` timed training steps (plus one recorded step
+    when `record`), return per-rank results."""
     world = par.dp * par.tp * par.pp
     with tempfile.TemporaryDirectory(prefix="trainsim-real-") as out_dir:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

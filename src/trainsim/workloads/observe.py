@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from typing import Iterator
 
 PHASES = ("forward", "backward", "optimizer")
@@ -25,6 +26,43 @@ class StepObserver:
     def once_per_step(self) -> Iterator[None]:
         """Work that runs only on the last micro-batch (gradient sync) rather than on every one."""
         yield
+
+    @contextlib.contextmanager
+    def communication(self) -> Iterator[None]:
+        """The step is issuing or waiting for communication (time here is not computation)."""
+        yield
+
+
+class StepTimer(StepObserver):
+    """Wall time per phase, and the part of it spent in communication calls (ground truth on CPU)."""
+
+    def __init__(self) -> None:
+        self.phase_seconds: dict[str, float] = {}
+        self.communication_seconds: dict[str, float] = {}
+        self._phase = "setup"
+
+    @contextlib.contextmanager
+    def section(self, phase: str, chunk: int, microbatch: int) -> Iterator[None]:
+        previous, self._phase = self._phase, phase
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
+            self._phase = previous
+
+    @contextlib.contextmanager
+    def communication(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.communication_seconds[self._phase] = self.communication_seconds.get(self._phase, 0.0) + elapsed
+
+    def compute_seconds(self, phases: tuple[str, ...] = ("forward", "backward")) -> float:
+        """Wall time of `phases` minus the communication inside them."""
+        return sum(self.phase_seconds.get(p, 0.0) - self.communication_seconds.get(p, 0.0) for p in phases)
 
 
 _current: contextvars.ContextVar[StepObserver] = contextvars.ContextVar("trainsim_observer", default=StepObserver())

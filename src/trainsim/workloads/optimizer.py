@@ -21,6 +21,14 @@ class MixedPrecisionAdamW:
         else:
             self.master = self.params
         self.inner = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, foreach=True)
+        # Create Adam's state now rather than lazily in the first step, so every traced or timed step
+        # is a steady-state step (and the state's memory is there from the start, as in Megatron-LM).
+        for m in self.master:
+            self.inner.state[m] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
+            }
 
     def step(self) -> None:
         if self.mixed:

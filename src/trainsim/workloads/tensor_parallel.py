@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainsim.workloads.observe import observer
+
 
 class _CopyToTensorParallel(torch.autograd.Function):
     """Megatron's f: identity in forward, all-reduce of the input gradient in backward."""
@@ -26,7 +28,8 @@ class _CopyToTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        with observer().communication():
+            dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -36,7 +39,8 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        with observer().communication():
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
@@ -117,7 +121,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, group):
         logits = logits.float()
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        with observer().communication():
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)
 
         shard = logits.shape[-1]
@@ -125,11 +130,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (local < 0) | (local >= shard)
         local = local.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        dist.all_reduce(target_logit, group=group)
+        with observer().communication():
+            dist.all_reduce(target_logit, group=group)
 
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        with observer().communication():
+            dist.all_reduce(sum_exp, group=group)
         loss = sum_exp.log() - target_logit
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -112,12 +112,15 @@ def _activation_shape(rm: RankModel) -> tuple[int, ...]:
 
 def _recv(rm: RankModel, src: int, tag: int) -> torch.Tensor:
     buffer = torch.empty(_activation_shape(rm), dtype=DTYPES[rm.par.precision])
-    dist.recv(buffer, src=src, group=rm.groups["pp"], tag=tag)
+    with observer().communication():
+        dist.recv(buffer, src=src, group=rm.groups["pp"], tag=tag)
     return buffer
 
 
 def _send(rm: RankModel, tensor: torch.Tensor, dst: int, tag: int) -> None:
-    rm.pending_sends.append(dist.isend(tensor.contiguous(), dst=dst, group=rm.groups["pp"], tag=tag))
+    tensor = tensor.contiguous()
+    with observer().communication():
+        rm.pending_sends.append(dist.isend(tensor, dst=dst, group=rm.groups["pp"], tag=tag))
 
 
 def run_forward(rm: RankModel, action: Action, batch, saved: dict) -> None:
@@ -173,8 +176,9 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
         rm.optimizer.step()
         for buckets in rm.buckets:  # zero after the step (buffers start at zero), as torch's idiom
             buckets.zero_grad()
-    for work in rm.pending_sends:
-        work.wait()
+    with obs.communication():
+        for work in rm.pending_sends:
+            work.wait()
     rm.pending_sends.clear()
 
 
