@@ -7,8 +7,10 @@ For each layout (dp1 = one device, tp2, pp2) this
   3. runs real steps over gloo (one process per rank) and takes each rank's forward+backward wall
      time minus the time spent in communication calls (median of the measured steps),
 and prints `figure compute_error_pct_<layout> <mean |error| over ranks> %`. It also prints the
-profiling wall time from an empty database and the analytical model's held-out error when fitted
-on half of the measured signatures. Target: compute error within 5 %.
+profiling wall time from an empty database, the analytical model's held-out error when fitted
+on half of the measured signatures, and the machine's timing noise floor: the coefficient of
+variation of one fixed matrix multiply timed in 10 windows a second apart (a shared VM drifts; an
+error below this floor cannot be told apart from noise). Target: compute error within 5 %.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from trainsim.config import compose_run
 from trainsim.profile.analytical import evaluate_fit
@@ -37,6 +40,22 @@ LAYOUTS = {
 STEPS, WARMUP = 3, 1
 
 
+def timing_noise_cv_pct(windows: int = 10) -> float:
+    """CV (%) of the median time of one 512x768x3072 fp32 matmul over `windows` windows 1 s apart."""
+    torch.set_num_threads(1)
+    a, b = torch.rand(512, 768), torch.rand(768, 3072)
+    medians = []
+    for _ in range(windows):
+        samples = []
+        for _ in range(15):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples))
+        time.sleep(1.0)
+    return 100 * statistics.pstdev(medians) / statistics.mean(medians)
+
+
 def predicted_compute_seconds(graph: pd.DataFrame, times: dict[str, float], par, pp_rank: int) -> float:
     actions = pipeline_actions(par.schedule, par.pp, pp_rank, par.num_microbatches, par.virtual_stages)
     events = expand_step(graph[graph["rank_class"] == pp_rank], actions)
@@ -46,7 +65,7 @@ def predicted_compute_seconds(graph: pd.DataFrame, times: dict[str, float], par,
 
 def main() -> None:
     db = ProfileDatabase(Path(tempfile.mkdtemp(prefix="trainsim-bench-")) / "kernels.parquet")
-    figures = []
+    figures = [("timing_noise_cv_pct", timing_noise_cv_pct(), "%")]
     print(f"{'layout':>6} {'rank':>4} {'predicted s':>12} {'measured s':>11} {'error %':>8}")
     for name, overrides in LAYOUTS.items():
         run = compose_run(["model=gpt-small", *overrides])

@@ -31,7 +31,8 @@ def test_manifest_records_config_files_and_versions(tmp_path):
 
 def test_inputs_are_recorded_by_content_hash(tmp_path):
     _write(tmp_path / "upstream", 1)
-    with atomic_artifact(tmp_path / "down", stage="t", config={}, config_keys={}, inputs=[tmp_path / "upstream"]) as tmp:
+    upstream = [tmp_path / "upstream"]
+    with atomic_artifact(tmp_path / "down", stage="t", config={}, config_keys={}, inputs=upstream) as tmp:
         (tmp / "x.txt").write_text("x")
     inputs = read_manifest(tmp_path / "down")["inputs"]
     assert list(inputs) == [str(tmp_path / "upstream")] and len(next(iter(inputs.values()))) == 64

@@ -46,3 +46,27 @@ def test_run_measures_real_steps(capsys):
 def test_dvc_yaml_check(repo, monkeypatch, capsys):
     monkeypatch.chdir(repo)
     assert main(["dvc-yaml", "--check"]) == 0
+
+
+def test_profile_fit_and_import(tmp_path, monkeypatch, capsys, repo):
+    import shutil
+
+    from trainsim.config import compose_run
+    from trainsim.profile.database import ProfileDatabase
+    from trainsim.profile.stage import distinct_ops, profile_ops
+    from trainsim.trace import trace_layout
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(repo / "conf", tmp_path / "conf")
+    assert main(["profile-fit"]) == 2
+    assert "no measured kernels for hardware 'local-cpu'" in capsys.readouterr().err
+
+    run = compose_run(["parallelism=tp2"])
+    ops = distinct_ops(trace_layout(run.model, run.parallelism).graph.to_pandas())
+    elsewhere = ProfileDatabase(tmp_path / "elsewhere")
+    profile_ops(ops, run.hardware, "local-cpu", elsewhere)
+    assert main(["profile-import", str(elsewhere.path)]) == 0
+    assert f"imported {len(ops)} new row(s)" in capsys.readouterr().out
+    assert main(["profile-fit"]) == 0
+    out = capsys.readouterr().out
+    assert "held out" in out and "kernel_model:" in out and "matmul_half_flops" in out

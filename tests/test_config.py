@@ -90,7 +90,8 @@ def test_group_from_plain_round_trip_and_unknown_field():
 
 
 def test_sweep_expands_cartesian_product():
-    points = expand_sweep({"model": "gpt-tiny,gpt-small", "parallelism": ["dp2", "tp2"], "parallelism.recompute": "full"})
+    points = expand_sweep({"model": "gpt-tiny,gpt-small", "parallelism": ["dp2", "tp2"],
+                           "parallelism.recompute": "full"})
     assert len(points) == 4
     assert ["model=gpt-small", "parallelism=tp2", "parallelism.recompute=full"] in points
     assert expand_sweep({}) == [[]]

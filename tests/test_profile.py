@@ -114,8 +114,9 @@ def test_fit_recovers_rates_from_synthetic_measurements():
     from trainsim.profile.analytical import RooflineRates
 
     truth = RooflineRates(5e10, 1e7, 1e10, 1e5, 2e9, 3e-6, kind_efficiency=(("normalization", 0.3),))
-    flops = [2 * n**3 for n in (8, 32, 64, 128, 256, 512, 1024)] + [n for n in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8)]
-    bytes_moved = [12 * n**2 for n in (8, 32, 64, 128, 256, 512, 1024)] + [12 * n for n in (1e3, 1e4, 1e5, 1e6, 1e7, 1e8)]
+    sizes, elements = (8, 32, 64, 128, 256, 512, 1024), (1e3, 1e4, 1e5, 1e6, 1e7, 1e8)
+    flops = [2 * n**3 for n in sizes] + list(elements)
+    bytes_moved = [12 * n**2 for n in sizes] + [12 * n for n in elements]
     ops = ["aten::mm"] * 7 + ["aten::add.Tensor"] * 3 + ["aten::native_layer_norm"] * 3
     rows = pd.DataFrame({"flops": flops, "bytes_moved": bytes_moved, "op": ops})
     rows["median_s"] = predict(truth, rows["flops"], rows["bytes_moved"], rows["op"].map(op_kind))

@@ -73,8 +73,8 @@ def test_snakemake_runs_then_reruns_only_what_changed(project_copy, workflow_env
 
 @pytest.mark.slow
 def test_snakemake_rejects_an_impossible_layout_before_running(project_copy, workflow_env):
-    proc = _run(["snakemake", "-n", "--cores", "1", "--config", "overrides=parallelism.tp=3"], project_copy, workflow_env,
-                check=False)
+    proc = _run(["snakemake", "-n", "--cores", "1", "--config", "overrides=parallelism.tp=3"], project_copy,
+                workflow_env, check=False)
     assert proc.returncode != 0
     assert "tp=3 does not divide model.num_attention_heads=4" in proc.stdout + proc.stderr
 
@@ -105,7 +105,8 @@ def test_dvc_repro_runs_the_trace_then_does_nothing(project_copy, workflow_env):
     _run(["dvc", "pull"], clone, workflow_env)
     database = "artifacts/profiles/local-cpu/kernels.parquet"
     assert _tree_digest(clone / database) == _tree_digest(project_copy / database) != {}
-    assert _tree_digest(clone / "artifacts/traces/gpt-tiny/dp2") == _tree_digest(project_copy / "artifacts/traces/gpt-tiny/dp2")
+    trace = "artifacts/traces/gpt-tiny/dp2"
+    assert _tree_digest(clone / trace) == _tree_digest(project_copy / trace)
     status = _run(["dvc", "status"], clone, workflow_env).stdout
     assert "up to date" in status.lower() or "changed" not in status
 

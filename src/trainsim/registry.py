@@ -7,7 +7,7 @@ Each output path has exactly one owning stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import yaml
 

@@ -19,9 +19,10 @@ import shutil
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -138,7 +139,7 @@ def atomic_artifact(final: Path, *, stage: str, config: dict[str, Any], config_k
             "code_version": code_version(),
             "tool_versions": tool_versions(),
             "wall_time_s": round(time.perf_counter() - start, 3),
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _publish(tmp, final)

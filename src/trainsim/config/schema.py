@@ -8,7 +8,6 @@ is declared, with its unit in the name. Cross-field rules live in `validate.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -116,9 +115,9 @@ class ModelConfig:
     """Model width (d_model)."""
     num_attention_heads: int = 4
     """Query heads."""
-    num_kv_heads: Optional[int] = None
+    num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None = num_attention_heads (multi-head attention)."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """MLP inner width; None = 4 * hidden_size."""
     seq_length: int = 64
     """Tokens per sample."""

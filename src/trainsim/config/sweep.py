@@ -18,7 +18,6 @@ from hydra.errors import HydraException
 
 from trainsim.errors import ConfigError
 
-
 OVERRIDES_KEY = "overrides"
 
 

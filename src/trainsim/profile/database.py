@@ -49,7 +49,7 @@ PROFILE_SCHEMA = pa.schema([
 
 
 def now_utc() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 class ProfileDatabase:
@@ -86,7 +86,7 @@ class ProfileDatabase:
             return None
         table = pa.Table.from_pandas(rows[PROFILE_SCHEMA.names], schema=PROFILE_SCHEMA, preserve_index=False)
         self.path.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%f")
         final = self.path / f"part-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = self.path / f".{final.name}.tmp"
         pq.write_table(table, tmp)

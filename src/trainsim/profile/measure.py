@@ -1,7 +1,9 @@
 """Measure the solo running time of one op on the local device.
 
-CPU: wall-clock timing of repeated calls with the hardware's threads per device, after warm-up,
-until the inter-quartile spread is below `target_spread` of the median (or the budget is spent).
+CPU: wall-clock timing with the hardware's threads per device, after warm-up. Ops are timed in
+interleaved rounds (every op of a batch a few times, then again, ...): a shared machine drifts (clock,
+neighbours) over seconds, and interleaving spreads that drift over all ops instead of biasing
+whichever op was timed during a slow spell. Median and inter-quartile spread are kept.
 CUDA: CUDA events around each call, plus the kernels the op launches from torch.profiler.
 """
 
@@ -9,8 +11,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -31,20 +34,28 @@ def _summary(samples: list[float]) -> tuple[float, float]:
     return median, (q[2] - q[0]) / median if median > 0 else 0.0
 
 
-def time_cpu(call: Callable[[], Any], *, min_repeats: int = 7, max_repeats: int = 200,
-             target_spread: float = 0.05, budget_s: float = 1.0, warmup: int = 2) -> Timing:
-    for _ in range(warmup):
-        call()
-    samples: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(samples) < max_repeats:
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-        if len(samples) >= min_repeats and (_summary(samples)[1] <= target_spread or time.perf_counter() > deadline):
-            break
-    median, spread = _summary(samples)
-    return Timing(median, spread, min(samples), len(samples))
+def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: int = 3,
+             min_seconds: float = 0.005, max_samples: int = 100, warmup: int = 1) -> list[Timing]:
+    """Time each call: `rounds` passes over all calls, each taking at least `min_samples` samples
+    and `min_seconds` of a call (at most `max_samples`) before moving to the next."""
+    for call in calls:
+        for _ in range(warmup):
+            call()
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, taken in zip(calls, samples):
+            begin = time.perf_counter()
+            for n in range(max_samples):
+                start = time.perf_counter()
+                call()
+                taken.append(time.perf_counter() - start)
+                if n + 1 >= min_samples and time.perf_counter() - begin >= min_seconds:
+                    break
+    timings = []
+    for taken in samples:
+        median, spread = _summary(taken)
+        timings.append(Timing(median, spread, min(taken), len(taken)))
+    return timings
 
 
 def time_cuda(call: Callable[[], Any], *, repeats: int = 20, warmup: int = 3) -> Timing:

@@ -31,7 +31,7 @@ OP_COLUMNS = ["signature", "op", "input_shapes", "input_strides", "input_dtypes"
 MEASURED_BACKENDS = ("cpu", "cuda")
 PROFILE_FILE = "kernels.parquet"
 SUMMARY_FILE = "summary.json"
-APPEND_EVERY = 50
+BATCH_SIZE = 50  # ops timed together (interleaved) and appended together
 
 
 @dataclass
@@ -82,12 +82,20 @@ def _row(op: pd.Series, hardware_key: str, backend: str, median_s: float, **extr
     return row
 
 
-def _measure(op: pd.Series, hardware_key: str, backend: str, threads: int) -> dict:
-    call = build_call(op.to_dict(), device=backend)
-    timing = time_cpu(call) if backend == "cpu" else time_cuda(call)
-    return _row(op, hardware_key, backend, timing.median_s, spread=timing.spread, min_s=timing.min_s,
-                repeats=timing.repeats, threads=threads, kernels=json.dumps(timing.kernels),
-                metrics=json.dumps(timing.metrics))
+def _measure_batch(ops: pd.DataFrame, hardware_key: str, backend: str, threads: int,
+                   summary: ProfileSummary) -> list[dict]:
+    """Measure a batch of ops (CPU: interleaved rounds); unreplayable ones go to summary.fallback."""
+    calls, measurable = [], []
+    for _, op in ops.iterrows():
+        try:
+            calls.append(build_call(op.to_dict(), device=backend))
+            measurable.append(op)
+        except ReplayError as exc:
+            summary.fallback.append({"op": op["op"], "signature": op["signature"], "reason": str(exc)})
+    timings = time_cpu(calls) if backend == "cpu" else [time_cuda(call) for call in calls]
+    return [_row(op, hardware_key, backend, t.median_s, spread=t.spread, min_s=t.min_s, repeats=t.repeats,
+                 threads=threads, kernels=json.dumps(t.kernels), metrics=json.dumps(t.metrics))
+            for op, t in zip(measurable, timings)]
 
 
 def _analytical_times(ops: pd.DataFrame, hw: HardwareConfig, measured: pd.DataFrame) -> np.ndarray:
@@ -112,28 +120,20 @@ def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: Pr
     missing = ops[~ops["signature"].isin(set(known["signature"]))].reset_index(drop=True)
     summary = ProfileSummary(backend=backend, distinct=len(ops), reused=len(ops) - len(missing))
 
-    pending: list[dict] = []
-    to_model: list[int] = []
     if backend in MEASURED_BACKENDS:
         torch.set_num_threads(hw.threads_per_device)
-        for i, op in missing.iterrows():
-            try:
-                pending.append(_measure(op, hardware_key, backend, hw.threads_per_device))
-                summary.measured += 1
-            except ReplayError as exc:
-                to_model.append(i)
-                summary.fallback.append({"op": op["op"], "signature": op["signature"], "reason": str(exc)})
-            if len(pending) >= APPEND_EVERY:
-                db.append(pd.DataFrame(pending))
-                pending.clear()
+        for start in range(0, len(missing), BATCH_SIZE):  # each batch is appended as soon as it is timed
+            rows = _measure_batch(missing.iloc[start:start + BATCH_SIZE], hardware_key, backend,
+                                  hw.threads_per_device, summary)
+            db.append(pd.DataFrame(rows))
+            summary.measured += len(rows)
             if progress:
-                progress(i + 1, len(missing))
+                progress(min(start + BATCH_SIZE, len(missing)), len(missing))
+        model_ops = missing[missing["signature"].isin({f["signature"] for f in summary.fallback})]
     else:
-        to_model = list(range(len(missing)))
-    db.append(pd.DataFrame(pending))
+        model_ops = missing
 
-    if to_model:
-        model_ops = missing.iloc[to_model]
+    if len(model_ops):
         measured = db.read()
         measured = measured[(measured["hardware"] == hardware_key) & measured["backend"].isin(MEASURED_BACKENDS)]
         times = _analytical_times(model_ops, hw, measured)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -21,7 +21,13 @@ import torch.multiprocessing as mp
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.workloads.observe import StepTimer, observing
 from trainsim.workloads.schedules import pipeline_actions
-from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, synthetic_batch, train_step
+from trainsim.workloads.train_step import (
+    build_rank_model,
+    create_groups,
+    layout_of,
+    synthetic_batch,
+    train_step,
+)
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -65,11 +65,12 @@ class StepTimer(StepObserver):
         return sum(self.phase_seconds.get(p, 0.0) - self.communication_seconds.get(p, 0.0) for p in phases)
 
 
-_current: contextvars.ContextVar[StepObserver] = contextvars.ContextVar("trainsim_observer", default=StepObserver())
+_NULL_OBSERVER = StepObserver()
+_current: contextvars.ContextVar[StepObserver | None] = contextvars.ContextVar("trainsim_observer", default=None)
 
 
 def observer() -> StepObserver:
-    return _current.get()
+    return _current.get() or _NULL_OBSERVER
 
 
 @contextlib.contextmanager

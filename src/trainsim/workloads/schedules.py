@@ -31,7 +31,8 @@ def _interleaved_microbatch(k: int, pp: int, v: int) -> int:
     return (k // (pp * v)) * pp + k % pp
 
 
-def pipeline_actions(schedule: str, pp: int, pp_rank: int, num_microbatches: int, virtual_stages: int = 1) -> list[Action]:
+def pipeline_actions(schedule: str, pp: int, pp_rank: int, num_microbatches: int,
+                     virtual_stages: int = 1) -> list[Action]:
     m, v = num_microbatches, virtual_stages
     if schedule == "gpipe":
         return [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
