@@ -1,7 +1,8 @@
 """Computation accuracy: profiled op times vs the compute time of real training steps (gpt-small, CPU).
 
 For each layout (dp1 = one device, tp2, pp2) this
-  1. traces the layout ex-situ and profiles its distinct ops on this CPU (one thread per device),
+  1. traces the layout ex-situ and profiles its distinct ops on this CPU (one thread per device,
+     co-located: while the node's other devices run the same op, as in SPMD training),
   2. predicts each rank's forward+backward compute as the sum of profiled op times over its
      schedule (`expand_step`: every micro-batch, recompute included),
   3. runs real steps over gloo (one process per rank) and takes each rank's forward+backward wall
@@ -32,8 +33,10 @@ from trainsim.trace.expand import expand_step
 from trainsim.workloads.launch import run_real_step
 from trainsim.workloads.schedules import pipeline_actions
 
+# dp1 occupies one core, so its hardware is a one-device node (nothing else shares the caches)
 LAYOUTS = {
-    "dp1": ["parallelism=single", "parallelism.micro_batch_size=1", "parallelism.global_batch_size=2"],
+    "dp1": ["parallelism=single", "parallelism.micro_batch_size=1", "parallelism.global_batch_size=2",
+            "hardware.devices_per_node=1"],
     "tp2": ["parallelism=tp2", "parallelism.micro_batch_size=1", "parallelism.global_batch_size=2"],
     "pp2": ["parallelism=pp2", "parallelism.micro_batch_size=1", "parallelism.global_batch_size=2"],
 }
@@ -72,7 +75,7 @@ def main() -> None:
         par = run.parallelism
         graph = trace_layout(run.model, par).graph.to_pandas()
         start = time.perf_counter()
-        rows, summary = profile_ops(distinct_ops(graph), run.hardware, "local-cpu", db)
+        rows, summary = profile_ops(distinct_ops(graph), run.hardware, run.key("hardware"), db)
         if name == "dp1":
             figures.append(("profile_seconds_gpt_small", time.perf_counter() - start, "s"))
         times = dict(zip(rows["signature"], rows["median_s"]))
@@ -88,7 +91,8 @@ def main() -> None:
         figures.append((f"compute_error_pct_{name}", statistics.mean(errors), "%"))
 
     measured_rows = db.read()
-    report = evaluate_fit(measured_rows[measured_rows["backend"] == "cpu"], train_fraction=0.5, seed=0)
+    colocated = measured_rows[measured_rows["hardware"] == "local-cpu"]  # the 2-device node's kernels
+    report = evaluate_fit(colocated, train_fraction=0.5, seed=0)
     print(f"analytical fit: {report.train_ops} signatures fitted, {report.test_ops} held out")
     figures += [("analytical_fit_median_error_pct", report.median_error_pct, "%"),
                 ("analytical_fit_p90_error_pct", report.p90_error_pct, "%")]

@@ -68,6 +68,8 @@ def test_profile_measures_once_then_reuses(tmp_path, tiny_ops):
     assert first.backend == "cpu" and first.measured == len(tiny_ops) and first.reused == 0
     assert set(rows["signature"]) == set(tiny_ops["signature"])
     assert (rows["median_s"] > 0).all() and (rows["repeats"] >= 7).all() and (rows["backend"] == "cpu").all()
+    # cores share caches and DRAM: each op was timed while every device of the node ran it
+    assert rows["metrics"].map(lambda m: json.loads(m)["colocated_devices"]).eq(hw.devices_per_node).all()
     _, second = profile_ops(tiny_ops, hw, "local-cpu", db)
     assert second.measured == 0 and second.reused == len(tiny_ops)
 

@@ -97,6 +97,9 @@ class HardwareConfig:
     (measure when the device kind is present here, else analytical)."""
     kernel_model: KernelModelConfig = field(default_factory=KernelModelConfig)
     """Parameters of the analytical backend."""
+    colocated_profiling: bool = False
+    """Time each op while all devices_per_node devices run it (CPU cores share caches and memory
+    bandwidth, and in SPMD training all ranks of a node run the same op at once)."""
     price_per_device_hour: float = 0.0
     """Cost of one device for one hour in USD (for cost-per-step figures); 0 = unknown."""
 

@@ -4,18 +4,24 @@ CPU: wall-clock timing with the hardware's threads per device, after warm-up. Op
 interleaved rounds (every op of a batch a few times, then again, ...): a shared machine drifts (clock,
 neighbours) over seconds, and interleaving spreads that drift over all ops instead of biasing
 whichever op was timed during a slow spell. Median and inter-quartile spread are kept.
+On a CPU whose cores are the devices, ops are timed while the node's other devices run the same
+ops (co-located timing), since in SPMD training they all do.
 CUDA: CUDA events around each call, plus the kernels the op launches from torch.profiler.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+BARRIER_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -35,15 +41,22 @@ def _summary(samples: list[float]) -> tuple[float, float]:
 
 
 def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: int = 3,
-             min_seconds: float = 0.005, max_samples: int = 100, warmup: int = 1) -> list[Timing]:
+             min_seconds: float = 0.005, max_samples: int = 100, warmup: int = 1,
+             sync: Callable[[], Any] = lambda: None) -> list[Timing]:
     """Time each call: `rounds` passes over all calls, each taking at least `min_samples` samples
-    and `min_seconds` of a call (at most `max_samples`) before moving to the next."""
+    and `min_seconds` of a call (at most `max_samples`) before moving to the next.
+
+    `sync` is called before the warm-up and before each op's block of samples; co-located timing
+    passes a barrier shared with processes running the same calls, so all run the same op together.
+    """
+    sync()
     for call in calls:
         for _ in range(warmup):
             call()
     samples: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
         for call, taken in zip(calls, samples):
+            sync()
             begin = time.perf_counter()
             for n in range(max_samples):
                 start = time.perf_counter()
@@ -56,6 +69,38 @@ def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: in
         median, spread = _summary(taken)
         timings.append(Timing(median, spread, min(taken), len(taken)))
     return timings
+
+
+def _colocated_worker(rows: list[dict], barrier, threads: int) -> None:
+    from trainsim.profile.replay import build_call
+
+    torch.set_num_threads(threads)
+    time_cpu([build_call(row) for row in rows], sync=lambda: barrier.wait(BARRIER_TIMEOUT_S))
+
+
+def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices: int, threads: int) -> list[Timing]:
+    """Time `calls` (built from `rows`) while `devices - 1` other processes run the same ops in step.
+
+    CPU "devices" are cores that share caches and memory bandwidth; in SPMD training every rank of a
+    node runs the same op at the same time, so an op timed alone on an idle machine is too fast.
+    """
+    if devices <= 1:
+        return time_cpu(calls)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(devices)
+    workers = [ctx.Process(target=_colocated_worker, args=(rows, barrier, threads), daemon=True)
+               for _ in range(devices - 1)]
+    for worker in workers:
+        worker.start()
+    try:
+        return time_cpu(calls, sync=lambda: barrier.wait(BARRIER_TIMEOUT_S))
+    except threading.BrokenBarrierError as exc:
+        raise RuntimeError("a co-located timing process died; see its traceback above") from exc
+    finally:
+        for worker in workers:
+            worker.join(BARRIER_TIMEOUT_S)
+            if worker.is_alive():
+                worker.kill()
 
 
 def time_cuda(call: Callable[[], Any], *, repeats: int = 20, warmup: int = 3) -> Timing:

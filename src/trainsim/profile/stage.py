@@ -23,7 +23,7 @@ from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError, ReplayError
 from trainsim.profile.analytical import fit_rates, op_kind, predict, predict_rows
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
-from trainsim.profile.measure import time_cpu, time_cuda
+from trainsim.profile.measure import time_cpu_colocated, time_cuda
 from trainsim.profile.replay import build_call
 from trainsim.trace.stage import GRAPH_FILE
 
@@ -82,9 +82,10 @@ def _row(op: pd.Series, hardware_key: str, backend: str, median_s: float, **extr
     return row
 
 
-def _measure_batch(ops: pd.DataFrame, hardware_key: str, backend: str, threads: int,
+def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, backend: str,
                    summary: ProfileSummary) -> list[dict]:
-    """Measure a batch of ops (CPU: interleaved rounds); unreplayable ones go to summary.fallback."""
+    """Measure a batch of ops (CPU: interleaved rounds, co-located on the node's devices);
+    unreplayable ones go to summary.fallback."""
     calls, measurable = [], []
     for _, op in ops.iterrows():
         try:
@@ -92,9 +93,16 @@ def _measure_batch(ops: pd.DataFrame, hardware_key: str, backend: str, threads: 
             measurable.append(op)
         except ReplayError as exc:
             summary.fallback.append({"op": op["op"], "signature": op["signature"], "reason": str(exc)})
-    timings = time_cpu(calls) if backend == "cpu" else [time_cuda(call) for call in calls]
+    if backend == "cpu":
+        devices = hw.devices_per_node if hw.colocated_profiling else 1
+        rows = [op[OP_COLUMNS].to_dict() for op in measurable]
+        timings = time_cpu_colocated(rows, calls, devices, hw.threads_per_device)
+    else:
+        timings = [time_cuda(call) for call in calls]
+    metrics = {"colocated_devices": devices} if backend == "cpu" else {}
     return [_row(op, hardware_key, backend, t.median_s, spread=t.spread, min_s=t.min_s, repeats=t.repeats,
-                 threads=threads, kernels=json.dumps(t.kernels), metrics=json.dumps(t.metrics))
+                 threads=hw.threads_per_device, kernels=json.dumps(t.kernels),
+                 metrics=json.dumps({**metrics, **t.metrics}))
             for op, t in zip(measurable, timings)]
 
 
@@ -123,8 +131,7 @@ def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: Pr
     if backend in MEASURED_BACKENDS:
         torch.set_num_threads(hw.threads_per_device)
         for start in range(0, len(missing), BATCH_SIZE):  # each batch is appended as soon as it is timed
-            rows = _measure_batch(missing.iloc[start:start + BATCH_SIZE], hardware_key, backend,
-                                  hw.threads_per_device, summary)
+            rows = _measure_batch(missing.iloc[start:start + BATCH_SIZE], hw, hardware_key, backend, summary)
             db.append(pd.DataFrame(rows))
             summary.measured += len(rows)
             if progress:

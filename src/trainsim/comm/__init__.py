@@ -1,0 +1,1 @@
+"""Communication: collective measurements, the NCCL cost model and its calibration."""
