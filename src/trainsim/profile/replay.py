@@ -15,11 +15,9 @@ from typing import Any
 import torch
 
 from trainsim.errors import ReplayError
+from trainsim.trace.recorder import DTYPE_NAMES
 
-DTYPES = {
-    "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8,
-}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # the recorder's names, reversed
 # Kernels only the CPU build has: on a GPU they are timed analytically (the reason is recorded).
 CPU_ONLY_OPS = ("_for_cpu",)
 

@@ -155,10 +155,6 @@ def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: Pr
     return rows.reset_index(drop=True)[PROFILE_SCHEMA.names], summary
 
 
-def write_summary(path: Path, summary: ProfileSummary) -> None:
-    path.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
-
-
 def write_profile_artifact(hw: HardwareConfig, keys: dict[str, str], trace_dir: Path, database: Path,
                            output: Path, progress=None) -> ProfileSummary:
     """Profile the ops of one trace artifact into `database` and publish this run's rows."""
@@ -167,5 +163,5 @@ def write_profile_artifact(hw: HardwareConfig, keys: dict[str, str], trace_dir: 
     with atomic_artifact(output, stage="profile", config=config, config_keys=keys, inputs=[trace_dir]) as tmp:
         rows, summary = profile_ops(distinct_ops(graph), hw, keys["hardware"], ProfileDatabase(database), progress)
         pq.write_table(pa.Table.from_pandas(rows, schema=PROFILE_SCHEMA, preserve_index=False), tmp / PROFILE_FILE)
-        write_summary(tmp / SUMMARY_FILE, summary)
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
     return summary

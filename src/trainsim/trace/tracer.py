@@ -38,12 +38,8 @@ class TraceResult:
     seconds_per_class: list[float]
 
 
-def rank_classes(layout: Layout) -> dict[int, int]:
-    """rank -> class. All dp and tp ranks of one pipeline stage run the same graph up to renaming."""
-    return {rank: layout.position(rank).pp_rank for rank in range(layout.world_size)}
-
-
 def rank_class_table(layout: Layout) -> pa.Table:
+    """rank -> class. All dp and tp ranks of one pipeline stage run the same graph up to renaming."""
     positions = [layout.position(r) for r in range(layout.world_size)]
     return pa.table({
         "rank": [p.rank for p in positions],
