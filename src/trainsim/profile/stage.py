@@ -93,13 +93,16 @@ def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, bac
             measurable.append(op)
         except ReplayError as exc:
             summary.fallback.append({"op": op["op"], "signature": op["signature"], "reason": str(exc)})
+    if not calls:
+        return []
+    metrics: dict = {}
     if backend == "cpu":
         devices = hw.devices_per_node if hw.colocated_profiling else 1
+        metrics["colocated_devices"] = devices
         rows = [op[OP_COLUMNS].to_dict() for op in measurable]
         timings = time_cpu_colocated(rows, calls, devices, hw.threads_per_device)
     else:
         timings = [time_cuda(call) for call in calls]
-    metrics = {"colocated_devices": devices} if backend == "cpu" else {}
     return [_row(op, hardware_key, backend, t.median_s, spread=t.spread, min_s=t.min_s, repeats=t.repeats,
                  threads=hw.threads_per_device, kernels=json.dumps(t.kernels),
                  metrics=json.dumps({**metrics, **t.metrics}))
