@@ -14,7 +14,6 @@ pattern. Parameters live in `hardware.kernel_model`; `fit_rates` estimates them 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,25 +148,26 @@ def fit_rates(rows: pd.DataFrame) -> RooflineRates:
 
 
 def fitted_kernel_model(rates: RooflineRates, hw: HardwareConfig, dtype: str = "fp32") -> dict:
-    """Rates expressed as the hardware config's fields (a YAML-ready dict to paste into conf/hardware)."""
+    """Rates expressed as the hardware config's fields (a YAML-ready dict of plain floats to paste into
+    conf/hardware)."""
     peak = hw.peak_flops_per_s.get(dtype)
     bandwidth = hw.memory_bandwidth_bytes_per_s
-    config = {
+    config: dict = {
         "kernel_model": {
-            "matmul_efficiency": rates.matmul_flops_per_s / peak if peak else 1.0,
-            "matmul_half_flops": rates.matmul_half_flops,
-            "memory_efficiency": rates.memory_bytes_per_s / bandwidth if bandwidth else 1.0,
-            "memory_half_bytes": rates.memory_half_bytes,
-            "vector_flops_per_s": rates.vector_flops_per_s,
-            "launch_overhead_s": rates.launch_overhead_s,
-            "kind_efficiency": dict(rates.kind_efficiency),
+            "matmul_efficiency": float(rates.matmul_flops_per_s / peak) if peak else 1.0,
+            "matmul_half_flops": float(rates.matmul_half_flops),
+            "memory_efficiency": float(rates.memory_bytes_per_s / bandwidth) if bandwidth else 1.0,
+            "memory_half_bytes": float(rates.memory_half_bytes),
+            "vector_flops_per_s": float(rates.vector_flops_per_s),
+            "launch_overhead_s": float(rates.launch_overhead_s),
+            "kind_efficiency": {kind: float(e) for kind, e in rates.kind_efficiency},
         }
     }
     if not peak:
-        config["peak_flops_per_s"] = {dtype: rates.matmul_flops_per_s}
+        config["peak_flops_per_s"] = {dtype: float(rates.matmul_flops_per_s)}
     if not bandwidth:
-        config["memory_bandwidth_bytes_per_s"] = rates.memory_bytes_per_s
-    return json.loads(json.dumps(config))
+        config["memory_bandwidth_bytes_per_s"] = float(rates.memory_bytes_per_s)
+    return config
 
 
 @dataclass(frozen=True)

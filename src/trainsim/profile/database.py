@@ -76,10 +76,6 @@ class ProfileDatabase:
         rows = rows.sort_values("measured_at", kind="stable")
         return rows.drop_duplicates(["hardware", "signature"], keep="last").reset_index(drop=True)
 
-    def known_signatures(self, hardware: str) -> set[str]:
-        rows = self.read()
-        return set(rows.loc[rows["hardware"] == hardware, "signature"])
-
     def append(self, rows: pd.DataFrame) -> Path | None:
         """Add rows as one new part file (atomic rename); returns its path, or None for no rows."""
         if rows.empty:

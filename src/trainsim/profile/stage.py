@@ -131,30 +131,33 @@ def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: Pr
     missing = ops[~ops["signature"].isin(set(known["signature"]))].reset_index(drop=True)
     summary = ProfileSummary(backend=backend, distinct=len(ops), reused=len(ops) - len(missing))
 
+    new_rows: list[dict] = []
     if backend in MEASURED_BACKENDS:
         torch.set_num_threads(hw.threads_per_device)
         for start in range(0, len(missing), BATCH_SIZE):  # each batch is appended as soon as it is timed
             rows = _measure_batch(missing.iloc[start:start + BATCH_SIZE], hw, hardware_key, backend, summary)
             db.append(pd.DataFrame(rows))
-            summary.measured += len(rows)
+            new_rows += rows
             if progress:
                 progress(min(start + BATCH_SIZE, len(missing)), len(missing))
+        summary.measured = len(new_rows)
         model_ops = missing[missing["signature"].isin({f["signature"] for f in summary.fallback})]
     else:
         model_ops = missing
 
     if len(model_ops):
-        measured = db.read()
-        measured = measured[(measured["hardware"] == hardware_key) & measured["backend"].isin(MEASURED_BACKENDS)]
+        measured = pd.concat([known, pd.DataFrame(new_rows, columns=PROFILE_SCHEMA.names)], ignore_index=True)
+        measured = measured[measured["backend"].isin(MEASURED_BACKENDS)]
         times = _analytical_times(model_ops, hw, measured)
         reasons = {f["signature"]: f["reason"] for f in summary.fallback}
         rows = [_row(op, hardware_key, "analytical", t, fallback_reason=reasons.get(op["signature"]))
                 for (_, op), t in zip(model_ops.iterrows(), times)]
         db.append(pd.DataFrame(rows))
+        new_rows += rows
         summary.analytical = len(rows)
 
-    rows = db.read()
-    rows = rows[(rows["hardware"] == hardware_key) & rows["signature"].isin(set(ops["signature"]))]
+    rows = pd.concat([known, pd.DataFrame(new_rows, columns=PROFILE_SCHEMA.names)], ignore_index=True)
+    rows = rows[rows["signature"].isin(set(ops["signature"]))]
     return rows.reset_index(drop=True)[PROFILE_SCHEMA.names], summary
 
 
