@@ -44,31 +44,37 @@ def test_snakefile_rules_come_from_the_registry(repo, workflow_env):
 
 @pytest.mark.slow
 def test_snakemake_runs_then_reruns_only_what_changed(project_copy, workflow_env):
-    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1, "profile": 1}
+    slowdown = {"calibration": 1, "slowdown_dataset": 1, "slowdown_model": 1}  # keyed by hardware only
+    compose = {"compose": 1}  # the timeline: every change below re-composes
+    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1, "profile": 1, **slowdown, **compose}
     _run(["snakemake", "--cores", "2"], project_copy, workflow_env)
     artifact = project_copy / STAGES["trace"].path({"model": "gpt-tiny", "parallelism": "dp2"})
     assert read_manifest(artifact)["config_keys"] == {"model": "gpt-tiny", "parallelism": "dp2"}
     assert (project_copy / "logs/traces/gpt-tiny/dp2.log").is_file()
 
     assert (project_copy / "artifacts/profiles/local-cpu/kernels.parquet").is_dir()
+    read_manifest(project_copy / STAGES["compose"].path({"hardware": "local-cpu", "model": "gpt-tiny",
+                                                         "parallelism": "dp2"}))
 
     assert _planned_jobs(project_copy, workflow_env) == {}  # nothing changed: nothing to do
-    # a hardware change re-profiles but never re-traces
-    assert _planned_jobs(project_copy, workflow_env, "hardware=a100-80g-dgx") == {"all": 1, "profile": 1}
-    assert _planned_jobs(project_copy, workflow_env, "overrides=hardware.num_nodes=4") == {"all": 1, "profile": 1}
+    # a hardware change re-profiles (and rebuilds the slowdown dataset and model) but never re-traces
+    hardware_jobs = {"all": 1, "profile": 1, **slowdown, **compose}
+    assert _planned_jobs(project_copy, workflow_env, "hardware=a100-80g-dgx") == hardware_jobs
+    assert _planned_jobs(project_copy, workflow_env, "overrides=hardware.num_nodes=4") == hardware_jobs
     # a parallelism change re-traces only that layout
-    both = {"all": 1, "trace": 1, "profile": 1}
+    both = {"all": 1, "trace": 1, "profile": 1, **compose}
     assert _planned_jobs(project_copy, workflow_env, "parallelism=tp2") == both
     assert _planned_jobs(project_copy, workflow_env, "overrides=[parallelism.recompute=full]") == both
     # a sweep is one cached job per point
-    assert _planned_jobs(project_copy, workflow_env, "parallelism=dp2,tp2,pp2") == {"all": 1, "trace": 2, "profile": 2}
+    assert _planned_jobs(project_copy, workflow_env, "parallelism=dp2,tp2,pp2") == {"all": 1, "trace": 2, "profile": 2,
+                                                                                     "compose": 2}
     # editing a hardware YAML re-profiles only; editing the model's YAML re-traces (params track values)
     hardware_yaml = project_copy / "conf/hardware/local-cpu.yaml"
     hardware_yaml.write_text(hardware_yaml.read_text().replace("threads_per_device: 1", "threads_per_device: 2"))
-    assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "profile": 1}
+    assert _planned_jobs(project_copy, workflow_env) == hardware_jobs
     model_yaml = project_copy / "conf/model/gpt-tiny.yaml"
     model_yaml.write_text(model_yaml.read_text().replace("seq_length: 64", "seq_length: 32"))
-    assert _planned_jobs(project_copy, workflow_env) == both
+    assert _planned_jobs(project_copy, workflow_env) == {**both, **slowdown}  # the hardware edit is still pending
 
 
 @pytest.mark.slow
@@ -87,6 +93,8 @@ def test_dvc_repro_runs_the_trace_then_does_nothing(project_copy, workflow_env):
     _run(["git", "commit", "-qm", "init"], project_copy, workflow_env)
     first = _run(["dvc", "repro"], project_copy, workflow_env)
     assert "Running stage 'trace'" in first.stdout and "Running stage 'profile'" in first.stdout
+    assert "Running stage 'slowdown_dataset'" in first.stdout and "Running stage 'slowdown_model'" in first.stdout
+    assert "Running stage 'compose'" in first.stdout
     read_manifest(project_copy / "artifacts/traces/gpt-tiny/dp2")
     second = _run(["dvc", "repro"], project_copy, workflow_env)
     assert "Running stage" not in second.stdout
@@ -107,6 +115,8 @@ def test_dvc_repro_runs_the_trace_then_does_nothing(project_copy, workflow_env):
     assert _tree_digest(clone / database) == _tree_digest(project_copy / database) != {}
     trace = "artifacts/traces/gpt-tiny/dp2"
     assert _tree_digest(clone / trace) == _tree_digest(project_copy / trace)
+    for dataset in ("artifacts/slowdown/local-cpu", "artifacts/models/local-cpu"):  # measured data and its model
+        assert _tree_digest(clone / dataset) == _tree_digest(project_copy / dataset) != {}
     status = _run(["dvc", "status"], clone, workflow_env).stdout
     assert "up to date" in status.lower() or "changed" not in status
 

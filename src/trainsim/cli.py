@@ -123,6 +123,30 @@ def _cmd_profile_import(args, console: Console) -> int:
     return 0
 
 
+def _cmd_compose(args, console: Console) -> int:
+    from trainsim.config import compose_run
+    from trainsim.timeline.stage import compose_run_artifacts
+
+    run = compose_run(args.overrides, check="layout")
+    with console.status(f"composing {run.model.name} / {run.parallelism.name} on {run.hardware.name}"):
+        result, output = compose_run_artifacts(run, args.output)
+    table = Table(title=f"step {result['step_time_s']:.4f} s: breakdown per rank class (seconds)")
+    for column in ("class", "ranks", "stage", "compute", "slowdown", "exposed tp", "exposed dp", "exposed pp",
+                   "bubble", "idle", "memory"):
+        table.add_column(column, justify="right")
+    for row in result["classes"]:
+        exposed = row["exposed_comm_s"]
+        table.add_row(str(row["rank_class"]), str(row["ranks"]), str(row["pp_rank"]),
+                      *(f"{v:.4f}" for v in (row["compute_s"], row["slowdown_added_s"], exposed["tp"], exposed["dp"],
+                                             exposed["pp"], row["pipeline_bubble_s"], row["idle_s"])),
+                      "[red]OOM[/red]" if row["oom"] else "fits")
+    console.print(table)
+    console.print(f"comm: {result['models']['comm']}; slowdown: {result['models']['slowdown']}; "
+                  f"{result['num_nodes']} nodes in {result['simulate_s']:.2f} s -> {output} "
+                  f"(open {output}/trace.json in https://ui.perfetto.dev)")
+    return 0
+
+
 def _cmd_dvc_yaml(args, console: Console) -> int:
     from trainsim.registry import render_dvc_yaml
 
@@ -164,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="selects the hardware whose rows are imported")
     p.add_argument("--all-hardware", action="store_true", help="import rows of every hardware in the source")
     p.set_defaults(func=_cmd_profile_import)
+    p = sub.add_parser("compose", help="compose the step timeline (traces and profiles first if missing)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b parallelism=pp12-tp8-dp1")
+    p.add_argument("--output", help="artifact directory (default: the registry path under artifacts/)")
+    p.set_defaults(func=_cmd_compose)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")
     p.set_defaults(func=_cmd_dvc_yaml)

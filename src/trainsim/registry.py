@@ -56,6 +56,44 @@ STAGES: dict[str, Stage] = {
         inputs=("trace",),
         database="artifacts/profiles/{hardware}/kernels.parquet",
     ),
+    "calibration": Stage(
+        name="calibration",
+        keyed_by=("hardware",),
+        output="artifacts/calibration/{hardware}",
+        script="stages/calibration_stage.py",
+        code=("stages/calibration_stage.py", "src/trainsim/comm"),
+        summary="collective measurements (local sweep, nccl-tests logs) and the fitted NCCL model with held-out error",
+    ),
+    "slowdown_dataset": Stage(
+        name="slowdown_dataset",
+        keyed_by=("hardware",),
+        output="artifacts/slowdown/{hardware}",
+        script="stages/slowdown_dataset_stage.py",
+        code=("stages/slowdown_dataset_stage.py", "src/trainsim/slowdown/stage.py", "src/trainsim/slowdown/dataset.py",
+              "src/trainsim/slowdown/collect.py", "src/trainsim/slowdown/a100_import.py",
+              "src/trainsim/slowdown/features.py"),
+        summary="compute ops timed solo and overlapped with collectives (measured here or imported)",
+    ),
+    "slowdown_model": Stage(
+        name="slowdown_model",
+        keyed_by=("hardware",),
+        output="artifacts/models/{hardware}",
+        script="stages/slowdown_model_stage.py",
+        code=("stages/slowdown_model_stage.py", "src/trainsim/slowdown/stage.py", "src/trainsim/slowdown/features.py",
+              "src/trainsim/slowdown/train.py", "src/trainsim/slowdown/predictor.py"),
+        summary="XGBoost overlap-slowdown model with cross-validated and hold-out metrics against the baseline",
+        inputs=("slowdown_dataset",),
+    ),
+    "compose": Stage(
+        name="compose",
+        keyed_by=("hardware", "model", "parallelism"),
+        output="artifacts/timelines/{hardware}/{model}/{parallelism}",
+        script="stages/compose_stage.py",
+        code=("stages/compose_stage.py", "src/trainsim/timeline"),
+        summary="event-driven timeline of one step: step time, breakdown per rank class, critical path, "
+                "memory verdict, Chrome trace",
+        inputs=("trace", "profile", "calibration", "slowdown_model"),
+    ),
 }
 
 

@@ -20,6 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
@@ -74,7 +75,27 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: int = 3) -> pd.DataFrame | None:
+def _median_batch_seconds(call, device: torch.device, iters: int, repeats: int) -> float:
+    """Median over `repeats` batches of the slowest rank's mean time per call in a batch of `iters`.
+
+    The median keeps one batch disturbed by the OS scheduler (ranks > cores) from deciding the result.
+    """
+    batches = []
+    for _ in range(repeats):
+        _synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        _synchronize(device)
+        elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank decides
+        batches.append(float(elapsed.item()))
+    return float(np.median(batches))
+
+
+def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: int = 3,
+            repeats: int = 3) -> pd.DataFrame | None:
     """Run the sweep inside an initialised process group; rank 0 returns the table, others None."""
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # *_tensor renames
     world = dist.get_world_size()
@@ -88,15 +109,7 @@ def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: i
             call = _collective_call(collective, size, device)
             for _ in range(warmup):
                 call()
-            _synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                call()
-            _synchronize(device)
-            elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank decides
-            time_s = float(elapsed.item())
+            time_s = _median_batch_seconds(call, device, iters, repeats)
             algbw = size / time_s / 1e9
             rows.append({"collective": collective, "message_bytes": size, "dtype": "fp32",
                          "placement": "out_of_place", "time_s": time_s, "algbw_gbps": algbw,
@@ -108,11 +121,11 @@ def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: i
     return table.assign(nranks=world, nodes=nodes)
 
 
-def _local_worker(rank: int, world: int, port: int, collectives, sizes, iters, warmup, out: str) -> None:
+def _local_worker(rank: int, world: int, port: int, collectives, sizes, iters, warmup, repeats, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        table = measure(collectives, sizes, iters, warmup)
+        table = measure(collectives, sizes, iters, warmup, repeats)
         if table is not None:
             table.to_parquet(out)
     finally:
@@ -120,7 +133,7 @@ def _local_worker(rank: int, world: int, port: int, collectives, sizes, iters, w
 
 
 def run_local_sweep(world: int, collectives: list[str] = SWEEP_COLLECTIVES, sizes: list[int] | None = None,
-                    iters: int = 10, warmup: int = 3) -> pd.DataFrame:
+                    iters: int = 10, warmup: int = 3, repeats: int = 3) -> pd.DataFrame:
     """Spawn `world` processes on this machine (gloo over loopback) and measure."""
     if world < 1:
         raise ValueError(f"world={world} must be at least 1")
@@ -133,7 +146,7 @@ def run_local_sweep(world: int, collectives: list[str] = SWEEP_COLLECTIVES, size
     with tempfile.TemporaryDirectory(prefix="trainsim-sweep-") as tmp:
         out = str(Path(tmp) / "sweep.parquet")
         mp.spawn(_local_worker, nprocs=world, join=True,
-                 args=(world, port, list(collectives), sizes or default_sizes(), iters, warmup, out))
+                 args=(world, port, list(collectives), sizes or default_sizes(), iters, warmup, repeats, out))
         return pd.read_parquet(out)
 
 
@@ -145,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", help="comma-separated byte sizes (default: 1 KiB .. 16 MiB, powers of two)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed batches; the median is kept")
     args = parser.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend)
     try:
         sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes()
-        table = measure(args.collectives.split(","), sizes, args.iters, args.warmup)
+        table = measure(args.collectives.split(","), sizes, args.iters, args.warmup, args.repeats)
         if table is not None:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             table.to_parquet(args.output)

@@ -31,6 +31,43 @@ class NcclConfig:
 
 
 @dataclass
+class CalibrationFile:
+    """One measured collective sweep: an nccl-tests log or a `python -m trainsim.comm.sweep` Parquet."""
+
+    path: str = "???"
+    """File path, relative to the project root (or absolute)."""
+    num_ranks: int = 0
+    """Ranks of the run; 0 = read from the file (rank lines, -np/-g flags, '<N>gpu' in its name)."""
+    num_nodes: int = 0
+    """Nodes of the run; 0 = read from the file (host names, 'N nodes', '<N>node' in its name)."""
+    collective: str = ""
+    """Collective measured; '' = read from the file (the *_perf command, or its name)."""
+
+
+@dataclass
+class CalibrationConfig:
+    """Where the collective model's measurements come from (stage 3, trainsim/comm/calibration.py)."""
+
+    local_sweep: bool = False
+    """Measure collectives on this machine (gloo over loopback; NCCL when GPUs are present)."""
+    sweep_ranks: list[int] = field(default_factory=lambda: [2, 3, 4])
+    """Process counts of the local sweep."""
+    sweep_collectives: list[str] = field(default_factory=lambda: ["all_reduce", "all_gather", "reduce_scatter",
+                                                                  "broadcast", "all_to_all", "send_recv"])
+    """Collectives of the local sweep."""
+    sweep_min_bytes: int = 1024
+    """Smallest message of the local sweep (sizes double up to sweep_max_bytes)."""
+    sweep_max_bytes: int = 4 * 1024 * 1024
+    """Largest message of the local sweep."""
+    sweep_iters: int = 5
+    """Calls per timed batch."""
+    sweep_repeats: int = 3
+    """Timed batches per size; the median is kept."""
+    files: list[CalibrationFile] = field(default_factory=list)
+    """Measurements made elsewhere (nccl-tests logs, cluster sweeps) on this hardware."""
+
+
+@dataclass
 class KernelModelConfig:
     """Analytical kernel-time model (roofline with efficiency curves), used where kernels are not measured.
 
@@ -56,6 +93,78 @@ class KernelModelConfig:
     kind_efficiency: dict[str, float] = field(default_factory=dict)
     """Bandwidth efficiency per op kind (normalization, softmax_loss, optimizer, ...) relative to
     elementwise kernels; kinds not listed have 1."""
+
+
+@dataclass
+class SlowdownModelConfig:
+    """XGBoost regressor of the overlap slowdown (Echo's settings by default; see trainsim/slowdown/train.py)."""
+
+    objective: str = "reg:squarederror"
+    """XGBoost objective (Echo: reg:squarederror; reg:absoluteerror is robust to single-run noise)."""
+    max_depth: int = 12
+    """Maximum tree depth (Echo: 12)."""
+    random_state: int = 42
+    """Seed of XGBoost and of the hold-out / fold split (Echo: 42)."""
+    n_estimators: int = 100
+    """Boosting rounds (XGBRegressor default)."""
+    learning_rate: float = 0.3
+    """Shrinkage per round (XGBRegressor default)."""
+    cv_folds: int = 5
+    """Folds of the cross-validation on the training part."""
+    holdout_fraction: float = 0.2
+    """Share of overlapped kernels held out for the final test (Echo: 80/20)."""
+    duration_weighting: bool = True
+    """Weight each kernel so that the loss on slowdown equals the loss on relative overlapped duration
+    (weight (r * solo / overlapped)^p, p = 2 for squared, 1 for absolute error)."""
+    features: list[str] = field(default_factory=list)
+    """Feature columns the model uses; empty = all of trainsim.slowdown.features.FEATURES."""
+
+
+@dataclass
+class SlowdownConfig:
+    """Overlap-slowdown dataset (stage 4) and its XGBoost model (stage 5); see trainsim/slowdown/."""
+
+    source: str = "measure"
+    """'measure' (compute ops solo and overlapped with collectives on this machine's device) or
+    'import' (Echo-format CSVs listed in import_files)."""
+    import_files: list[str] = field(default_factory=list)
+    """Echo-format slowdown CSVs (paths relative to the project root) read when source='import'."""
+    device_type: str = ""
+    """Device-type feature of this hardware ('A100', 'H100', 'cpu', ...); '' = derived from device_name."""
+    collectives: list[str] = field(default_factory=lambda: ["all_reduce", "all_gather", "reduce_scatter"])
+    """Collectives run concurrently with the compute ops."""
+    message_bytes: list[int] = field(default_factory=lambda: [4 << 20, 16 << 20])
+    """Message sizes of those collectives (nccl-tests semantics)."""
+    repeats: int = 1
+    """Times every (op, collective, size) window is measured (each window times the op many times)."""
+    matmul_sizes: list[int] = field(default_factory=lambda: [128, 256, 512])
+    """n of the n x n x n fp32 matrix multiplies in the sweep."""
+    memory_bound_ops: list[str] = field(default_factory=lambda: ["add", "gelu", "softmax", "layer_norm", "sum",
+                                                                  "clone"])
+    """Memory-bound ops in the sweep (see trainsim.slowdown.dataset.MEMORY_BOUND_OPS)."""
+    memory_bound_elements: list[int] = field(default_factory=lambda: [1 << 18, 1 << 20, 1 << 22])
+    """fp32 elements of the memory-bound ops' inputs."""
+    profile_signatures: int = 0
+    """Up to this many compute-op signatures drawn from the hardware's profile database, when it exists."""
+    solo_calls: int = 20
+    """Back-to-back solo calls per window (after one warm-up); their median is the solo time."""
+    max_calls_per_window: int = 40
+    """Cap on compute calls while one collective runs."""
+    model: SlowdownModelConfig = field(default_factory=SlowdownModelConfig)
+    """Hyperparameters and evaluation of the slowdown model."""
+
+
+@dataclass
+class StragglerConfig:
+    """Ranks whose compute is slower than the rest (a throttled GPU, a noisy node); the composer gives
+    them, and every rank that waits for them differently, their own rank classes."""
+
+    ranks: list[int] = field(default_factory=list)
+    """Global ranks that are slow."""
+    node: int = -1
+    """A slow node: all its devices_per_node ranks (-1 = none)."""
+    factor: float = 1.0
+    """Multiplier on those ranks' kernel times (1.2 = 20% slower; products when entries overlap)."""
 
 
 @dataclass
@@ -92,6 +201,8 @@ class HardwareConfig:
     """torch.distributed backend: 'gloo' (CPU) or 'nccl' (CUDA)."""
     nccl: NcclConfig = field(default_factory=NcclConfig)
     """Collective-library version and settings."""
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    """Measurements the collective model is fitted to."""
     profile_backend: str = "auto"
     """Kernel timing: 'measure' (this machine's device), 'analytical' (kernel_model), or 'auto'
     (measure when the device kind is present here, else analytical)."""
@@ -102,6 +213,10 @@ class HardwareConfig:
     bandwidth, and in SPMD training all ranks of a node run the same op at once)."""
     price_per_device_hour: float = 0.0
     """Cost of one device for one hour in USD (for cost-per-step figures); 0 = unknown."""
+    slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)
+    """How the overlap-slowdown dataset is obtained and its model trained."""
+    stragglers: list[StragglerConfig] = field(default_factory=list)
+    """Slow ranks or nodes for what-if studies (timeline compose only); empty = all devices equal."""
 
 
 @dataclass

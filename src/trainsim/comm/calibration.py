@@ -1,0 +1,167 @@
+"""Stage 3 (NCCL calibration): gather collective measurements, fit the model, keep its held-out error.
+
+Sources, all turned into one table of MEASUREMENT_COLUMNS:
+  * the local sweep (hardware.calibration.local_sweep): gloo over loopback here, NCCL on GPUs;
+  * files measured elsewhere (hardware.calibration.files): nccl-tests logs, or Parquet written by
+    `torchrun ... -m trainsim.comm.sweep` on a cluster.
+Only out-of-place timings are used (nccl-tests prints both; in-place repeats the measurement).
+
+Artifact (artifacts/calibration/{hardware}/):
+  measurements.parquet  every measurement the fit saw
+  fit.json              per collective: parameters (model.py), channels, training error, and the error
+                        on held-out sizes (fit on every other size, predict the rest; >= 1 MiB and
+                        below) next to the alpha-beta baseline fitted the same way; the source files
+                        with their SHA-256
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from trainsim.artifacts.store import atomic_artifact, file_sha256
+from trainsim.comm.fit import CHANNEL_CHOICES, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
+from trainsim.comm.model import FIT_FILE, prior_params
+from trainsim.comm.nccl_tests import NcclTestsFormatError, normalize_collective, parse_nccl_tests
+from trainsim.config.schema import CalibrationFile, HardwareConfig
+from trainsim.errors import ConfigError
+
+MEASUREMENT_COLUMNS = ["collective", "algorithm", "protocol", "num_ranks", "num_nodes", "message_bytes", "time_s",
+                       "source"]
+MEASUREMENTS_FILE = "measurements.parquet"
+LARGE_BYTES = 1 << 20
+"""Messages from 1 MiB up are 'large' in the accuracy figures (bandwidth-bound on GPUs)."""
+
+
+def read_calibration_file(entry: CalibrationFile, root: Path = Path(".")) -> pd.DataFrame:
+    """One file's out-of-place measurements as MEASUREMENT_COLUMNS; names the file and field when it cannot."""
+    path = Path(entry.path) if Path(entry.path).is_absolute() else root / entry.path
+    if not path.is_file():
+        raise ConfigError(f"hardware.calibration.files: {path} does not exist")
+    if path.suffix == ".parquet":
+        table = pd.read_parquet(path)
+        missing = {"collective", "message_bytes", "time_s", "nranks", "nodes"} - set(table.columns)
+        if missing:
+            raise ConfigError(f"{path}: not a trainsim.comm.sweep table, missing columns {sorted(missing)}")
+        table = table.rename(columns={"nranks": "num_ranks", "nodes": "num_nodes"})
+        if entry.num_ranks:
+            table["num_ranks"] = entry.num_ranks
+        if entry.num_nodes:
+            table["num_nodes"] = entry.num_nodes
+    else:
+        try:
+            result = parse_nccl_tests(path, collective=entry.collective or None, nranks=entry.num_ranks or None)
+        except NcclTestsFormatError as exc:
+            raise ConfigError(str(exc)) from None
+        nodes = entry.num_nodes or result.nodes
+        for field, value in (("num_ranks", result.nranks), ("num_nodes", nodes)):
+            if not value:
+                raise ConfigError(f"{path}: cannot tell {field} from the file; set it in its hardware.calibration."
+                                  f"files entry ({{path: {entry.path}, {field}: ...}})")
+        table = result.table.assign(num_ranks=result.nranks, num_nodes=nodes)
+    table = table[table.get("placement", "out_of_place") == "out_of_place"]
+    if (table["num_ranks"] % table["num_nodes"]).any():
+        raise ConfigError(f"{path}: num_ranks={table['num_ranks'].iloc[0]} is not a multiple of "
+                          f"num_nodes={table['num_nodes'].iloc[0]}")
+    return table.assign(collective=table["collective"].map(normalize_collective), algorithm="auto",
+                        protocol="auto", source=str(entry.path))[MEASUREMENT_COLUMNS].reset_index(drop=True)
+
+
+def local_sweep(hw: HardwareConfig) -> pd.DataFrame:
+    """Measure the configured collectives on this machine for every configured process count."""
+    from trainsim.comm.sweep import default_sizes, run_local_sweep  # torch.distributed only when sweeping
+
+    cal = hw.calibration
+    sizes = default_sizes(cal.sweep_min_bytes, cal.sweep_max_bytes)
+    tables = []
+    for ranks in cal.sweep_ranks:
+        table = run_local_sweep(ranks, cal.sweep_collectives, sizes, iters=cal.sweep_iters, warmup=2,
+                                repeats=cal.sweep_repeats)
+        tables.append(table.rename(columns={"nranks": "num_ranks", "nodes": "num_nodes"}).assign(
+            algorithm=hw.comm_backend, protocol=hw.comm_backend, source=f"local sweep ({hw.comm_backend})"))
+    return pd.concat(tables, ignore_index=True)[MEASUREMENT_COLUMNS]
+
+
+def collect_measurements(hw: HardwareConfig, root: Path = Path("."), sweep=local_sweep) -> pd.DataFrame:
+    """All measurements of the hardware: its files, then the local sweep if enabled."""
+    tables = [read_calibration_file(entry, root) for entry in hw.calibration.files]
+    if hw.calibration.local_sweep:
+        tables.append(sweep(hw))
+    if not tables:
+        return pd.DataFrame(columns=MEASUREMENT_COLUMNS)
+    table = pd.concat(tables, ignore_index=True)
+    bad = table[~(table["time_s"] > 0)]
+    if len(bad):
+        row = bad.iloc[0]
+        raise ConfigError(f"{row['source']}: {len(bad)} measurement(s) with time_s <= 0 or NaN "
+                          f"(first: {row['collective']} {row['message_bytes']} B); times must be positive")
+    return table.astype({"num_ranks": "int64", "num_nodes": "int64", "message_bytes": "int64"})
+
+
+def channel_choices(hw: HardwareConfig) -> tuple[int, ...]:
+    """The configured channel count (NCCL_MAX_NCHANNELS) or, unknown, the choices the fit picks from."""
+    return (hw.nccl.max_channels,) if hw.nccl.max_channels else CHANNEL_CHOICES
+
+
+def heldout_errors(table: pd.DataFrame, hw: HardwareConfig, collective: str) -> dict:
+    """Fit on every other size, predict the rest: model and alpha-beta MAPE for large and small messages."""
+    train = every_other_size(table)
+    fit = fit_collective(table[train], prior_params(hw, collective), channel_choices(hw))
+    baseline = fit_alpha_beta(table[train], collective)
+    test = table[~train]
+    measured = test["time_s"].to_numpy()
+    large = (test["message_bytes"] >= LARGE_BYTES).to_numpy()
+    model, alpha_beta = predict_table(fit.params, test), baseline.predict(test)
+    out = {"heldout_rows": int(len(test))}
+    for name, mask in (("large", large), ("small", ~large)):
+        out[f"model_mape_pct_{name}"] = mape_pct(model[mask], measured[mask])
+        out[f"baseline_mape_pct_{name}"] = mape_pct(alpha_beta[mask], measured[mask])
+    return out
+
+
+def calibrate(measurements: pd.DataFrame, hw: HardwareConfig) -> dict:
+    """Per measured collective: the fit on all its measurements and its held-out errors."""
+    result = {}
+    for collective, table in measurements.groupby("collective", sort=True):
+        table = table.reset_index(drop=True)
+        fit = fit_collective(table, prior_params(hw, collective), channel_choices(hw))
+        baseline = fit_alpha_beta(table, collective)
+        result[collective] = {
+            "params": fit.params.as_dict(),
+            "train_mape_pct": fit.train_mape_pct,
+            "baseline": dataclasses.asdict(baseline),
+            "heldout": heldout_errors(table, hw, collective),
+            "ranks_nodes": sorted(set(zip(table["num_ranks"].tolist(), table["num_nodes"].tolist(), strict=True))),
+            "rows": int(len(table)),
+        }
+    return result
+
+
+def _finite(obj):
+    """JSON-safe copy: NaN (no held-out rows in a class) becomes null."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
+def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output: Path, root: Path = Path("."),
+                               sweep=local_sweep) -> dict:
+    """Collect, fit and publish the calibration of one hardware; returns fit.json's content."""
+    config = {"hardware": dataclasses.asdict(hw)}
+    with atomic_artifact(output, stage="calibration", config=config, config_keys=keys) as tmp:
+        measurements = collect_measurements(hw, root, sweep)
+        measurements.to_parquet(tmp / MEASUREMENTS_FILE, index=False)
+        sources = {str(e.path): file_sha256(root / e.path if not Path(e.path).is_absolute() else Path(e.path))
+                   for e in hw.calibration.files}
+        fit = {"hardware": hw.name, "nccl_version": hw.nccl.version, "sources": sources,
+               "collectives": calibrate(measurements, hw) if len(measurements) else {}}
+        (tmp / FIT_FILE).write_text(json.dumps(_finite(fit), indent=2) + "\n")
+    return fit

@@ -1,0 +1,264 @@
+"""Execution time of a collective: NCCL's chunked rings and pipelines with fitted per-hop parameters.
+
+Notation: N ranks on M nodes (K = N / M per node), S the message size in nccl-tests' sense
+(nccl_tests.py), C channels, p the protocol (LL, LL128, Simple), h a hop kind (intra-, inter-node).
+
+  channels used   c_p(S) = clip(floor(S / (threads_p * threshold_p)), 1, C)   NCCL enqueue.cc: a small
+                  message runs on fewer channels (threshold x nRanks for LL rings)
+  chunk           chunk_p = buffer_p / NCCL_STEPS * chunk_steps_p * payload_p   device.h, init.cc
+  step cost       step_h(b) = l_{h,p} + b / B_{h,p}: per-step latency l and per-channel bandwidth B of
+                  hop kind h (Echo's beta for intra-node, gamma for inter-node)
+
+Ring family (all-reduce "ring", reduce-scatter, all-gather, all-to-all): every loop moves one chunk
+per rank through s steps and all links work in every step, so loops do not overlap:
+  s = 2(N-1) for all-reduce, N-1 otherwise;  eta = ceil(S / (N c_p chunk_p)) loops ("rounds")
+  b = S / (N c_p eta);  T = alpha_a + eta * s * step(b) + delta * S
+  step = max(step_intra, step_inter) when M > 1 (a ring step waits for its slowest link).
+Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream through a chain:
+  eta = ceil(S / (c_p chunk_p));  b = S / (c_p eta)
+  T = alpha_a + sum over stages step(b) + (eta - 1) * max over stages step(b) + delta * S
+  stages: tree all-reduce 2(K-1) intra + 2 ceil(log2 M) inter (NCCL's intra-node chain and
+  inter-node tree, up then down); broadcast and reduce N-1 (M-1 of them inter); send/recv 1.
+delta * S is the rank's local work on its buffer, whatever N is: reading the input, writing the output
+and (for reductions) the arithmetic, at memory speed (Echo's delta). Measured busbw rising with N on
+one node (vTrain's A100 tables: 197, 222, 229 GB/s at 2, 4, 8 GPUs) is this term seen through 2(N-1)/N.
+
+The collective's time is that of the (algorithm, protocol) the model finds fastest among those the
+hardware config allows (NCCL_ALGO / NCCL_PROTO), as NCCL's tuner picks the fastest by its estimate.
+alpha, l, B and delta are fitted to measurements (comm/fit.py); NCCL's own constants (nccl_constants.yaml)
+give chunk sizes, channel thresholds and the priors the fit starts from and falls back to.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from trainsim.config.schema import HardwareConfig
+
+PROTOCOLS = ("LL", "LL128", "Simple")
+HOPS = ("intra", "inter")
+RING_FAMILY = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}  # steps per loop / (N-1)
+ALGORITHMS = {"all_reduce": ("ring", "tree"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
+              "all_to_all": ("ring",), "broadcast": ("ring",), "reduce": ("ring",), "send_recv": ("ring",)}
+"""Algorithms each collective can run with (NCCL's tree exists for all-reduce only)."""
+FIT_FILE = "fit.json"
+
+
+@cache
+def nccl_constants() -> dict:
+    return yaml.safe_load((Path(__file__).with_name("nccl_constants.yaml")).read_text())
+
+
+def release_constants(version: str) -> dict:
+    """The latency tables of the NCCL release `version` ('' or unknown: the newest)."""
+    releases = nccl_constants()["releases"]
+
+    def key(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split(".")[:2])
+
+    if not version:
+        return releases[-1]
+    try:
+        wanted = key(version)
+    except ValueError:
+        raise ValueError(f"hardware.nccl.version={version!r} is not a release number like '2.20.5'") from None
+    eligible = [r for r in releases if key(r["from"]) <= wanted]
+    return eligible[-1] if eligible else releases[0]
+
+
+def chunk_bytes(protocol: str, simple_buffer_bytes: int, ring: bool) -> float:
+    """Payload bytes of one chunk (NCCL buffer / NCCL_STEPS * chunk steps * payload fraction)."""
+    c = nccl_constants()
+    buffer = simple_buffer_bytes if protocol == "Simple" else c["buffer_bytes"][protocol]
+    steps = c["chunk_steps" if ring else "pipeline_chunk_steps"][protocol]
+    return buffer / c["steps"] * steps * c["payload_fraction"][protocol]
+
+
+@dataclass
+class CollectiveParams:
+    """Fitted (or prior) parameters of one collective on one hardware; `values` in seconds and bytes/s.
+
+    values keys: 'alpha.<algorithm>' (launch and setup, s), 'delta' (reduction, s per byte),
+    'latency.<hop>.<protocol>' (per step, s), 'bandwidth.<hop>.<protocol>' (per channel, bytes/s).
+    """
+
+    collective: str
+    algorithms: tuple[str, ...]
+    protocols: tuple[str, ...]
+    channels: int
+    simple_buffer_bytes: int
+    values: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"collective": self.collective, "algorithms": list(self.algorithms),
+                "protocols": list(self.protocols), "channels": self.channels,
+                "simple_buffer_bytes": self.simple_buffer_bytes, "values": dict(self.values)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CollectiveParams:
+        return cls(data["collective"], tuple(data["algorithms"]), tuple(data["protocols"]), int(data["channels"]),
+                   int(data["simple_buffer_bytes"]), {k: float(v) for k, v in data["values"].items()})
+
+
+def _channels_used(size: np.ndarray, protocol: str, channels: int, num_ranks: int, ring: bool) -> np.ndarray:
+    c = nccl_constants()
+    threshold = c["thread_threshold_bytes"][protocol] * (num_ranks if protocol == "LL" and ring else 1)
+    per_channel = c["max_threads"][protocol] * threshold
+    return np.clip(np.floor(size / per_channel), 1, channels)
+
+
+def _step(values: dict[str, float], hop: str, protocol: str, chunk: np.ndarray) -> np.ndarray:
+    return values[f"latency.{hop}.{protocol}"] + chunk / values[f"bandwidth.{hop}.{protocol}"]
+
+
+def _stages(collective: str, algorithm: str, num_ranks: int, num_nodes: int) -> tuple[int, int]:
+    """(intra-node, inter-node) stage count of a pipeline-family collective."""
+    if collective == "send_recv":
+        return (0, 1) if num_nodes > 1 else (1, 0)
+    if algorithm == "tree":
+        per_node = num_ranks // num_nodes
+        return 2 * (per_node - 1), 2 * math.ceil(math.log2(num_nodes)) if num_nodes > 1 else 0
+    return num_ranks - num_nodes, num_nodes - 1  # broadcast / reduce chain
+
+
+def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protocol: str, size: np.ndarray,
+                               num_ranks: int, num_nodes: int) -> np.ndarray:
+    """Execution time (s) of the collective with one algorithm and protocol, for an array of sizes."""
+    v, name = params.values, params.collective
+    size = np.asarray(size, dtype=float)
+    ring = algorithm == "ring" and (name == "all_reduce" or name in RING_FAMILY)
+    used = _channels_used(size, protocol, params.channels, num_ranks, ring)
+    chunk = chunk_bytes(protocol, params.simple_buffer_bytes, ring)
+    if num_ranks == 1:
+        return np.full_like(size, v[f"alpha.{algorithm}"])
+    if ring:
+        steps = 2 * (num_ranks - 1) if name == "all_reduce" else num_ranks - 1
+        loops = np.maximum(1.0, np.ceil(size / (num_ranks * used * chunk)))
+        per_step = size / (num_ranks * used * loops)
+        step = _step(v, "intra", protocol, per_step)
+        if num_nodes > 1:
+            step = np.maximum(step, _step(v, "inter", protocol, per_step))
+        transfer = loops * steps * step
+    else:
+        intra, inter = _stages(name, algorithm, num_ranks, num_nodes)
+        loops = np.maximum(1.0, np.ceil(size / (used * chunk)))
+        per_step = size / (used * loops)
+        costs = [(n, _step(v, hop, protocol, per_step)) for n, hop in ((intra, "intra"), (inter, "inter")) if n]
+        fill = sum(n * cost for n, cost in costs)
+        slowest = np.max([cost for _, cost in costs], axis=0)
+        transfer = fill + (loops - 1) * slowest
+    return v[f"alpha.{algorithm}"] + transfer + v["delta"] * size
+
+
+def predict_seconds(params: CollectiveParams, size, num_ranks: int, num_nodes: int) -> np.ndarray:
+    """The fastest allowed (algorithm, protocol) per size: what the collective takes."""
+    candidates = [algorithm_protocol_seconds(params, a, p, size, num_ranks, num_nodes)
+                  for a, p in candidate_pairs(params, num_nodes)]
+    return np.min(candidates, axis=0)
+
+
+def candidate_pairs(params: CollectiveParams, num_nodes: int) -> list[tuple[str, str]]:
+    """Allowed (algorithm, protocol) pairs. Tree only across nodes: within one node NCCL's tree is a
+    chain whose per-channel bandwidth cap (perChMaxTreeBw) keeps its tuner on rings."""
+    algorithms = [a for a in params.algorithms if a != "tree" or num_nodes > 1] or [params.algorithms[0]]
+    return [(a, p) for a in algorithms for p in params.protocols]
+
+
+def choose(params: CollectiveParams, size: int, num_ranks: int, num_nodes: int) -> tuple[str, str]:
+    """The (algorithm, protocol) the model predicts for one message."""
+    combos = candidate_pairs(params, num_nodes)
+    times = [float(algorithm_protocol_seconds(params, a, p, np.array([size]), num_ranks, num_nodes)[0])
+             for a, p in combos]
+    return combos[int(np.argmin(times))]
+
+
+def prior_params(hw: HardwareConfig, collective: str, channels: int | None = None) -> CollectiveParams:
+    """Datasheet and NCCL-constant starting values (also the model of a hardware never calibrated).
+
+    Per-step latencies are NCCL's hwLatencies (ring row; NVLINK intra-node on GPUs, PCI elsewhere, NET
+    inter-node), launch latency its baseLatencies; per-channel bandwidth is the link's datasheet rate
+    split over the channels times the protocol's payload fraction; reduction reads two operands and
+    writes one at memory bandwidth.
+    """
+    nccl = hw.nccl
+    constants = release_constants(nccl.version)
+    allowed = ALGORITHMS[collective]
+    algorithms = tuple(a for a in nccl.algorithms if a in allowed) or allowed[:1]
+    protocols = tuple(p for p in nccl.protocols if p in PROTOCOLS) or ("Simple",)
+    channels = channels or nccl.max_channels or 16
+    intra_kind = "NVLINK" if hw.device_kind == "cuda" else "PCI"
+    link_bandwidth = {"intra": hw.intra_node_bandwidth_bytes_per_s or 5e9,
+                      "inter": hw.inter_node_bandwidth_bytes_per_s or 5e9}
+    values = {"delta": 3.0 / (hw.memory_bandwidth_bytes_per_s or 2e10)}
+    for algorithm in algorithms:
+        base = constants["base_latency_us"].get(algorithm, constants["base_latency_us"]["ring"])
+        values[f"alpha.{algorithm}"] = max(max(base.values()), 5.0) * 1e-6
+    for hop, kind in (("intra", intra_kind), ("inter", "NET")):
+        for p in protocols:
+            values[f"latency.{hop}.{p}"] = constants["hw_latency_us"][kind]["ring"][p] * 1e-6
+            payload = nccl_constants()["payload_fraction"][p]
+            values[f"bandwidth.{hop}.{p}"] = link_bandwidth[hop] / channels * payload
+    if hw.comm_backend != "nccl" and hw.intra_node_latency_s:
+        for p in protocols:
+            values[f"latency.intra.{p}"] = hw.intra_node_latency_s
+    return CollectiveParams(collective, algorithms, protocols, channels, nccl.buffer_size_bytes, values)
+
+
+class CommModel:
+    """Communication time for the composer: one CollectiveParams per calibrated collective.
+
+    A collective without measurements borrows the link parameters (latency, bandwidth, alpha, delta)
+    of a calibrated one, since they describe the same links, and keeps its own structure (steps,
+    chunking); with nothing calibrated the priors of `prior_params` are used.
+    """
+
+    def __init__(self, hardware: HardwareConfig, fits: dict[str, CollectiveParams], source: str):
+        self.hardware = hardware
+        self.fits = fits
+        self.source = source
+
+    @classmethod
+    def from_hardware(cls, hw: HardwareConfig) -> CommModel:
+        return cls(hw, {}, source="uncalibrated: datasheet rates and NCCL constants")
+
+    @classmethod
+    def load(cls, calibration_dir: Path, hw: HardwareConfig) -> CommModel:
+        path = Path(calibration_dir) / FIT_FILE
+        data = json.loads(path.read_text())
+        fits = {name: CollectiveParams.from_dict(entry["params"]) for name, entry in data["collectives"].items()}
+        return cls(hw, fits, source=f"calibrated: {path}")
+
+    def params(self, collective: str) -> CollectiveParams:
+        if collective in self.fits:
+            return self.fits[collective]
+        prior = prior_params(self.hardware, collective)
+        donor = self.fits.get("all_reduce") or next(iter(self.fits.values()), None)
+        if donor is not None:
+            borrowed = {k: v for k, v in donor.values.items() if not k.startswith("alpha.")}
+            borrowed.update({f"alpha.{a}": donor.values.get(f"alpha.{a}", donor.values[f"alpha.{donor.algorithms[0]}"])
+                             for a in prior.algorithms})
+            prior = CollectiveParams(collective, prior.algorithms, donor.protocols, donor.channels,
+                                     donor.simple_buffer_bytes, {**prior.values, **borrowed})
+        return prior
+
+    def collective_seconds(self, collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:
+        """Execution time of one collective (synchronisation is the composer's job)."""
+        if collective == "barrier":
+            collective, message_bytes = "all_reduce", 4
+        if collective not in ALGORITHMS:
+            known = ", ".join([*ALGORITHMS, "barrier"])
+            raise ValueError(f"unknown collective {collective!r}; expected one of {known}")
+        if num_ranks < 1 or num_nodes < 1 or num_ranks % num_nodes:
+            raise ValueError(f"num_ranks={num_ranks} must be a positive multiple of num_nodes={num_nodes}")
+        return float(predict_seconds(self.params(collective), np.array([message_bytes]), num_ranks, num_nodes)[0])
+
+    def p2p_seconds(self, message_bytes: int, same_node: bool) -> float:
+        """One send/recv pair (pipeline-parallel activations)."""
+        return float(predict_seconds(self.params("send_recv"), np.array([message_bytes]), 2, 1 if same_node else 2)[0])

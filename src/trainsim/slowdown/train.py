@@ -1,0 +1,190 @@
+"""Stage 5: train the XGBoost slowdown regressor and measure it against the constant-factor baseline.
+
+As Echo's training_testing/train.py: an 80/20 split (seeded by random_state), 5-fold cross-validation
+on the 80 % part, the final model fitted on the 80 % part and tested on the 20 % hold-out; objective
+reg:squarederror, max_depth 12, random_state 42 (all in `hardware.slowdown.model`). XGBRegressor is a
+thin scikit-learn wrapper around `xgboost.train`; the native call with the same parameters
+(n_estimators -> rounds, learning_rate -> eta, random_state -> seed) trains the same model without
+adding scikit-learn to the project.
+
+Only instances with status 'ok' (overlap fraction > 0) are targets; zero-overlap rows are counted.
+Metrics are those of Echo's predict.py, on overlapped kernels: the predicted overlapped duration
+t = (1 - r) * solo + r * solo * (1 + s) (method.md 1.3) against the measured one: share within
+5 / 10 / 15 %, RMSE, and the signed error of the summed duration; the same for the baseline, one mean
+slowdown per device type fitted on the training part (the constant factor Proteus applies).
+
+With `duration_weighting`, each kernel's weight is (r * solo / overlapped)^p (p = 2 for squared,
+1 for absolute error): the loss on s then equals the loss on the relative overlapped duration, which
+is what the metrics measure, and kernels whose slowdown is ill-determined (tiny r) stop dominating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import xgboost as xgb
+
+from trainsim.config.schema import SlowdownModelConfig
+from trainsim.errors import ConfigError
+from trainsim.slowdown.dataset import STATUS_OK, status_counts
+from trainsim.slowdown.features import CATEGORICAL, FEATURES, feature_frame
+
+SCHEMA_VERSION = 1
+WITHIN = (5, 10, 15)
+ABSOLUTE_OBJECTIVES = ("reg:absoluteerror", "reg:quantileerror", "reg:pseudohubererror")
+
+
+@dataclass
+class TrainResult:
+    booster: xgb.Booster
+    schema: dict
+    """Feature names, categories, version, parameters and baseline: what the predictor needs."""
+    metrics: dict
+    importances: pd.DataFrame
+    predictions: pd.DataFrame
+    """Every target kernel: split ('cv' fold or 'holdout'), measured and predicted slowdown and duration."""
+
+
+def model_features(cfg: SlowdownModelConfig) -> list[str]:
+    unknown = [f for f in cfg.features if f not in FEATURES]
+    if unknown:
+        raise ConfigError(f"hardware.slowdown.model.features has unknown name(s) {unknown}; accepted: {list(FEATURES)}")
+    return list(cfg.features) or list(FEATURES)
+
+
+def xgb_params(cfg: SlowdownModelConfig) -> dict:
+    return {"objective": cfg.objective, "max_depth": cfg.max_depth, "seed": cfg.random_state,
+            "eta": cfg.learning_rate, "tree_method": "hist"}
+
+
+def categorize(features: pd.DataFrame, categories: dict[str, list[str]]) -> tuple[pd.DataFrame, dict[str, int]]:
+    """Categorical columns with the model's fixed categories; values it never saw become missing and are counted."""
+    out, unknown = features.copy(), {}
+    for name, known in categories.items():
+        values = out[name].fillna("").astype(str)
+        seen = values.isin(known)
+        unknown[name] = int((~seen).sum())
+        out[name] = pd.Categorical(values.where(seen), categories=known)
+    return out, unknown
+
+
+def duration_weights(targets: pd.DataFrame, cfg: SlowdownModelConfig) -> np.ndarray:
+    if not cfg.duration_weighting:
+        return np.ones(len(targets))
+    power = 1 if cfg.objective in ABSOLUTE_OBJECTIVES else 2
+    share = targets["overlap_fraction"] * targets["solo_duration_s"] / targets["overlapped_duration_s"]
+    return share.to_numpy(dtype=float) ** power
+
+
+def stretched_duration(solo_s, fraction, slowdown) -> np.ndarray:
+    """t = (1 - r) * t0 + r * t0 * (1 + s): only the overlapped part is slowed (Echo; method.md 1.3)."""
+    solo, r, s = (np.asarray(x, dtype=float) for x in (solo_s, fraction, slowdown))
+    return solo * (1.0 + r * s)
+
+
+def duration_metrics(targets: pd.DataFrame, slowdown_pred: np.ndarray) -> dict:
+    """Echo's predict.py figures for predicted slowdowns of `targets` (kernels with overlap)."""
+    measured = targets["overlapped_duration_s"].to_numpy(dtype=float)
+    predicted = stretched_duration(targets["solo_duration_s"], targets["overlap_fraction"], slowdown_pred)
+    rel = np.abs(predicted - measured) / measured
+    out = {f"within_{p}_pct": float(np.mean(rel < p / 100) * 100) for p in WITHIN}
+    out.update(
+        kernels=int(len(measured)),
+        duration_rmse_s=float(np.sqrt(np.mean((predicted - measured) ** 2))),
+        duration_mape_pct=float(np.mean(rel) * 100),
+        slowdown_rmse=float(np.sqrt(np.mean((slowdown_pred - targets["slowdown"].to_numpy(dtype=float)) ** 2))),
+        summed_error_pct=float((predicted.sum() - measured.sum()) / measured.sum() * 100),
+    )
+    return out
+
+
+def baseline_factors(targets: pd.DataFrame) -> dict[str, float]:
+    """One slowdown per device type: the mean measured slowdown (floored at 0), Proteus' constant factor."""
+    means = targets.groupby("device_type")["slowdown"].mean()
+    return {str(k): max(float(v), 0.0) for k, v in means.items()}
+
+
+def baseline_predict(factors: dict[str, float], device_types: pd.Series) -> np.ndarray:
+    fallback = float(np.mean(list(factors.values()))) if factors else 0.0
+    return device_types.map(lambda d: factors.get(str(d), fallback)).to_numpy(dtype=float)
+
+
+def _fit(x: pd.DataFrame, y: np.ndarray, w: np.ndarray, cfg: SlowdownModelConfig) -> xgb.Booster:
+    data = xgb.DMatrix(x, label=y, weight=w, enable_categorical=True)
+    return xgb.train(xgb_params(cfg), data, num_boost_round=cfg.n_estimators)
+
+
+def _predict(booster: xgb.Booster, x: pd.DataFrame) -> np.ndarray:
+    return np.clip(booster.predict(xgb.DMatrix(x, enable_categorical=True)), 0.0, None)
+
+
+def split_indices(n: int, cfg: SlowdownModelConfig) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(hold-out indices, cross-validation folds of the rest), from a permutation seeded by random_state."""
+    if not 0 < cfg.holdout_fraction < 1 or cfg.cv_folds < 2:
+        raise ConfigError(f"hardware.slowdown.model: holdout_fraction={cfg.holdout_fraction} must be in (0, 1) and "
+                          f"cv_folds={cfg.cv_folds} at least 2")
+    n_holdout = int(round(n * cfg.holdout_fraction))
+    if n - n_holdout < cfg.cv_folds or n_holdout < 1:
+        raise ConfigError(f"slowdown dataset has {n} overlapped kernels: too few for a {cfg.holdout_fraction} "
+                          f"hold-out and {cfg.cv_folds} folds; collect more (hardware.slowdown.repeats, sizes)")
+    order = np.random.default_rng(cfg.random_state).permutation(n)
+    return order[:n_holdout], np.array_split(order[n_holdout:], cfg.cv_folds)
+
+
+def _importances(booster: xgb.Booster, features: list[str]) -> pd.DataFrame:
+    gain, weight = booster.get_score(importance_type="gain"), booster.get_score(importance_type="weight")
+    total_gain = sum(gain.values()) or 1.0
+    rows = [{"feature": f, "gain_share": gain.get(f, 0.0) / total_gain, "splits": int(weight.get(f, 0))}
+            for f in features]
+    return pd.DataFrame(rows).sort_values("gain_share", ascending=False).reset_index(drop=True)
+
+
+def train_slowdown_model(dataset: pd.DataFrame, cfg: SlowdownModelConfig) -> TrainResult:
+    """Cross-validate, fit on the training part, test on the hold-out, and compare with the baseline."""
+    features = model_features(cfg)
+    targets = dataset[dataset["status"] == STATUS_OK].reset_index(drop=True)
+    x_all = feature_frame(targets)[features]
+    categories = {c: sorted(x_all[c].unique().tolist()) for c in CATEGORICAL if c in features}
+    x_all, _ = categorize(x_all, categories)
+    y, w = targets["slowdown"].to_numpy(dtype=float), duration_weights(targets, cfg)
+    holdout, folds = split_indices(len(targets), cfg)
+    train = np.concatenate(folds)
+
+    model_pred, base_pred = np.full(len(targets), np.nan), np.full(len(targets), np.nan)
+    split = np.full(len(targets), "", dtype=object)
+    for k, fold in enumerate(folds):
+        fit_on = np.setdiff1d(train, fold)
+        model_pred[fold] = _predict(_fit(x_all.iloc[fit_on], y[fit_on], w[fit_on], cfg), x_all.iloc[fold])
+        base_pred[fold] = baseline_predict(baseline_factors(targets.iloc[fit_on]), targets["device_type"].iloc[fold])
+        split[fold] = f"cv{k}"
+    booster = _fit(x_all.iloc[train], y[train], w[train], cfg)
+    factors = baseline_factors(targets.iloc[train])
+    model_pred[holdout] = _predict(booster, x_all.iloc[holdout])
+    base_pred[holdout] = baseline_predict(factors, targets["device_type"].iloc[holdout])
+    split[holdout] = "holdout"
+
+    def evaluate(index: np.ndarray) -> dict:
+        part = targets.iloc[index]
+        return {"model": duration_metrics(part, model_pred[index]),
+                "baseline": duration_metrics(part, base_pred[index])}
+
+    metrics = {
+        "rows": {**status_counts(dataset), "targets": int(len(targets)), "train": int(len(train)),
+                 "holdout": int(len(holdout))},
+        "cv": evaluate(train), "holdout": evaluate(holdout), "baseline_factors": factors,
+        "params": xgb_params(cfg) | {"n_estimators": cfg.n_estimators, "duration_weighting": cfg.duration_weighting},
+    }
+    schema = {"schema_version": SCHEMA_VERSION, "model": "xgboost", "xgboost_version": xgb.__version__,
+              "target": "slowdown", "feature_names": features, "categories": categories,
+              "device_types": sorted(targets["device_type"].unique().tolist()), "baseline_factors": factors,
+              "params": metrics["params"]}
+    predictions = pd.DataFrame({
+        "instance_id": targets["instance_id"], "split": split, "op": targets["op"], "op_kind": targets["op_kind"],
+        "overlap_fraction": targets["overlap_fraction"], "solo_duration_s": targets["solo_duration_s"],
+        "overlapped_duration_s": targets["overlapped_duration_s"], "slowdown": y,
+        "predicted_slowdown": model_pred, "baseline_slowdown": base_pred,
+        "predicted_duration_s": stretched_duration(targets["solo_duration_s"], targets["overlap_fraction"], model_pred),
+    })
+    return TrainResult(booster, schema, metrics, _importances(booster, features), predictions)

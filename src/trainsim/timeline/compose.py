@@ -1,0 +1,322 @@
+"""Compose one training step: trace + kernel times + communication model + slowdown model -> timeline.
+
+`compose_step` is the library entry point (the stage, the CLI, the benchmark and the tests call it):
+1. rank classes: the trace's, split by stragglers (classes.py);
+2. per class and pass: kernels, edges from the dependency rules, durations, serial runs collapsed
+   (program.py);
+3. the step graph: passes along the pipeline schedule, stream order, cross-class matching (step.py);
+4. replay (engine.py), then overlap slowdown until the durations reproduce themselves (overlap.py);
+5. outputs: breakdown, critical path, memory verdict (outputs.py), Chrome trace (chrome.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from trainsim.config.schema import HardwareConfig, ParallelismConfig
+from trainsim.errors import ConfigError
+from trainsim.timeline.classes import TimelineClasses, straggler_factors, timeline_classes
+from trainsim.timeline.costs import CommCost, NoSlowdown, SlowdownEstimate, finite_seconds, model_name
+from trainsim.timeline.engine import Replay, replay, successors
+from trainsim.timeline.overlap import SlowdownCache, is_compute_kind, overlapped
+from trainsim.timeline.plugins import DEFAULT_RULES, schedule_actions
+from trainsim.timeline.program import (
+    BLOCK,
+    COLLECTIVE,
+    COMPUTE,
+    KIND_NAMES,
+    MEMCPY,
+    RECV,
+    SEND,
+    OpCosts,
+    PassNodes,
+    PassOps,
+    kernel_graph,
+    op_costs,
+    pass_nodes,
+    pass_ops,
+)
+from trainsim.timeline.step import ClassProgram, StepGraph, build_step
+from trainsim.trace.expand import rename_for_rank
+from trainsim.workloads.layout import Layout
+
+ComputeSeconds = Mapping[str, float] | Callable[[pd.DataFrame], np.ndarray]
+
+
+@dataclass
+class TemplateInfo:
+    """Per template node (see step.TemplateTable): what it is, for outputs and slowdown features."""
+
+    label: list[str] = field(default_factory=list)
+    group_kind: list = field(default_factory=list)
+    stream: list[str] = field(default_factory=list)
+    comm: list = field(default_factory=list)
+    source: list[tuple] = field(default_factory=list)
+    """(PassOps, OpCosts, first op, last op) of each template node."""
+
+
+@dataclass
+class StepTimeline:
+    """The composed step: per-node times plus what produced them."""
+
+    step_time_s: float
+    classes: TimelineClasses
+    graph: StepGraph
+    replay: Replay
+    duration_s: np.ndarray
+    """Per step node, after overlap slowdown."""
+    solo_compute_s: np.ndarray
+    """Per step node, compute part before slowdown (straggler factor included)."""
+    fixed_s: np.ndarray
+    """Per step node, communication part (collective/P2P time, or tensor-parallel time inside a block)."""
+    info: TemplateInfo
+    pp_rank: np.ndarray
+    """Per class: its pipeline stage."""
+    iterations: int
+    converged: bool
+    models: dict[str, str]
+    num_ops: int
+    """Kernels the step runs (all classes, all micro-batches), before collapsing."""
+    simulate_s: float
+
+
+def _compute_lookup(compute_seconds: ComputeSeconds) -> Callable[[pd.DataFrame, np.ndarray], np.ndarray]:
+    """(ops, mask) -> solo seconds of ops[mask], from the profile mapping or a function of the rows."""
+    if callable(compute_seconds):
+        return lambda ops, mask: np.asarray(compute_seconds(ops[mask]), dtype=float)
+    index = pd.Index(list(compute_seconds.keys()))
+    values = np.asarray(list(compute_seconds.values()), dtype=float)
+
+    def lookup(ops: pd.DataFrame, mask: np.ndarray) -> np.ndarray:
+        position = index.get_indexer(ops["signature"].to_numpy()[mask])
+        if (position < 0).any():
+            missing = ops[mask][position < 0]
+            raise ConfigError(f"{len(missing)} kernel(s) have no time in the profile, e.g. {missing['op'].iat[0]} "
+                              f"signature {missing['signature'].iat[0]}; re-run the profile stage for this trace")
+        return values[position]
+
+    return lookup
+
+
+def _comm_lookup(comm: CommCost) -> Callable[..., float]:
+    cache: dict[tuple, float] = {}
+
+    def seconds(collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:
+        key = (collective, message_bytes, num_ranks, num_nodes)
+        if key not in cache:
+            if collective == "p2p":
+                value = comm.p2p_seconds(message_bytes, num_nodes == 1)
+            else:
+                value = comm.collective_seconds(collective, message_bytes, num_ranks, num_nodes)
+            cache[key] = finite_seconds(value, f"{model_name(comm)} for {key}")
+        return cache[key]
+
+    return seconds
+
+
+def _describe(p: PassOps, costs: OpCosts, nodes: PassNodes) -> list[tuple]:
+    """(label, group kind, stream, communication) of each node of a pass."""
+    ops = p.ops
+    group_kind, coll = ops["group_kind"].to_numpy(), ops["collective"].to_numpy()
+    names, streams = ops["op"].to_numpy(), ops["stream"].to_numpy()
+    message, members = ops["message_bytes"].to_numpy(), ops["group_ranks"].to_numpy()
+    inner_kind: dict[int, str] = {}
+    for i in np.flatnonzero(costs.kind == COLLECTIVE):
+        inner_kind.setdefault(int(nodes.node_of_op[i]), group_kind[i])
+    out = []
+    for n, (kind, first, last) in enumerate(zip(nodes.kind.tolist(), nodes.first_op.tolist(), nodes.last_op.tolist())):
+        if kind == BLOCK:
+            out.append((f"{p.phase} chunk {p.chunk} ({last - first + 1} kernels)", inner_kind.get(n), "compute", None))
+        elif kind in (COMPUTE, MEMCPY):
+            out.append((str(names[first]), None, str(streams[first]), None))
+        else:
+            stream = f"{streams[first]}.{KIND_NAMES[kind]}" if kind in (SEND, RECV) else str(streams[first])
+            out.append((f"{coll[first]} {group_kind[first]} {int(message[first])} B", group_kind[first], stream,
+                        {"collective": coll[first], "message_bytes": int(message[first]),
+                         "num_ranks": len(members[first])}))
+    return out
+
+
+def _fingerprint(events: pd.DataFrame) -> int:
+    """Equal for classes whose graphs are equal up to renaming of groups and peers (middle stages)."""
+    cols = ["id", "phase", "chunk", "per_microbatch", "kind", "op", "signature", "no_kernel", "collective",
+            "group_kind", "message_bytes"]
+    rows = pd.util.hash_pandas_object(events[cols], index=False).to_numpy()
+    deps = events["deps"].to_list()
+    lengths = np.fromiter((len(d) for d in deps), dtype=np.int64, count=len(deps))
+    flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in deps]) if lengths.sum() else lengths[:0]
+    return hash((rows.tobytes(), lengths.tobytes(), flat.tobytes()))
+
+
+def _renamed(passes: list[PassOps], layout: Layout, source_rep: int, rep: int) -> list[PassOps]:
+    """The passes as `rep` runs them: groups and peers of their communication renamed (rename_for_rank,
+    called once on the communication rows of all passes)."""
+    comm = [np.flatnonzero(p.ops["kind"].to_numpy() != "compute") for p in passes]
+    if not sum(len(c) for c in comm):
+        return passes
+    rows = pd.concat([p.ops.iloc[c] for p, c in zip(passes, comm)], ignore_index=True)
+    renamed = rename_for_rank(rows, layout, source_rep, rep)
+    groups_all, peers_all = renamed["group_ranks"].to_numpy(), renamed["peer"].to_numpy()
+    out, offset = [], 0
+    for p, c in zip(passes, comm):
+        groups, peers = p.ops["group_ranks"].to_numpy().copy(), p.ops["peer"].to_numpy().copy()
+        groups[c], peers[c] = groups_all[offset:offset + len(c)], peers_all[offset:offset + len(c)]
+        offset += len(c)
+        out.append(PassOps(p.phase, p.chunk, p.variant, p.ops.assign(group_ranks=groups, peer=peers), p.edges,
+                           p.external))
+    return out
+
+
+def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: ParallelismConfig, hw: HardwareConfig,
+                    classes: TimelineClasses, compute_seconds: ComputeSeconds, comm: CommCost,
+                    schedule: str, rules: tuple[str, ...], collapse: bool):
+    """Pass templates of every class. Classes with the same graph up to renaming share the work of
+    splitting, rule evaluation, collapsing and labelling."""
+    layout = Layout(par.dp, par.tp, par.pp)
+    lookup, comm_s = _compute_lookup(compute_seconds), _comm_lookup(comm)
+    base_rep = rank_classes.groupby("rank_class")["rank"].min().to_dict()
+    by_base = {b: g for b, g in graph.groupby("rank_class", sort=True)}
+    shapes: dict[int, tuple[int, list[PassOps]]] = {}  # fingerprint -> (its representative, passes)
+    shape_of_base: dict[int, int] = {}
+    runs_cache: dict = {}
+    described: dict = {}
+    programs, info, pp_rank = [], TemplateInfo(), []
+    for c in range(classes.count):
+        base, rep = int(classes.base_class[c]), int(classes.representative[c])
+        if base not in by_base:
+            raise ConfigError(f"graph.parquet has no events for rank class {base} (rank {rep})")
+        if base not in shape_of_base:
+            shape_of_base[base] = _fingerprint(by_base[base])
+            if shape_of_base[base] not in shapes:
+                shapes[shape_of_base[base]] = (base_rep[base], pass_ops(kernel_graph(by_base[base]), rules))
+        shape = shape_of_base[base]
+        source_rep, passes = shapes[shape]
+        if rep != source_rep:
+            passes = _renamed(passes, layout, source_rep, rep)
+        templates = []
+        for i, p in enumerate(passes):
+            costs = op_costs(p, c, classes.class_of_rank, rep, float(classes.compute_factor[c]), hw.devices_per_node,
+                             lookup, comm_s)
+            key = (shape, i, costs.kind.tobytes(), costs.internal.tobytes(), collapse)
+            nodes = pass_nodes(p, costs, collapse, runs_cache.get(key))
+            runs_cache[key] = nodes.node_of_op
+            if key not in described:
+                described[key] = _describe(p, costs, nodes)
+            for (label, group_kind, stream, comm_info), first, last in zip(described[key], nodes.first_op.tolist(),
+                                                                         nodes.last_op.tolist()):
+                info.label.append(label)
+                info.group_kind.append(group_kind)
+                info.stream.append(stream)
+                info.comm.append(comm_info)
+                info.source.append((p, costs, first, last))
+            templates.append(nodes)
+        stage = layout.position(rep).pp_rank
+        pp_rank.append(stage)
+        actions = schedule_actions(schedule, par.pp, stage, par.num_microbatches, par.virtual_stages)
+        programs.append(ClassProgram(c, templates, actions))
+    return programs, info, np.asarray(pp_rank)
+
+
+def _features(info: TemplateInfo) -> tuple[Callable[[int], dict], Callable[[int], dict]]:
+    columns: dict[int, tuple] = {}
+
+    def compute(tnode: int) -> dict:
+        p, costs, first, last = info.source[tnode]
+        if id(p) not in columns:
+            columns[id(p)] = (p.ops["op"].to_numpy(), p.ops["flops"].to_numpy(), p.ops["bytes_moved"].to_numpy())
+        op, flops, moved = columns[id(p)]
+        keep = np.flatnonzero(costs.kind[first:last + 1] == COMPUTE) + first
+        return {"op": op[keep], "flops": flops[keep], "bytes_moved": moved[keep], "duration_s": costs.compute_s[keep]}
+
+    return compute, lambda tnode: info.comm[tnode]
+
+
+GRAPH_COLUMNS = ("rank_class", "id", "phase", "chunk", "per_microbatch", "kind", "stream", "op", "signature",
+                 "no_kernel", "flops", "bytes_moved", "collective", "group_kind", "group_ranks", "message_bytes",
+                 "peer", "deps")
+
+
+def _plain(graph: pd.DataFrame) -> pd.DataFrame:
+    """The columns the composer reads, strings as plain Python objects (fast row-wise access)."""
+    missing = [c for c in GRAPH_COLUMNS if c not in graph.columns]
+    if missing:
+        raise ConfigError(f"the execution graph lacks column(s) {missing}; expected the trace stage's "
+                          "graph.parquet (trainsim.trace.schema.GRAPH_SCHEMA)")
+    out = graph[list(GRAPH_COLUMNS)].copy()
+    for c in ("phase", "kind", "stream", "op", "signature", "collective", "group_kind"):
+        out[c] = pd.Series(out[c].to_numpy(dtype=object, na_value=None), index=out.index, dtype=object)
+    return out
+
+
+def _class_ends(graph: StepGraph, result: Replay) -> np.ndarray:
+    ends = np.zeros(int(graph.cls.max()) + 1 if len(graph.cls) else 0)
+    np.maximum.at(ends, graph.cls, result.end_s)
+    return ends
+
+
+def _iterate(graph: StepGraph, solo: np.ndarray, fixed: np.ndarray, cache: SlowdownCache,
+             max_iterations: int, tolerance: float) -> tuple[Replay, np.ndarray, int, bool]:
+    """Replay, stretch overlapped compute, replay again until stable (overlap.py): the stretch the last
+    replay implies differs from the one it used by at most `tolerance` x step time in total (then no node
+    can move by more), or no class's end moved by more than that between the last two replays."""
+    csr = successors(graph)
+    kind = graph.table.kind[graph.tnode]
+    compute = is_compute_kind(kind) & (solo > 0)
+    duration, previous_ends = fixed + solo, None
+    for iteration in range(1, max_iterations + 1):
+        result = replay(graph, duration, csr)
+        ends = _class_ends(graph, result)
+        limit = tolerance * result.step_time_s
+        if previous_ends is not None and np.abs(ends - previous_ends).max() <= limit:
+            return result, duration, iteration, True
+        previous_ends = ends
+        overlap_s, partner = overlapped(graph.cls, kind, result.start_s, result.end_s)
+        s = np.zeros(len(solo))
+        hit = np.flatnonzero((overlap_s > 0) & compute & (partner >= 0))
+        if len(hit):
+            s[hit] = cache.lookup(graph.tnode[hit], graph.tnode[partner[hit]])
+        r = np.minimum(1.0, overlap_s / np.maximum(solo * (1.0 + s), 1e-300))
+        stretched = fixed + solo * (1.0 + r * s)  # Echo: t = (1 - r) t0 + r t0 (1 + s)
+        if np.abs(stretched - duration).sum() <= limit:
+            return result, duration, iteration, True
+        duration = stretched
+    return replay(graph, duration, csr), duration, max_iterations, False
+
+
+def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: ParallelismConfig, hw: HardwareConfig,
+                 compute_seconds: ComputeSeconds, comm: CommCost, slowdown: SlowdownEstimate | None = None, *,
+                 schedule: str | None = None, rules: tuple[str, ...] = DEFAULT_RULES, collapse: bool = True,
+                 max_iterations: int = 10, tolerance: float = 1e-4) -> StepTimeline:
+    """The timeline of one training step.
+
+    graph / rank_classes: the trace stage's tables; compute_seconds: signature -> solo seconds (the
+    profile) or a function of the op rows; comm: a CommCost; slowdown: a SlowdownEstimate (none: no
+    overlap slowdown); schedule: a registered pipeline schedule (default parallelism.schedule); rules:
+    registered dependency rules; collapse=False keeps one node per kernel (same result, slower).
+    """
+    started = time.perf_counter()
+    slowdown = slowdown or NoSlowdown()
+    layout = Layout(par.dp, par.tp, par.pp)
+    classes = timeline_classes(rank_classes, layout, straggler_factors(hw, layout.world_size))
+    programs, info, pp_rank = _class_programs(_plain(graph), rank_classes, par, hw, classes, compute_seconds, comm,
+                                              schedule or par.schedule, tuple(rules), collapse)
+    streams = sorted(set(info.stream), key=lambda s: (s != "compute", s))
+    stream_id = {s: i for i, s in enumerate(streams)}
+    step = build_step(programs, np.asarray([stream_id[s] for s in info.stream], dtype=np.int64), streams,
+                      link_passes="call_point" in rules)
+    solo = step.table.compute_s[step.tnode]
+    fixed = step.table.fixed_s[step.tnode]
+    cache = SlowdownCache(slowdown, *_features(info))
+    result, duration, iterations, converged = _iterate(step, solo, fixed, cache, max_iterations, tolerance)
+    ops_per_node = step.table.last_op - step.table.first_op + 1
+    return StepTimeline(
+        step_time_s=result.step_time_s, classes=classes, graph=step, replay=result, duration_s=duration,
+        solo_compute_s=solo, fixed_s=fixed, info=info, pp_rank=pp_rank, iterations=iterations,
+        converged=converged, models={"comm": model_name(comm), "slowdown": model_name(slowdown),
+                                     "schedule": schedule or par.schedule, "rules": ",".join(rules)},
+        num_ops=int(ops_per_node[step.tnode].sum()), simulate_s=time.perf_counter() - started)

@@ -1,0 +1,139 @@
+"""What the composer asks of the other models: communication cost and overlap slowdown.
+
+The core only sees these small protocols, so it never imports the NCCL model or the XGBoost
+predictor; the compose stage wires the real ones (`trainsim.comm.model.CommModel`,
+`trainsim.slowdown.predictor.SlowdownPredictor`) and tests use hand-computable ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import pandas as pd
+
+from trainsim.config.schema import HardwareConfig
+
+
+@runtime_checkable
+class CommCost(Protocol):
+    """Seconds of one collective or P2P transfer once every member has arrived (no waiting included)."""
+
+    def collective_seconds(self, collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:
+        """`message_bytes` in nccl-tests semantics (the trace's message_bytes column)."""
+
+    def p2p_seconds(self, message_bytes: int, same_node: bool) -> float:
+        """One send/recv pair."""
+
+
+@runtime_checkable
+class SlowdownEstimate(Protocol):
+    """Overlap slowdown s >= 0 of compute op i while comm op i runs (Echo sec. 3: t = t0 * (1 + s))."""
+
+    def slowdown(self, compute: pd.DataFrame, comm: pd.DataFrame) -> np.ndarray:
+        """compute: columns op, flops, bytes_moved, duration_s; comm: collective, message_bytes, num_ranks."""
+
+
+@dataclass(frozen=True)
+class NoSlowdown:
+    """Overlap costs nothing (what most simulators assume)."""
+
+    name: str = "none"
+
+    def slowdown(self, compute: pd.DataFrame, comm: pd.DataFrame) -> np.ndarray:
+        return np.zeros(len(compute))
+
+
+@dataclass(frozen=True)
+class ConstantSlowdown:
+    """Every overlapped compute op is `s` slower (Echo's constant-factor baseline)."""
+
+    s: float
+    name: str = "constant"
+
+    def slowdown(self, compute: pd.DataFrame, comm: pd.DataFrame) -> np.ndarray:
+        return np.full(len(compute), float(self.s))
+
+
+@dataclass
+class PredictorSlowdown:
+    """Adapter for the learned model: features by `overlap_features`, s by `SlowdownPredictor.predict`."""
+
+    predictor: object
+    device_type: str
+    name: str = "xgboost"
+
+    def slowdown(self, compute: pd.DataFrame, comm: pd.DataFrame) -> np.ndarray:
+        from trainsim.slowdown.predictor import overlap_features  # the other stage's module: import lazily
+
+        features = overlap_features(compute.reset_index(drop=True), comm.reset_index(drop=True), self.device_type)
+        return np.clip(np.asarray(self.predictor.predict(features), dtype=float), 0.0, None)
+
+
+@dataclass(frozen=True)
+class AlphaBetaComm:
+    """Stand-in communication model from the hardware datasheet (latency + size / bandwidth, ring factors).
+
+    Used only where the calibrated NCCL model (trainsim.comm.model) is unavailable; the summary names it.
+    Ring all-reduce moves 2(n-1)/n of the message per rank, all-gather / reduce-scatter (n-1)/n, with
+    one latency per ring step (Thakur et al. 2005; NCCL's own tuning model). A group spanning nodes is
+    limited by the node's network bandwidth shared by the node's devices that communicate at once
+    (all devices_per_node of them in a 3D-parallel step).
+    """
+
+    hw: HardwareConfig
+    name: str = "alpha-beta stand-in (datasheet)"
+
+    def _bandwidth_latency(self, ranks_per_node: float, num_nodes: int) -> tuple[float, float]:
+        intra = self.hw.intra_node_bandwidth_bytes_per_s or 10e9
+        if num_nodes <= 1:
+            return intra, self.hw.intra_node_latency_s or 5e-6
+        inter = self.hw.inter_node_bandwidth_bytes_per_s or 10e9
+        share = max(1.0, (self.hw.devices_per_node or 1) / max(ranks_per_node, 1.0))
+        return min(intra, inter / share), self.hw.inter_node_latency_s or 10e-6
+
+    def collective_seconds(self, collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:
+        n = max(int(num_ranks), 1)
+        if n == 1:
+            return 0.0
+        bandwidth, latency = self._bandwidth_latency(n / max(num_nodes, 1), num_nodes)
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                  "all_to_all": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(collective, 1.0)
+        steps = 2 * (n - 1) if collective == "all_reduce" else (n - 1)
+        return steps * latency + factor * message_bytes / bandwidth
+
+    def p2p_seconds(self, message_bytes: int, same_node: bool) -> float:
+        bandwidth, latency = self._bandwidth_latency(1.0, 1 if same_node else 2)
+        return latency + message_bytes / bandwidth
+
+
+@dataclass(frozen=True)
+class TableComm:
+    """Hand-set costs for tests and what-if studies: seconds per collective name, per P2P transfer."""
+
+    collective_s: Mapping[str, float]
+    p2p_s: float = 0.0
+    name: str = "table"
+
+    def collective_seconds(self, collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:
+        return float(self.collective_s.get(collective, 0.0)) if num_ranks > 1 else 0.0
+
+    def p2p_seconds(self, message_bytes: int, same_node: bool) -> float:
+        return float(self.p2p_s)
+
+
+def model_name(model: object) -> str:
+    """What the summary calls a model: its `name`, else its class plus its `source` when it has one."""
+    if getattr(model, "name", None):
+        return str(model.name)
+    source = getattr(model, "source", None)
+    return f"{type(model).__name__} ({source})" if source else type(model).__name__
+
+
+def finite_seconds(value: float, what: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} returned {value!r} seconds; expected a finite value >= 0")
+    return float(value)

@@ -1,0 +1,191 @@
+"""The collective model (hand-computable cases), its fit, the calibration stage and its accuracy on public data."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trainsim.comm.calibration import (
+    MEASUREMENT_COLUMNS,
+    collect_measurements,
+    read_calibration_file,
+    write_calibration_artifact,
+)
+from trainsim.comm.fit import every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
+from trainsim.comm.model import CollectiveParams, CommModel, choose, chunk_bytes, predict_seconds, prior_params
+from trainsim.config import compose_run
+from trainsim.config.schema import CalibrationFile
+from trainsim.errors import ConfigError
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nccl-tests"
+MIB = 1 << 20
+
+
+def hardware(name: str):
+    return compose_run([f"hardware={name}"], check="layout").hardware
+
+
+def simple_ring(collective="all_reduce", channels=1, **values) -> CollectiveParams:
+    base = {"alpha.ring": 10e-6, "delta": 0.0, "latency.intra.Simple": 2e-6, "bandwidth.intra.Simple": 10e9,
+            "latency.inter.Simple": 20e-6, "bandwidth.inter.Simple": 1e9}
+    return CollectiveParams(collective, ("ring",), ("Simple",), channels, 4 * MIB, {**base, **values})
+
+
+def test_ring_all_reduce_matches_the_formula():
+    params = simple_ring()
+    chunk = chunk_bytes("Simple", 4 * MIB, ring=True)  # 4 MiB / 8 steps * 4 chunk steps = 2 MiB
+    assert chunk == 2 * MIB
+    n, size = 4, 16 * MIB  # 16 MiB / (4 ranks * 1 channel * 2 MiB) = 2 loops of 6 steps
+    per_step = size / (n * 1 * 2)
+    expected = 10e-6 + 2 * 6 * (2e-6 + per_step / 10e9)
+    assert predict_seconds(params, [size], n, 1)[0] == pytest.approx(expected)
+
+
+def test_more_loops_add_per_step_latency_not_bandwidth():
+    params = simple_ring()
+    below, above = predict_seconds(params, [8 * MIB, 8 * MIB + 4096], 4, 1)
+    # one more loop: 2(N-1) more step latencies; the 4 KiB more add only their transfer, 2(N-1)/N of them
+    assert above - below == pytest.approx(6 * 2e-6 + 6 * 4096 / 4 / 10e9)
+
+
+def test_multi_node_ring_waits_for_the_slowest_link_and_delta_scales_with_size():
+    params = simple_ring(delta=1e-11)
+    one_node, two_nodes = predict_seconds(params, [64 * MIB], 8, 1)[0], predict_seconds(params, [64 * MIB], 8, 2)[0]
+    assert two_nodes > 5 * one_node
+    no_delta = predict_seconds(replace(params, values={**params.values, "delta": 0.0}), [64 * MIB], 8, 1)[0]
+    assert one_node - no_delta == pytest.approx(1e-11 * 64 * MIB)
+
+
+def test_tree_is_a_candidate_across_nodes_only():
+    values = {**simple_ring().values, "alpha.tree": 1e-6}
+    params = CollectiveParams("all_reduce", ("ring", "tree"), ("Simple",), 1, 4 * MIB, values)
+    assert choose(params, 64 * MIB, 16, 1)[0] == "ring"
+    assert choose(params, 64 * MIB, 16, 2) == ("tree", "Simple")  # 2 inter hops instead of 30 slow ring steps
+
+
+def test_pipeline_collectives_and_p2p():
+    params = simple_ring("send_recv")
+    size = MIB  # pipeline chunk is 512 KiB for Simple: 2 chunks through one hop
+    assert predict_seconds(params, [size], 2, 1)[0] == pytest.approx(10e-6 + 2 * (2e-6 + size / 2 / 10e9))
+    model = CommModel(hardware("a100-80g-dgx"), {"send_recv": params}, source="test")
+    assert model.p2p_seconds(size, same_node=False) > model.p2p_seconds(size, same_node=True)
+
+
+def synthetic(params: CollectiveParams, ranks_nodes, sizes) -> pd.DataFrame:
+    rows = [{"message_bytes": s, "num_ranks": n, "num_nodes": m, "source": "synthetic"}
+            for n, m in ranks_nodes for s in sizes]
+    table = pd.DataFrame(rows)
+    return table.assign(time_s=predict_table(params, table))
+
+
+def test_fit_recovers_a_known_model_and_extrapolates_in_ranks():
+    hw = hardware("a100-80g-dgx")
+    truth = prior_params(hw, "all_reduce", channels=8)
+    truth.values.update({"latency.intra.LL128": 3e-6, "bandwidth.intra.Simple": 30e9, "delta": 2e-12})
+    sizes = [2**k for k in range(12, 31)]
+    train = synthetic(truth, [(2, 1), (4, 1)], sizes)
+    fit = fit_collective(train, prior_params(hw, "all_reduce"), (8,))
+    assert fit.train_mape_pct < 1.0
+    test = synthetic(truth, [(8, 1)], sizes)
+    assert mape_pct(predict_table(fit.params, test), test["time_s"].to_numpy()) < 3.0
+
+
+def a100_file(name: str) -> pd.DataFrame:
+    return read_calibration_file(CalibrationFile(path=str(DATA / name)))
+
+
+def test_reads_nccl_tests_logs_with_ranks_and_nodes_from_the_file():
+    table = a100_file("a100-16gpu-2node-aws-p4de-efa400_allreduce.txt")
+    assert list(table.columns) == MEASUREMENT_COLUMNS
+    assert set(table["num_ranks"]) == {16} and set(table["num_nodes"]) == {2}
+    assert len(table) == 29  # out-of-place only, 8 B .. 2 GiB
+
+
+def test_bad_calibration_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_calibration_file(CalibrationFile(path=str(tmp_path / "missing.txt")))
+    log = tmp_path / "allreduce.txt"
+    log.write_text("#  size count type redop root time algbw busbw #wrong time algbw busbw #wrong\n"
+                   "1024 256 float sum -1 10.0 0.1 0.1 0 10.0 0.1 0.1 0\n")
+    with pytest.raises(ConfigError, match="num_ranks"):
+        read_calibration_file(CalibrationFile(path=str(log)))
+    table = read_calibration_file(CalibrationFile(path=str(log), num_ranks=8, num_nodes=1))
+    assert table["num_ranks"].tolist() == [8]
+    with pytest.raises(ConfigError, match="not a multiple"):
+        read_calibration_file(CalibrationFile(path=str(log), num_ranks=6, num_nodes=4))
+    truncated = tmp_path / "truncated_allreduce.txt"
+    truncated.write_text(log.read_text() + "2048 512 float sum -1 11.0\n")
+    with pytest.raises(ConfigError, match="line 3"):
+        read_calibration_file(CalibrationFile(path=str(truncated), num_ranks=8, num_nodes=1))
+
+
+@pytest.mark.parametrize("name, limit_pct", [
+    ("a100-16gpu-2node-aws-p4de-efa400_allreduce.txt", 8.0),
+    ("h100-16gpu-2node-aws-p5-efa3200_allreduce.txt", 6.0),
+])
+def test_held_out_sizes_beat_alpha_beta_on_multi_node_logs(name, limit_pct):
+    """Deterministic accuracy guard on public data (see benchmarks/comm_accuracy.py for all files)."""
+    table = a100_file(name)
+    hw = hardware("h100-sxm-dgx" if name.startswith("h100") else "a100-80g-dgx")
+    train = every_other_size(table)
+    test = table[~train]
+    fit = fit_collective(table[train], prior_params(hw, "all_reduce"))
+    measured = test["time_s"].to_numpy()
+    large = (test["message_bytes"] >= MIB).to_numpy()
+    model = predict_table(fit.params, test)
+    baseline = fit_alpha_beta(table[train], "all_reduce").predict(test)
+    assert mape_pct(model[large], measured[large]) < limit_pct
+    assert mape_pct(model, measured) < mape_pct(baseline, measured) / 2
+
+
+def test_calibration_artifact_round_trips_into_the_comm_model(tmp_path):
+    hw = hardware("h100-sxm-dgx")
+    hw.calibration.files = [CalibrationFile(path=str(DATA / "h100-16gpu-2node-aws-p5-efa3200_allreduce.txt"))]
+    fit = write_calibration_artifact(hw, {"hardware": "h100-sxm-dgx"}, tmp_path / "cal")
+    stored = json.loads((tmp_path / "cal" / "fit.json").read_text())
+    assert stored["collectives"]["all_reduce"]["heldout"]["model_mape_pct_large"] < 6.0
+    assert set(stored["sources"]) == {str(DATA / "h100-16gpu-2node-aws-p5-efa3200_allreduce.txt")}
+    model = CommModel.load(tmp_path / "cal", hw)
+    measured = pd.read_parquet(tmp_path / "cal" / "measurements.parquet")
+    row = measured[measured["message_bytes"] == 256 * MIB].iloc[0]
+    assert model.collective_seconds("all_reduce", 256 * MIB, 16, 2) == pytest.approx(row["time_s"], rel=0.1)
+    # collectives never measured borrow the fitted links: an all-gather moves half an all-reduce's bytes
+    ag = model.collective_seconds("all_gather", 256 * MIB, 16, 2)
+    assert 0.3 < ag / row["time_s"] < 1.0
+    assert fit["hardware"] == "h100-sxm-dgx"
+
+
+def test_uncalibrated_model_and_bad_queries():
+    model = CommModel.from_hardware(hardware("h800-dgx"))
+    times = [model.collective_seconds("all_reduce", s, 64, 8) for s in (MIB, 16 * MIB, 256 * MIB)]
+    assert all(np.diff(times) > 0) and times[0] > 5e-6
+    assert model.collective_seconds("barrier", 0, 8, 1) > 0
+    with pytest.raises(ValueError, match="unknown collective 'allreduce_fancy'"):
+        model.collective_seconds("allreduce_fancy", MIB, 8, 1)
+    with pytest.raises(ValueError, match="multiple of num_nodes"):
+        model.collective_seconds("all_reduce", MIB, 6, 4)
+
+
+def test_no_measurements_gives_an_empty_calibration(tmp_path):
+    hw = hardware("h800-dgx")
+    assert collect_measurements(hw).empty
+    fit = write_calibration_artifact(hw, {"hardware": "h800-dgx"}, tmp_path / "cal")
+    assert fit["collectives"] == {}
+    assert CommModel.load(tmp_path / "cal", hw).collective_seconds("all_reduce", MIB, 8, 1) > 0
+
+
+@pytest.mark.slow
+def test_local_gloo_calibration(tmp_path):
+    hw = hardware("local-cpu")
+    cal = hw.calibration
+    cal.sweep_ranks, cal.sweep_collectives, cal.sweep_max_bytes, cal.sweep_repeats = [2], ["all_reduce"], 65536, 1
+    fit = write_calibration_artifact(hw, {"hardware": "local-cpu"}, tmp_path / "cal")
+    entry = fit["collectives"]["all_reduce"]
+    assert entry["rows"] == 7 and entry["params"]["channels"] == 1
+    model = CommModel.load(tmp_path / "cal", hw)
+    assert model.collective_seconds("all_reduce", 65536, 2, 1) > 0
