@@ -51,6 +51,7 @@ def declare_rule(stage):
         params:
             config_json=lambda wildcards: stage_config_json(stage, wildcards),
             database=lambda wildcards: stage.database_path(wildcards) if stage.database else "",
+        threads: workflow.cores if stage.measures else 1
         log:
             stage.output.replace("artifacts/", "logs/", 1) + ".log",
         shell:

@@ -269,22 +269,22 @@ def _flop_times(ops: pd.DataFrame) -> np.ndarray:
 
 @pytest.mark.parametrize("parallelism", ["dp2", "pp2", "pp2-interleaved"])
 def test_collapsing_serial_runs_does_not_change_the_step(tiny_traces, parallelism):
-    from trainsim.timeline import AlphaBetaComm
+    from trainsim.comm.model import CommModel
 
     run, graph, rank_classes = tiny_traces[parallelism]
     steps = [compose_step(graph, rank_classes, run.parallelism, run.hardware, _flop_times,
-                          AlphaBetaComm(run.hardware), collapse=collapse) for collapse in (True, False)]
+                          CommModel.from_hardware(run.hardware), collapse=collapse) for collapse in (True, False)]
     assert steps[0].step_time_s == pytest.approx(steps[1].step_time_s, rel=1e-12)
     assert steps[0].graph.num_nodes < steps[1].graph.num_nodes
 
 
 def test_step_expansion_runs_the_ops_expand_step_gives(tiny_traces):
-    from trainsim.timeline import AlphaBetaComm
+    from trainsim.comm.model import CommModel
     from trainsim.trace.expand import expand_step
 
     run, graph, rank_classes = tiny_traces["pp2-interleaved"]
     par = run.parallelism
-    t = compose_step(graph, rank_classes, par, run.hardware, _flop_times, AlphaBetaComm(run.hardware),
+    t = compose_step(graph, rank_classes, par, run.hardware, _flop_times, CommModel.from_hardware(run.hardware),
                      collapse=False)
     for c in range(t.classes.count):
         nodes = t.graph.tnode[t.graph.cls == c]

@@ -28,6 +28,8 @@ class Stage:
     """Upstream stages whose artifacts (for the same keys) this stage reads."""
     database: str | None = None
     """A shared, append-only store the stage adds to (never deleted before a run; DVC `persist`)."""
+    measures: bool = False
+    """Times things on this machine: Snakemake gives it every core, so no other job distorts its timings."""
 
     def path(self, keys: dict[str, str]) -> str:
         return self.output.format(**{k: keys[k] for k in self.keyed_by})
@@ -55,6 +57,7 @@ STAGES: dict[str, Stage] = {
         summary="solo time of every distinct compute op of the trace (measured, reused or analytical)",
         inputs=("trace",),
         database="artifacts/profiles/{hardware}/kernels.parquet",
+        measures=True,
     ),
     "calibration": Stage(
         name="calibration",
@@ -63,6 +66,7 @@ STAGES: dict[str, Stage] = {
         script="stages/calibration_stage.py",
         code=("stages/calibration_stage.py", "src/trainsim/comm"),
         summary="collective measurements (local sweep, nccl-tests logs) and the fitted NCCL model with held-out error",
+        measures=True,
     ),
     "slowdown_dataset": Stage(
         name="slowdown_dataset",
@@ -73,6 +77,7 @@ STAGES: dict[str, Stage] = {
               "src/trainsim/slowdown/collect.py", "src/trainsim/slowdown/a100_import.py",
               "src/trainsim/slowdown/features.py"),
         summary="compute ops timed solo and overlapped with collectives (measured here or imported)",
+        measures=True,
     ),
     "slowdown_model": Stage(
         name="slowdown_model",

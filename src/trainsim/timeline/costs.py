@@ -15,8 +15,6 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 
-from trainsim.config.schema import HardwareConfig
-
 
 @runtime_checkable
 class CommCost(Protocol):
@@ -71,43 +69,6 @@ class PredictorSlowdown:
 
         features = overlap_features(compute.reset_index(drop=True), comm.reset_index(drop=True), self.device_type)
         return np.clip(np.asarray(self.predictor.predict(features), dtype=float), 0.0, None)
-
-
-@dataclass(frozen=True)
-class AlphaBetaComm:
-    """Stand-in communication model from the hardware datasheet (latency + size / bandwidth, ring factors).
-
-    Used only where the calibrated NCCL model (trainsim.comm.model) is unavailable; the summary names it.
-    Ring all-reduce moves 2(n-1)/n of the message per rank, all-gather / reduce-scatter (n-1)/n, with
-    one latency per ring step (Thakur et al. 2005; NCCL's own tuning model). A group spanning nodes is
-    limited by the node's network bandwidth shared by the node's devices that communicate at once
-    (all devices_per_node of them in a 3D-parallel step).
-    """
-
-    hw: HardwareConfig
-    name: str = "alpha-beta stand-in (datasheet)"
-
-    def _bandwidth_latency(self, ranks_per_node: float, num_nodes: int) -> tuple[float, float]:
-        intra = self.hw.intra_node_bandwidth_bytes_per_s or 10e9
-        if num_nodes <= 1:
-            return intra, self.hw.intra_node_latency_s or 5e-6
-        inter = self.hw.inter_node_bandwidth_bytes_per_s or 10e9
-        share = max(1.0, (self.hw.devices_per_node or 1) / max(ranks_per_node, 1.0))
-        return min(intra, inter / share), self.hw.inter_node_latency_s or 10e-6
-
-    def collective_seconds(self, collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:
-        n = max(int(num_ranks), 1)
-        if n == 1:
-            return 0.0
-        bandwidth, latency = self._bandwidth_latency(n / max(num_nodes, 1), num_nodes)
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                  "all_to_all": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(collective, 1.0)
-        steps = 2 * (n - 1) if collective == "all_reduce" else (n - 1)
-        return steps * latency + factor * message_bytes / bandwidth
-
-    def p2p_seconds(self, message_bytes: int, same_node: bool) -> float:
-        bandwidth, latency = self._bandwidth_latency(1.0, 1 if same_node else 2)
-        return latency + message_bytes / bandwidth
 
 
 @dataclass(frozen=True)

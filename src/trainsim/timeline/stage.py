@@ -13,7 +13,6 @@ Files (artifacts/timelines/{hardware}/{model}/{parallelism}/):
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -23,10 +22,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainsim.artifacts import atomic_artifact, read_manifest, read_table
+from trainsim.comm.model import CommModel
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.slowdown.features import device_type_of
+from trainsim.slowdown.predictor import SlowdownPredictor
 from trainsim.timeline.chrome import write_chrome_trace
 from trainsim.timeline.compose import StepTimeline, compose_step
-from trainsim.timeline.costs import AlphaBetaComm, CommCost, NoSlowdown, PredictorSlowdown, SlowdownEstimate
+from trainsim.timeline.costs import CommCost, NoSlowdown, PredictorSlowdown, SlowdownEstimate
 from trainsim.timeline.outputs import class_table, node_kind_names, summary
 from trainsim.trace.stage import GRAPH_FILE, MEMORY_FILE, RANK_CLASSES_FILE
 
@@ -37,33 +39,19 @@ TIMELINE_FILE = "timeline.parquet"
 CHROME_FILE = "trace.json"
 
 
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def comm_model(hw: HardwareConfig, calibration_dir: Path | None) -> CommCost:
-    """The calibrated NCCL model when its artifact is given, else the uncalibrated one from the hardware
-    datasheet, else (no trainsim.comm.model) the alpha-beta stand-in."""
-    if _module_exists("trainsim.comm.model"):
-        from trainsim.comm.model import CommModel
-
-        if calibration_dir is not None:
-            read_manifest(calibration_dir)
-            return CommModel.load(calibration_dir, hw)
-        return CommModel.from_hardware(hw)
-    return AlphaBetaComm(hw)
+    """The calibrated NCCL model when its artifact is given, else the uncalibrated one (datasheet rates
+    and NCCL's constants)."""
+    if calibration_dir is not None:
+        read_manifest(calibration_dir)
+        return CommModel.load(calibration_dir, hw)
+    return CommModel.from_hardware(hw)
 
 
 def slowdown_model(hw: HardwareConfig, model_dir: Path | None) -> SlowdownEstimate:
     """The learned slowdown model when its artifact is given, else no slowdown."""
-    if model_dir is None or not _module_exists("trainsim.slowdown.predictor"):
+    if model_dir is None:
         return NoSlowdown()
-    from trainsim.slowdown.features import device_type_of
-    from trainsim.slowdown.predictor import SlowdownPredictor
-
     device = device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type)
     return PredictorSlowdown(SlowdownPredictor.load(model_dir), device)
 
