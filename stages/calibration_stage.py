@@ -6,6 +6,7 @@ alpha-beta baseline); see trainsim/comm/calibration.py.
 
 from __future__ import annotations
 
+import math
 import sys
 
 from rich.console import Console
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{keys['hardware']}: no measurements configured; the model uses NCCL constants and "
                       "datasheet rates (add hardware.calibration.files)")
     for name, entry in fit["collectives"].items():
-        held = {k: "-" if v is None else f"{v:.1f}%" for k, v in entry["heldout"].items()}
+        held = {k: "-" if v is None or math.isnan(v) else f"{v:.1f}%" for k, v in entry["heldout"].items()}
         console.print(f"{name}: {entry['rows']} measurements, fit error {entry['train_mape_pct']:.1f}%; held-out sizes "
                       f">=1MiB {held['model_mape_pct_large']} (alpha-beta {held['baseline_mape_pct_large']}), "
                       f"<1MiB {held['model_mape_pct_small']} (alpha-beta {held['baseline_mape_pct_small']})")
