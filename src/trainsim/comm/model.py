@@ -43,8 +43,8 @@ import yaml
 from trainsim.config.schema import HardwareConfig
 
 PROTOCOLS = ("LL", "LL128", "Simple")
-HOPS = ("intra", "inter")
-RING_FAMILY = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}  # steps per loop / (N-1)
+RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""Collectives whose "ring" algorithm is the loop-by-loop ring family; the others stream chunks."""
 ALGORITHMS = {"all_reduce": ("ring", "tree"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
               "all_to_all": ("ring",), "broadcast": ("ring",), "reduce": ("ring",), "send_recv": ("ring",)}
 """Algorithms each collective can run with (NCCL's tree exists for all-reduce only)."""
@@ -85,7 +85,7 @@ def chunk_bytes(protocol: str, simple_buffer_bytes: int, ring: bool) -> float:
 class CollectiveParams:
     """Fitted (or prior) parameters of one collective on one hardware; `values` in seconds and bytes/s.
 
-    values keys: 'alpha.<algorithm>' (launch and setup, s), 'delta' (reduction, s per byte),
+    values keys: 'alpha.<algorithm>' (launch and setup, s), 'delta' (local buffer work, s per byte),
     'latency.<hop>.<protocol>' (per step, s), 'bandwidth.<hop>.<protocol>' (per channel, bytes/s).
     """
 
@@ -133,7 +133,7 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
     """Execution time (s) of the collective with one algorithm and protocol, for an array of sizes."""
     v, name = params.values, params.collective
     size = np.asarray(size, dtype=float)
-    ring = algorithm == "ring" and (name == "all_reduce" or name in RING_FAMILY)
+    ring = algorithm == "ring" and name in RING_COLLECTIVES
     used = _channels_used(size, protocol, params.channels, num_ranks, ring)
     chunk = chunk_bytes(protocol, params.simple_buffer_bytes, ring)
     if num_ranks == 1:
@@ -184,8 +184,8 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
 
     Per-step latencies are NCCL's hwLatencies (ring row; NVLINK intra-node on GPUs, PCI elsewhere, NET
     inter-node), launch latency its baseLatencies; per-channel bandwidth is the link's datasheet rate
-    split over the channels times the protocol's payload fraction; reduction reads two operands and
-    writes one at memory bandwidth.
+    split over the channels times the protocol's payload fraction; local buffer work (delta) reads two
+    operands and writes one at memory bandwidth.
     """
     nccl = hw.nccl
     constants = release_constants(nccl.version)
