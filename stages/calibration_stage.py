@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     if not fit["collectives"]:
         console.print(f"{keys['hardware']}: no measurements configured; the model uses NCCL constants and "
                       "datasheet rates (add hardware.calibration.files)")
+    for source, count in fit["skipped_wrong_results"].items():
+        if count:
+            console.print(f"[yellow]{source}: {count} measurement(s) with wrong results skipped[/yellow]")
     for name, entry in fit["collectives"].items():
         held = {k: "-" if v is None or math.isnan(v) else f"{v:.1f}%" for k, v in entry["heldout"].items()}
         console.print(f"{name}: {entry['rows']} measurements, fit error {entry['train_mape_pct']:.1f}%; held-out sizes "

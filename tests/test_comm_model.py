@@ -189,3 +189,34 @@ def test_local_gloo_calibration(tmp_path):
     assert entry["rows"] == 7 and entry["params"]["channels"] == 1
     model = CommModel.load(tmp_path / "cal", hw)
     assert model.collective_seconds("all_reduce", 65536, 2, 1) > 0
+
+
+HEADER = "#  size count type redop root time algbw busbw #wrong time algbw busbw #wrong\n"
+
+
+def test_rows_with_wrong_results_are_skipped_and_counted(tmp_path):
+    log = tmp_path / "all_reduce_perf.txt"
+    log.write_text(HEADER + "1048576 262144 float sum -1 100.0 10.49 18.35 0 100.0 10.49 18.35 0\n"
+                            "2097152 524288 float sum -1 150.0 13.98 24.47 3 150.0 13.98 24.47 0\n")
+    table = read_calibration_file(CalibrationFile(path=str(log), num_ranks=8, num_nodes=1))
+    assert table["message_bytes"].tolist() == [1048576]  # out-of-place row with 3 wrong results left out
+    assert table.attrs["skipped_wrong"] == 1
+    hw = hardware("h800-dgx")
+    hw.calibration.files = [CalibrationFile(path=str(log), num_ranks=8, num_nodes=1)]
+    assert collect_measurements(hw).attrs["skipped_wrong"] == {str(log): 1}
+
+
+def test_time_unit_that_contradicts_the_header_is_refused(tmp_path):
+    log = tmp_path / "all_reduce_perf.txt"  # times in ms under a header that says us (algbw disagrees)
+    log.write_text(HEADER + "1048576 262144 float sum -1 0.100 10.49 18.35 0 0.100 10.49 18.35 0\n")
+    with pytest.raises(ConfigError, match="time unit mismatch"):
+        read_calibration_file(CalibrationFile(path=str(log), num_ranks=8, num_nodes=1))
+
+
+def test_mixed_collectives_in_one_file_are_refused(tmp_path):
+    log = tmp_path / "sweep.txt"
+    row = "1048576 262144 float sum -1 100.0 10.49 18.35 0 100.0 10.49 18.35 0\n"
+    log.write_text("# ./build/all_reduce_perf -b 1M -e 1M -g 8\n" + HEADER + row
+                   + "# ./build/all_gather_perf -b 1M -e 1M -g 8\n" + HEADER + row)
+    with pytest.raises(ConfigError, match="mixed collectives"):
+        read_calibration_file(CalibrationFile(path=str(log), num_ranks=8, num_nodes=1))

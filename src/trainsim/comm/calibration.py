@@ -38,7 +38,11 @@ LARGE_BYTES = 1 << 20
 
 
 def read_calibration_file(entry: CalibrationFile, root: Path = Path(".")) -> pd.DataFrame:
-    """One file's out-of-place measurements as MEASUREMENT_COLUMNS; names the file and field when it cannot."""
+    """One file's out-of-place measurements as MEASUREMENT_COLUMNS; names the file and field when it cannot.
+
+    `attrs["skipped_wrong"]` counts the rows left out because nccl-tests found wrong results in them.
+    """
+    skipped_wrong = 0
     path = Path(entry.path) if Path(entry.path).is_absolute() else root / entry.path
     if not path.is_file():
         raise ConfigError(f"hardware.calibration.files: {path} does not exist")
@@ -63,12 +67,15 @@ def read_calibration_file(entry: CalibrationFile, root: Path = Path(".")) -> pd.
                 raise ConfigError(f"{path}: cannot tell {field} from the file; set it in its hardware.calibration."
                                   f"files entry ({{path: {entry.path}, {field}: ...}})")
         table = result.table.assign(num_ranks=result.nranks, num_nodes=nodes)
+        skipped_wrong = result.skipped_wrong
     table = table[table.get("placement", "out_of_place") == "out_of_place"]
     if (table["num_ranks"] % table["num_nodes"]).any():
         raise ConfigError(f"{path}: num_ranks={table['num_ranks'].iloc[0]} is not a multiple of "
                           f"num_nodes={table['num_nodes'].iloc[0]}")
-    return table.assign(collective=table["collective"].map(normalize_collective), algorithm="auto",
-                        protocol="auto", source=str(entry.path))[MEASUREMENT_COLUMNS].reset_index(drop=True)
+    table = table.assign(collective=table["collective"].map(normalize_collective), algorithm="auto",
+                         protocol="auto", source=str(entry.path))[MEASUREMENT_COLUMNS].reset_index(drop=True)
+    table.attrs["skipped_wrong"] = skipped_wrong
+    return table
 
 
 def local_sweep(hw: HardwareConfig) -> pd.DataFrame:
@@ -87,8 +94,12 @@ def local_sweep(hw: HardwareConfig) -> pd.DataFrame:
 
 
 def collect_measurements(hw: HardwareConfig, root: Path = Path("."), sweep=local_sweep) -> pd.DataFrame:
-    """All measurements of the hardware: its files, then the local sweep if enabled."""
+    """All measurements of the hardware: its files, then the local sweep if enabled.
+
+    `attrs["skipped_wrong"]`: per file, the rows nccl-tests flagged with wrong results (left out).
+    """
     tables = [read_calibration_file(entry, root) for entry in hw.calibration.files]
+    skipped = {entry.path: t.attrs["skipped_wrong"] for entry, t in zip(hw.calibration.files, tables, strict=True)}
     if hw.calibration.local_sweep:
         tables.append(sweep(hw))
     if not tables:
@@ -99,7 +110,9 @@ def collect_measurements(hw: HardwareConfig, root: Path = Path("."), sweep=local
         row = bad.iloc[0]
         raise ConfigError(f"{row['source']}: {len(bad)} measurement(s) with time_s <= 0 or NaN "
                           f"(first: {row['collective']} {row['message_bytes']} B); times must be positive")
-    return table.astype({"num_ranks": "int64", "num_nodes": "int64", "message_bytes": "int64"})
+    table = table.astype({"num_ranks": "int64", "num_nodes": "int64", "message_bytes": "int64"})
+    table.attrs["skipped_wrong"] = skipped
+    return table
 
 
 def channel_choices(hw: HardwareConfig) -> tuple[int, ...]:
@@ -162,6 +175,7 @@ def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output:
         sources = {str(e.path): file_sha256(root / e.path if not Path(e.path).is_absolute() else Path(e.path))
                    for e in hw.calibration.files}
         fit = {"hardware": hw.name, "nccl_version": hw.nccl.version, "sources": sources,
+               "skipped_wrong_results": measurements.attrs.get("skipped_wrong", {}),
                "collectives": calibrate(measurements, hw) if len(measurements) else {}}
         (tmp / FIT_FILE).write_text(json.dumps(_finite(fit), indent=2) + "\n")
     return fit

@@ -85,6 +85,7 @@ class NcclTestsResult:
     nranks: int | None
     nodes: int | None
     source: str
+    skipped_wrong: int = 0  # measurements dropped because nccl-tests counted wrong results (#wrong > 0)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def parse_nccl_tests(path: str | os.PathLike[str], collective: str | None = None
     source = os.fspath(path)
     if nranks is not None:
         _check_nranks(nranks)
-    comments, rows = _scan(source, Path(path).read_text(encoding="utf-8", errors="replace").splitlines())
+    comments, rows, skipped_wrong = _scan(source, Path(path).read_text(encoding="utf-8", errors="replace").splitlines())
     if not rows:
         raise NcclTestsFormatError(f"{source}: no measurements found; expected nccl-tests data rows "
                                    "(size time algbw busbw ...) after a column header")
@@ -144,13 +145,15 @@ def parse_nccl_tests(path: str | os.PathLike[str], collective: str | None = None
                           "algbw_gbps": "float64", "busbw_gbps": "float64"})
     filename = Path(source).name
     return NcclTestsResult(table=table, collective=name, nranks=nranks or _infer_nranks(comments, filename),
-                           nodes=_infer_nodes(comments, filename), source=source)
+                           nodes=_infer_nodes(comments, filename), source=source, skipped_wrong=skipped_wrong)
 
 
-def _scan(source: str, lines: list[str]) -> tuple[list[str], list[tuple]]:
-    """Header comments and (message_bytes, dtype, placement, time_s, algbw, busbw) rows of a file."""
+def _scan(source: str, lines: list[str]) -> tuple[list[str], list[tuple], int]:
+    """Header comments, (message_bytes, dtype, placement, time_s, algbw, busbw) rows of a file, and the
+    number of measurements skipped because nccl-tests found wrong results in them (#wrong > 0)."""
     comments: list[str] = []
     rows: list[tuple] = []
+    skipped_wrong = 0
     layout: _Layout | None = None
     for lineno, raw in enumerate(lines, start=1):
         text = _SRUN_PREFIX.sub("", raw, count=1).strip()
@@ -184,10 +187,17 @@ def _scan(source: str, lines: list[str]) -> tuple[list[str], list[tuple]]:
             raise _error(source, lineno, raw, f"{len(tokens)} columns",
                          f"{len(layout.columns)} columns ({' '.join(layout.columns)})")
         try:
-            rows.extend(_parse_row(tokens, layout))
+            parsed = _parse_row(tokens, layout)
         except _CellError as exc:
             raise _error(source, lineno, raw, "bad value", str(exc)) from None
-    return comments, rows
+        for *row, wrong in parsed:
+            if wrong > 0:
+                skipped_wrong += 1
+                continue
+            _check_units(source, lineno, raw, row, layout)
+            rows.append(tuple(row))
+    _check_single_collective(source, comments)
+    return comments, rows, skipped_wrong
 
 
 def _parse_header(text: str) -> _Layout | None:
@@ -243,10 +253,30 @@ def _parse_row(tokens: list[str], layout: _Layout) -> list[tuple]:
         time_s = _number(cells["time"], "time", allow_na=False) * layout.time_scale_s
         algbw = _number(cells.get("algbw", "N/A"), "algbw", allow_na=True)
         busbw = _number(cells.get("busbw", "N/A"), "busbw", allow_na=True)
-        if "#wrong" in cells:
-            _number(cells["#wrong"], "#wrong", allow_na=True)
-        rows.append((message_bytes, dtype, placement, time_s, algbw, busbw))
+        wrong = _number(cells["#wrong"], "#wrong", allow_na=True) if "#wrong" in cells else math.nan
+        rows.append((message_bytes, dtype, placement, time_s, algbw, busbw, wrong))
     return rows
+
+
+def _check_units(source: str, lineno: int, line: str, row: list, layout: _Layout) -> None:
+    """algbw must be size / time in GB/s; a mismatch means the time column is not in the header's unit."""
+    message_bytes, _, _, time_s, algbw, _ = row
+    if not (algbw >= 1.0) or time_s <= 0:  # two printed decimals: too coarse to check below 1 GB/s
+        return
+    implied = message_bytes / time_s / 1e9
+    if abs(implied / algbw - 1.0) > 0.1:
+        unit = {1.0: "s", 1e-3: "ms", 1e-6: "us", 1e-9: "ns"}.get(layout.time_scale_s, "?")
+        raise _error(source, lineno, line, f"time unit mismatch: size / time gives {implied:.3g} GB/s with time in "
+                     f"{unit} (the header's unit) but algbw says {algbw:g} GB/s",
+                     "times in the unit the header states")
+
+
+def _check_single_collective(source: str, comments: list[str]) -> None:
+    """One file, one collective: two different *_perf commands mean concatenated runs."""
+    found = {normalize_collective(m.group(1)) for m in _PERF_BINARY.finditer("\n".join(comments))}
+    if len(found) > 1:
+        raise NcclTestsFormatError(f"{source}: mixed collectives in one file ({', '.join(sorted(found))}); "
+                                   "expected one nccl-tests run per file (split it)")
 
 
 def _integer(token: str, column: str) -> int:
