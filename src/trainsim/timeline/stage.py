@@ -122,7 +122,5 @@ def compose_run_artifacts(run, output: Path | None = None) -> tuple[dict, Path]:
                                paths["profile"])
     inputs = {name: paths[name] for name in STAGES["compose"].inputs
               if name in paths and (paths[name] / "manifest.json").is_file()}
-    if "calibration" in paths and (paths["calibration"] / "manifest.json").is_file():
-        inputs["calibration"] = paths["calibration"]
     output = Path(output or paths["compose"])
     return write_timeline_artifact(run.hardware, run.model, run.parallelism, keys, inputs, output), output
