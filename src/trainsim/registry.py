@@ -30,6 +30,8 @@ class Stage:
     """A shared, append-only store the stage adds to (never deleted before a run; DVC `persist`)."""
     measures: bool = False
     """Times things on this machine: Snakemake gives it every core, so no other job distorts its timings."""
+    on_demand: bool = False
+    """Built only when its output is asked for (never by `rule all`): a slow real run, not a prediction."""
 
     def path(self, keys: dict[str, str]) -> str:
         return self.output.format(**{k: keys[k] for k in self.keyed_by})
@@ -99,13 +101,24 @@ STAGES: dict[str, Stage] = {
                 "memory verdict, Chrome trace",
         inputs=("trace", "profile", "calibration", "slowdown_model"),
     ),
+    "ground_truth": Stage(
+        name="ground_truth",
+        keyed_by=("hardware", "model", "parallelism"),
+        output="artifacts/ground_truth/{hardware}/{model}/{parallelism}",
+        script="stages/ground_truth_stage.py",
+        code=("stages/ground_truth_stage.py", "src/trainsim/validation/ground_truth.py", "src/trainsim/workloads"),
+        summary="the reference step run for real (median and spread of measured steps, per-op and "
+                "per-collective profiler tables), or 'not measured' with the reason",
+        measures=True,
+        on_demand=True,
+    ),
 }
 
 
 def leaf_stages() -> list[Stage]:
-    """Stages no other stage reads: what `rule all` / a full run asks for."""
+    """Stages no other stage reads: what `rule all` / a full run asks for (on-demand stages excepted)."""
     used = {name for stage in STAGES.values() for name in stage.inputs}
-    return [stage for name, stage in STAGES.items() if name not in used]
+    return [stage for name, stage in STAGES.items() if name not in used and not stage.on_demand]
 
 
 def stage_command(stage: Stage, output: str, inputs: dict[str, str], database: str | None, config: str) -> str:

@@ -1,0 +1,111 @@
+"""End-to-end accuracy: predicted vs measured step time.
+
+Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2,
+tp2, pp2 with 1F1B over 4 micro-batches) the real step is measured first (trainsim/validation/
+ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as spread; the artifact is
+published at artifacts/ground_truth/local-cpu/...), then predicted by the pipeline (`trainsim compose`:
+trace, profile on this CPU, calibrated gloo model, slowdown model when built). Prints
+`figure e2e_error_pct_local_<layout> <|error|> %`. Target: <= 5 % each.
+
+Part 2, published measurements: vTrain's 1440 Megatron-DeepSpeed iteration times on an 8x A100 node
+(trainsim/validation/vtrain.py). The analytical kernel model's hardware-level parameters are fitted on
+every 5th row (file order), the other 80 % are held out. Prints `figure vtrain_single_mape_pct` and
+`figure vtrain_single_max_error_pct` on the held-out rows next to vTrain's own 8.37 %.
+
+    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain]
+First run traces 576 distinct vTrain shapes (~25 min on 2 cores, cached under
+artifacts/validation/vtrain/traces); later runs take ~8 min. Calibrate the A100 NCCL model first:
+    python stages/calibration_stage.py --output artifacts/calibration/a100-80g-dgx hardware=a100-80g-dgx
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from trainsim.config import compose_run
+from trainsim.registry import STAGES
+from trainsim.timeline.stage import compose_run_artifacts
+from trainsim.validation import vtrain
+from trainsim.validation.ground_truth import error_pct, write_ground_truth_artifact
+
+LOCAL = {
+    "single": ["parallelism=single", "hardware.devices_per_node=1"],
+    "dp2": ["parallelism=dp2"],
+    "tp2": ["parallelism=tp2"],
+    "pp2": ["parallelism=pp2"],
+}
+
+
+def local_part() -> list[tuple[str, float, str]]:
+    figures = []
+    print(f"{'layout':>7} {'predicted s':>11} {'measured s':>10} {'IQR s':>7} {'error %':>8}  prediction breakdown "
+          "(critical path)")
+    for name, overrides in LOCAL.items():
+        run = compose_run(["model=gpt-small", *overrides])
+        truth = write_ground_truth_artifact(run.hardware, run.model, run.parallelism, run.keys,
+                                            Path(STAGES["ground_truth"].path(run.keys)))
+        predicted, _ = compose_run_artifacts(run)
+        error = error_pct(predicted["step_time_s"], truth)
+        breakdown = ", ".join(f"{k} {v:.3f}" for k, v in predicted["critical_path"]["by_category"].items())
+        if error is None:
+            print(f"{name:>7} {predicted['step_time_s']:>11.4f} {'not measured':>10}  ({truth['reason']})")
+            continue
+        print(f"{name:>7} {predicted['step_time_s']:>11.4f} {truth['step_time_median_s']:>10.4f} "
+              f"{truth['step_time_spread_s']:>7.4f} {error:>+8.2f}  {breakdown}")
+        figures.append((f"e2e_error_pct_local_{name}", abs(error), "%"))
+    return figures
+
+
+def vtrain_part() -> list[tuple[str, float, str]]:
+    result = vtrain.evaluate()
+    table = result.table
+    out = Path("artifacts/validation/vtrain")
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "predictions.csv", index_label="row")
+    (out / "fit.json").write_text(json.dumps({"kernel_model": result.kernel_model, "fit_rows": "row % 5 == 0"},
+                                             indent=2) + "\n")
+    held = table[~table["fit"]]
+    print(f"vTrain single node: {len(table)} rows, fitted on {int(table['fit'].sum())} (every {vtrain.FIT_EVERY}th), "
+          f"{len(held)} held out; {result.seconds:.0f} s")
+    print("fitted kernel model (hardware a100-80g-dgx): "
+          + ", ".join(f"{k}={v:.3g}" for k, v in result.kernel_model.items()))
+    held = held.assign(layout=held.apply(lambda r: "pp" if r["pp"] > 1 and r["tp"] == 1 else
+                                         ("tp" if r["tp"] > 1 and r["pp"] == 1 else
+                                          ("tp+pp" if r["tp"] > 1 else "dp")), axis=1))
+    print(f"{'group':>12} {'rows':>5} {'MAPE %':>7} {'max %':>7} {'bias %':>7}")
+    for column in ("gpus", "layout", "tp", "hidden"):
+        for value, group in held.groupby(column):
+            e = group["error_pct"]
+            print(f"{column + '=' + str(value):>12} {len(group):>5} {e.abs().mean():>7.2f} {e.abs().max():>7.2f} "
+                  f"{e.mean():>+7.2f}")
+    fit_err = vtrain.error_summary(table[table["fit"]])
+    held_err = vtrain.error_summary(held)
+    print(f"fit rows MAPE {fit_err['mape_pct']:.2f} %; held-out MAPE {held_err['mape_pct']:.2f} % "
+          f"(vTrain reports {vtrain.VTRAIN_MAPE_PCT} %)")
+    return [("vtrain_single_mape_pct", held_err["mape_pct"], "%"),
+            ("vtrain_single_max_error_pct", held_err["max_error_pct"], "%"),
+            ("vtrain_paper_mape_pct", vtrain.VTRAIN_MAPE_PCT, "%"),
+            ("vtrain_benchmark_seconds", result.seconds, "s")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-local", action="store_true")
+    parser.add_argument("--skip-vtrain", action="store_true")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    figures = []
+    if not args.skip_local:  # first: the real runs need a quiet machine
+        figures += local_part()
+    if not args.skip_vtrain:
+        figures += vtrain_part()
+    for name, value, unit in figures:
+        print(f"figure {name} {value:.2f} {unit}")
+    print(f"total {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

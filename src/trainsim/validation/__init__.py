@@ -1,0 +1,1 @@
+"""Validation against reality: ground-truth runs on this machine and published measurements (vTrain)."""

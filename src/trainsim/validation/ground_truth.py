@@ -1,0 +1,229 @@
+"""Ground truth: run the reference training step for real and keep robust step-time statistics.
+
+One process per rank (gloo over loopback on CPU, one thread per process from
+`hardware.threads_per_device`), `warmup` steps discarded, `steps` steps timed (Echo starts measuring
+after warm-up and averages 5 steps; we keep the median and the spread), then one extra step under
+torch.profiler for the per-op and per-collective tables (its overhead does not touch the timed steps).
+The step time of a measured step is the slowest rank's wall time (every rank starts after a barrier).
+
+Only hardware this machine is can be measured: device_kind cpu here. Anything else (a GPU cluster
+config, or cuda without a NCCL launcher) gets a "not measured" artifact with the reason, never a number.
+
+Artifact (artifacts/ground_truth/{hardware}/{model}/{parallelism}/):
+  summary.json     status ("measured" / "not measured"), reason, step_time_median_s, step_time_spread_s
+                   (interquartile range over measured steps), min/max, steps, warmup, step_times_s,
+                   per-rank medians (step, compute, communication, phases); `field_meanings` inside
+  ops.parquet      per rank and op name from the profiled step: calls, self CPU time, total CPU time, kind
+                   (compute / collective)
+  collectives.parquet   the collective rows of ops.parquet
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+
+WARMUP, STEPS = 2, 5
+SUMMARY_FILE = "summary.json"
+OPS_FILE = "ops.parquet"
+COLLECTIVES_FILE = "collectives.parquet"
+NOT_MEASURED = "not measured"
+FIELD_MEANINGS = {
+    "status": "'measured', or 'not measured' (see reason); a not-measured artifact has no step time",
+    "step_time_median_s": "median over measured steps of the slowest rank's step wall time",
+    "step_time_spread_s": "interquartile range (p75 - p25) of those step times",
+    "step_time_min_s": "fastest measured step", "step_time_max_s": "slowest measured step",
+    "steps": "steps measured (after warmup discarded steps)", "warmup": "steps discarded",
+    "step_times_s": "each measured step's time (slowest rank)",
+    "ranks": "per rank: median step, compute (forward+backward minus communication), communication and "
+             "per-phase wall times",
+}
+
+
+class GroundTruthError(RuntimeError):
+    """A real run failed; the message carries the failing ranks' error output."""
+
+
+def measurable(hw: HardwareConfig) -> str | None:
+    """None when `hw` is this machine and can be measured, else the reason it cannot."""
+    if hw.device_kind == "cpu":
+        return None
+    if hw.device_kind == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            return f"hardware '{hw.name}' is {hw.device_kind} ({hw.device_name}); no such device on this machine"
+        return (f"hardware '{hw.name}': ground truth on GPUs needs a NCCL launcher, which is not implemented "
+                "(the real-run launcher runs gloo on CPU)")
+    return f"hardware '{hw.name}' has device kind {hw.device_kind!r}, which cannot be run here"
+
+
+def _profile_tables(prof, rank: int) -> list[dict]:
+    rows = []
+    for event in prof.key_averages():
+        name = event.key
+        collective = name.startswith(("c10d::", "gloo:", "nccl:")) or "record_param_comms" in name
+        rows.append({"rank": rank, "name": name, "kind": "collective" if collective else "compute",
+                     "calls": int(event.count), "self_s": event.self_cpu_time_total / 1e6,
+                     "total_s": event.cpu_time_total / 1e6})
+    return rows
+
+
+def _worker(rank: int, model_cfg: ModelConfig, par: ParallelismConfig, port: int, steps: int, warmup: int,
+            threads: int, profile: bool, out_dir: str) -> None:
+    try:
+        _run_rank(rank, model_cfg, par, port, steps, warmup, threads, profile, out_dir)
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _run_rank(rank, model_cfg, par, port, steps, warmup, threads, profile, out_dir) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainsim.workloads.launch import RankRun
+    from trainsim.workloads.observe import StepTimer, observing
+    from trainsim.workloads.schedules import pipeline_actions
+    from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, synthetic_batch, train_step
+
+    torch.set_num_threads(threads)
+    layout = layout_of(par)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=layout.world_size)
+    try:
+        groups = create_groups(layout, rank, every_group=True)
+        pos = layout.position(rank)
+        torch.manual_seed(1234 + pos.pp_rank * 100 + pos.tp_rank)
+        rm = build_rank_model(model_cfg, par, rank, groups)
+        actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
+        make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
+        batches = [make_batch(mb) for mb in range(par.num_microbatches)]
+        result = RankRun(rank, [], [], [], None)
+        for step in range(warmup + steps):
+            timer = StepTimer()
+            dist.barrier()
+            start = time.perf_counter()
+            with observing(timer):
+                train_step(rm, actions, batches.__getitem__)
+            if step >= warmup:
+                result.step_seconds.append(time.perf_counter() - start)
+                result.phase_seconds.append(timer.phase_seconds)
+                result.communication_seconds.append(timer.communication_seconds)
+        ops: list[dict] = []
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+            dist.barrier()
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                train_step(rm, actions, batches.__getitem__)
+            ops = _profile_tables(prof, rank)
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump((result, ops), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(model: ModelConfig, par: ParallelismConfig, *, steps: int = STEPS, warmup: int = WARMUP,
+              threads: int = 1, profile: bool = True) -> tuple[list, pd.DataFrame]:
+    """Run the real steps; returns per-rank RankRun and the profiled-step op table. Raises
+    GroundTruthError with each failing rank's traceback when a rank fails."""
+    import torch.multiprocessing as mp
+
+    from trainsim.workloads.launch import _free_port
+
+    world = par.dp * par.tp * par.pp
+    with tempfile.TemporaryDirectory(prefix="trainsim-gt-") as out_dir:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        try:
+            mp.spawn(_worker, nprocs=world, join=True,
+                     args=(model, par, _free_port(), steps, warmup, threads, profile, out_dir))
+        except Exception as exc:
+            errors = [f"rank {r}:\n{Path(out_dir, f'rank{r}.err').read_text()}" for r in range(world)
+                      if Path(out_dir, f"rank{r}.err").is_file()]
+            detail = "\n".join(errors) or str(exc)
+            raise GroundTruthError(f"real run of {model.name} / {par.name} failed:\n{detail}") from exc
+        results = []
+        for rank in range(world):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+    runs = [r for r, _ in results]
+    ops = pd.DataFrame([row for _, rows in results for row in rows],
+                       columns=["rank", "name", "kind", "calls", "self_s", "total_s"])
+    return runs, ops
+
+
+def measure(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig, *, steps: int = STEPS,
+            warmup: int = WARMUP, profile: bool = True) -> tuple[dict, pd.DataFrame]:
+    """The summary (see FIELD_MEANINGS) and op table of a real run, or a not-measured summary."""
+    reason = measurable(hw)
+    base = {"hardware": hw.name, "model": model.name, "parallelism": par.name, "field_meanings": FIELD_MEANINGS}
+    if reason:
+        return {"status": NOT_MEASURED, "reason": reason, **base}, pd.DataFrame(
+            columns=["rank", "name", "kind", "calls", "self_s", "total_s"])
+    runs, ops = run_ranks(model, par, steps=steps, warmup=warmup, threads=hw.threads_per_device, profile=profile)
+    step_times = [max(run.step_seconds[i] for run in runs) for i in range(steps)]
+    q25, q75 = np.percentile(step_times, [25, 75])
+    ranks = []
+    for run in runs:
+        phases = sorted({p for step in run.phase_seconds for p in step})
+        ranks.append({
+            "rank": run.rank,
+            "step_median_s": statistics.median(run.step_seconds),
+            "compute_median_s": statistics.median(run.compute_seconds(i) for i in range(steps)),
+            "communication_median_s": statistics.median(sum(c.values()) for c in run.communication_seconds),
+            "phase_median_s": {p: statistics.median(s.get(p, 0.0) for s in run.phase_seconds) for p in phases},
+        })
+    summary = {
+        "status": "measured", **base,
+        "step_time_median_s": statistics.median(step_times), "step_time_spread_s": float(q75 - q25),
+        "step_time_min_s": min(step_times), "step_time_max_s": max(step_times),
+        "steps": steps, "warmup": warmup, "step_times_s": step_times,
+        "world_size": par.world_size, "threads_per_rank": hw.threads_per_device,
+        "backend": "gloo", "ranks": ranks,
+    }
+    return summary, ops
+
+
+def write_ground_truth_artifact(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig,
+                                keys: dict[str, str], output: Path, **kwargs) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainsim.artifacts import atomic_artifact
+
+    config = {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}
+    summary, ops = measure(hw, model, par, **kwargs)
+    with atomic_artifact(Path(output), stage="ground_truth", config=config, config_keys=keys) as tmp:
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        ops = ops.astype({"rank": "int32", "calls": "int64", "self_s": "float64", "total_s": "float64"})
+        pq.write_table(pa.Table.from_pandas(ops, preserve_index=False), tmp / OPS_FILE)
+        pq.write_table(pa.Table.from_pandas(ops[ops["kind"] == "collective"], preserve_index=False),
+                       tmp / COLLECTIVES_FILE)
+    return summary
+
+
+def read_ground_truth(path: Path) -> dict:
+    """The summary of a ground-truth artifact, or a not-measured one when there is none."""
+    file = Path(path) / SUMMARY_FILE
+    if not file.is_file():
+        return {"status": NOT_MEASURED, "reason": f"no ground-truth artifact at {path}"}
+    return json.loads(file.read_text())
+
+
+def error_pct(predicted_s: float, ground_truth: dict) -> float | None:
+    """Signed error of a prediction, or None when the configuration was not measured (never 0)."""
+    if ground_truth.get("status") != "measured":
+        return None
+    return 100 * (predicted_s / ground_truth["step_time_median_s"] - 1)
