@@ -41,7 +41,7 @@ def default_sizes(min_bytes: int = 1024, max_bytes: int = 16 << 20) -> list[int]
     return sizes
 
 
-def _collective_call(collective: str, size_bytes: int, device: torch.device):
+def collective_call(collective: str, size_bytes: int, device: torch.device):
     """A zero-argument callable running one collective of nccl-tests size `size_bytes`."""
     world, rank = dist.get_world_size(), dist.get_rank()
     elements = max(size_bytes // DTYPE.itemsize // world * world, world)  # divisible by the world size
@@ -106,7 +106,7 @@ def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: i
         if collective == "send_recv" and world < 2:
             continue
         for size in sizes:
-            call = _collective_call(collective, size, device)
+            call = collective_call(collective, size, device)
             for _ in range(warmup):
                 call()
             time_s = _median_batch_seconds(call, device, iters, repeats)

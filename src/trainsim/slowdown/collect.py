@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from trainsim.comm.sweep import collective_call
 from trainsim.config.schema import SlowdownConfig
 from trainsim.errors import ConfigError, ReplayError
 from trainsim.profile.analytical import op_kind
@@ -102,17 +103,9 @@ def profile_ops(rows: pd.DataFrame, device: torch.device) -> tuple[list[ComputeO
 
 def _comm_call(collective: str, message_bytes: int, device: torch.device) -> Callable[[], None]:
     """One collective of nccl-tests size (all_gather: the gathered output; reduce_scatter: the input)."""
-    world = dist.get_world_size()
-    elements = max(message_bytes // FP32 // world * world, world)
-    full = torch.ones(elements, device=device)
-    part = torch.ones(elements // world, device=device)
-    if collective == "all_reduce":
-        return lambda: dist.all_reduce(full)
-    if collective == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, part)
-    if collective == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(part, full)
-    raise ConfigError(f"hardware.slowdown.collectives has {collective!r}; accepted: {', '.join(COLLECTIVES)}")
+    if collective not in COLLECTIVES:
+        raise ConfigError(f"hardware.slowdown.collectives has {collective!r}; accepted: {', '.join(COLLECTIVES)}")
+    return collective_call(collective, message_bytes, device)
 
 
 def _overlap(c0: float, c1: float, s: float, e: float) -> float:

@@ -26,7 +26,6 @@ import os
 import pickle
 import statistics
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -93,34 +92,15 @@ def _run_rank(rank, model_cfg, par, port, steps, warmup, threads, profile, out_d
     import torch
     import torch.distributed as dist
 
-    from trainsim.workloads.launch import RankRun
-    from trainsim.workloads.observe import StepTimer, observing
-    from trainsim.workloads.schedules import pipeline_actions
-    from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, synthetic_batch, train_step
+    from trainsim.workloads.launch import timed_steps
+    from trainsim.workloads.train_step import layout_of, train_step
 
     torch.set_num_threads(threads)
     layout = layout_of(par)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=layout.world_size)
     try:
-        groups = create_groups(layout, rank, every_group=True)
-        pos = layout.position(rank)
-        torch.manual_seed(1234 + pos.pp_rank * 100 + pos.tp_rank)
-        rm = build_rank_model(model_cfg, par, rank, groups)
-        actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
-        make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
-        batches = [make_batch(mb) for mb in range(par.num_microbatches)]
-        result = RankRun(rank, [], [], [], None)
-        for step in range(warmup + steps):
-            timer = StepTimer()
-            dist.barrier()
-            start = time.perf_counter()
-            with observing(timer):
-                train_step(rm, actions, batches.__getitem__)
-            if step >= warmup:
-                result.step_seconds.append(time.perf_counter() - start)
-                result.phase_seconds.append(timer.phase_seconds)
-                result.communication_seconds.append(timer.communication_seconds)
+        rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
         ops: list[dict] = []
         if profile:
             from torch.profiler import ProfilerActivity

@@ -48,6 +48,33 @@ class RankRun:
                    for p in ("forward", "backward"))
 
 
+def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: int, steps: int, warmup: int):
+    """Build this rank's model and batches, run `warmup` + `steps` real steps, time the last `steps`.
+
+    Runs inside an initialised process group; returns (rank model, schedule actions, batches, RankRun)
+    so callers can run extra, untimed steps (recording, profiling) on the same model.
+    """
+    groups = create_groups(layout, rank, every_group=True)
+    pos = layout.position(rank)
+    torch.manual_seed(1234 + pos.pp_rank * 100 + pos.tp_rank)  # replicas start identical
+    rm = build_rank_model(model_cfg, par, rank, groups)
+    actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
+    make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
+    batches = [make_batch(mb) for mb in range(par.num_microbatches)]  # data loading is not in the step
+    result = RankRun(rank, [], [], [], None)
+    for step in range(warmup + steps):
+        timer = StepTimer()
+        dist.barrier()
+        start = time.perf_counter()
+        with observing(timer):
+            train_step(rm, actions, batches.__getitem__)
+        if step >= warmup:
+            result.step_seconds.append(time.perf_counter() - start)
+            result.phase_seconds.append(timer.phase_seconds)
+            result.communication_seconds.append(timer.communication_seconds)
+    return rm, actions, batches, result
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,24 +90,7 @@ def _worker(rank: int, model_cfg: ModelConfig, par: ParallelismConfig, port: int
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=layout.world_size)
     try:
-        groups = create_groups(layout, rank, every_group=True)
-        pos = layout.position(rank)
-        torch.manual_seed(1234 + pos.pp_rank * 100 + pos.tp_rank)  # replicas start identical
-        rm = build_rank_model(model_cfg, par, rank, groups)
-        actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
-        make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
-        batches = [make_batch(mb) for mb in range(par.num_microbatches)]  # data loading is not in the step
-        result = RankRun(rank, [], [], [], None)
-        for step in range(warmup + steps):
-            timer = StepTimer()
-            dist.barrier()
-            start = time.perf_counter()
-            with observing(timer):
-                train_step(rm, actions, batches.__getitem__)
-            if step >= warmup:
-                result.step_seconds.append(time.perf_counter() - start)
-                result.phase_seconds.append(timer.phase_seconds)
-                result.communication_seconds.append(timer.communication_seconds)
+        rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
         if record:  # an extra step: the recorder's own overhead must not distort the timings above
             dist.barrier()
             recorder = ExecutionRecorder(layout, rank)
