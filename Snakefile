@@ -5,6 +5,7 @@
 #   snakemake --cores 2 --config model=gpt-tiny,gpt-small parallelism=dp2,pp2   # sweep: 4 points
 # Every --config entry is a Hydra override (field-level ones under `overrides`); see README.
 import json
+import os
 
 from trainsim.config import compose_run
 from trainsim.config.sweep import expand_sweep
@@ -26,9 +27,27 @@ def stage_config_json(stage, wildcards):
     raise ValueError(f"no configured run matches {dict(wildcards)} for stage {stage.name}")
 
 
+report: "report/workflow.rst"
+
+
 rule all:
     input:
         [stage.path(run.keys) for stage in leaf_stages() for run in RUNS],
+
+
+def stage_inputs(stage, wildcards):
+    """Required upstream artifacts, plus optional ones (ground truth) when they already exist."""
+    inputs = {name: STAGES[name].path(wildcards) for name in stage.inputs}
+    optional = {name: STAGES[name].path(wildcards) for name in stage.optional_inputs}
+    return inputs | {name: path for name, path in optional.items() if os.path.isdir(path)}
+
+
+def stage_output(stage):
+    """The output directory; with a caption, also shown by `snakemake --report` (its HTML page as index)."""
+    if stage.snakemake_report is None:
+        return directory(stage.output)
+    return report(directory(stage.output), htmlindex="report.html", caption=stage.snakemake_report,
+                  category="Step-time reports", labels={group: f"{{{group}}}" for group in stage.keyed_by})
 
 
 def declare_rule(stage):
@@ -45,9 +64,9 @@ def declare_rule(stage):
         name:
             stage.name
         input:
-            unpack(lambda wildcards: {name: STAGES[name].path(wildcards) for name in stage.inputs}),
+            unpack(lambda wildcards: stage_inputs(stage, wildcards)),
         output:
-            directory(stage.output),
+            stage_output(stage),
         params:
             config_json=lambda wildcards: stage_config_json(stage, wildcards),
             database=lambda wildcards: stage.database_path(wildcards) if stage.database else "",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT_FILES = ("Snakefile", "dvc.yaml", "params.yaml", "conf", "stages", "src", "pyproject.toml")
+PROJECT_FILES = ("Snakefile", "dvc.yaml", "params.yaml", "conf", "stages", "src", "report", "pyproject.toml")
 
 
 @pytest.fixture(scope="session")
@@ -17,10 +17,8 @@ def repo() -> Path:
     return REPO
 
 
-@pytest.fixture
-def project_copy(tmp_path: Path) -> Path:
-    """A fresh copy of the workflow files, so runs never touch the checkout's artifacts/."""
-    dest = tmp_path / "project"
+def copy_project(dest: Path) -> Path:
+    """A fresh copy of the workflow files in `dest`, so runs never touch the checkout's artifacts/."""
     dest.mkdir()
     for name in PROJECT_FILES:
         src = REPO / name
@@ -32,7 +30,13 @@ def project_copy(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def project_copy(tmp_path: Path) -> Path:
+    return copy_project(tmp_path / "project")
+
+
+@pytest.fixture(scope="session")
 def workflow_env() -> dict[str, str]:
+    """Environment for snakemake / dvc / git subprocesses (read-only: copy before changing it)."""
     env = dict(os.environ)
     env["DVC_NO_ANALYTICS"] = "1"
     env.setdefault("GIT_AUTHOR_NAME", "trainsim-tests")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def test_snakefile_rules_come_from_the_registry(repo, workflow_env):
 @pytest.mark.slow
 def test_snakemake_runs_then_reruns_only_what_changed(project_copy, workflow_env):
     slowdown = {"calibration": 1, "slowdown_dataset": 1, "slowdown_model": 1}  # keyed by hardware only
-    compose = {"compose": 1}  # the timeline: every change below re-composes
+    compose = {"compose": 1, "report": 1}  # the timeline and its report: every change below redoes both
     assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1, "profile": 1, **slowdown, **compose}
     _run(["snakemake", "--cores", "2"], project_copy, workflow_env)
     artifact = project_copy / STAGES["trace"].path({"model": "gpt-tiny", "parallelism": "dp2"})
@@ -67,7 +68,7 @@ def test_snakemake_runs_then_reruns_only_what_changed(project_copy, workflow_env
     assert _planned_jobs(project_copy, workflow_env, "overrides=[parallelism.recompute=full]") == both
     # a sweep is one cached job per point
     assert _planned_jobs(project_copy, workflow_env, "parallelism=dp2,tp2,pp2") == {"all": 1, "trace": 2, "profile": 2,
-                                                                                     "compose": 2}
+                                                                                     "compose": 2, "report": 2}
     # editing a hardware YAML re-profiles only; editing the model's YAML re-traces (params track values)
     hardware_yaml = project_copy / "conf/hardware/local-cpu.yaml"
     hardware_yaml.write_text(hardware_yaml.read_text().replace("threads_per_device: 1", "threads_per_device: 2"))
@@ -94,8 +95,16 @@ def test_dvc_repro_runs_the_trace_then_does_nothing(project_copy, workflow_env):
     first = _run(["dvc", "repro"], project_copy, workflow_env)
     assert "Running stage 'trace'" in first.stdout and "Running stage 'profile'" in first.stdout
     assert "Running stage 'slowdown_dataset'" in first.stdout and "Running stage 'slowdown_model'" in first.stdout
-    assert "Running stage 'compose'" in first.stdout
+    assert "Running stage 'compose'" in first.stdout and "Running stage 'report'" in first.stdout
     read_manifest(project_copy / "artifacts/traces/gpt-tiny/dp2")
+    # dvc repro builds every stage, ground truth included, so the report compares with a real measurement
+    metrics = json.loads(_run(["dvc", "metrics", "show", "--json"], project_copy, workflow_env).stdout)
+    report_metrics = next(iter(metrics.values()))["data"]["artifacts/reports/local-cpu/gpt-tiny/dp2/metrics.json"]
+    end_to_end = report_metrics["data"]["end_to_end"]
+    assert end_to_end["measured"] == 1 and end_to_end["predicted_s"] > 0 and "error_pct" in end_to_end
+    plots = project_copy / "plots-out"
+    _run(["dvc", "plots", "show", "-o", str(plots)], project_copy, workflow_env)
+    assert "comm_error.csv" in (plots / "index.html").read_text()
     second = _run(["dvc", "repro"], project_copy, workflow_env)
     assert "Running stage" not in second.stdout
     assert "didn't change" in second.stdout or "up to date" in second.stdout.lower()

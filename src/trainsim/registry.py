@@ -32,6 +32,17 @@ class Stage:
     """Times things on this machine: Snakemake gives it every core, so no other job distorts its timings."""
     on_demand: bool = False
     """Built only when its output is asked for (never by `rule all`): a slow real run, not a prediction."""
+    optional_inputs: tuple[str, ...] = ()
+    """Upstream stages read when their artifact exists (Snakemake then re-runs on its change); never built for it."""
+    dvc_files: tuple[str, ...] = ()
+    """Files of the output listed one by one as DVC outs (needed when some are metrics or plots: DVC
+    refuses a metrics file inside a directory out). Empty: the output directory is one out."""
+    dvc_metrics: tuple[str, ...] = ()
+    """Output files `dvc metrics show` reads (not cached, so they stay in git)."""
+    dvc_plots: tuple[tuple[str, str, str], ...] = ()
+    """(file, x column, y column) of the output's CSV tables for `dvc plots show`."""
+    snakemake_report: str | None = None
+    """Caption (reStructuredText) under which `snakemake --report` shows the output; None: not shown."""
 
     def path(self, keys: dict[str, str]) -> str:
         return self.output.format(**{k: keys[k] for k in self.keyed_by})
@@ -112,6 +123,23 @@ STAGES: dict[str, Stage] = {
         measures=True,
         on_demand=True,
     ),
+    "report": Stage(
+        name="report",
+        keyed_by=("hardware", "model", "parallelism"),
+        output="artifacts/reports/{hardware}/{model}/{parallelism}",
+        script="stages/report_stage.py",
+        code=("stages/report_stage.py", "src/trainsim/report", "src/trainsim/validation/ground_truth.py"),
+        summary="self-contained HTML page (setup, predicted vs measured, breakdown, timeline, communication and "
+                "slowdown model accuracy, simulation cost, provenance), metrics.json and plot tables",
+        inputs=("trace", "profile", "calibration", "slowdown_model", "compose"),
+        optional_inputs=("ground_truth",),
+        dvc_files=("report.html", "manifest.json"),
+        dvc_metrics=("metrics.json",),
+        dvc_plots=(("plots/comm_error.csv", "message_bytes", "model_error_pct"),
+                   ("plots/breakdown.csv", "part", "seconds"),
+                   ("plots/importances.csv", "feature", "gain_share")),
+        snakemake_report="report/caption.rst",
+    ),
 }
 
 
@@ -136,10 +164,11 @@ def render_dvc_yaml() -> str:
     keys = {group: f"${{{group}}}" for group in ("hardware", "model", "parallelism")}
     for stage in STAGES.values():
         output = stage.path(keys)
-        inputs = {name: STAGES[name].path(keys) for name in stage.inputs}
+        # `dvc repro` builds every stage, on-demand ones included, so optional inputs are plain deps here
+        inputs = {name: STAGES[name].path(keys) for name in (*stage.inputs, *stage.optional_inputs)}
         database = stage.database_path(keys) if stage.database else None
         choices = " ".join(f"{group}=${{{group}}}" for group in stage.keyed_by)
-        outs: list = [output]
+        outs: list = [f"{output}/{name}" for name in stage.dvc_files] or [output]
         if database:
             outs.append({database: {"persist": True}})
         stages[stage.name] = {
@@ -149,5 +178,10 @@ def render_dvc_yaml() -> str:
             "params": list(stage.keyed_by),
             "outs": outs,
         }
+        if stage.dvc_metrics:
+            stages[stage.name]["metrics"] = [{f"{output}/{name}": {"cache": False}} for name in stage.dvc_metrics]
+        if stage.dvc_plots:
+            stages[stage.name]["plots"] = [{f"{output}/{name}": {"x": x, "y": y, "cache": False}}
+                                           for name, x, y in stage.dvc_plots]
     header = "# Generated from src/trainsim/registry.py by `trainsim dvc-yaml > dvc.yaml`; do not edit.\n"
     return header + yaml.safe_dump({"stages": stages}, sort_keys=False)

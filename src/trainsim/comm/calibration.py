@@ -27,6 +27,7 @@ from trainsim.artifacts.store import atomic_artifact, file_sha256
 from trainsim.comm.fit import CHANNEL_CHOICES, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import FIT_FILE, prior_params
 from trainsim.comm.nccl_tests import NcclTestsFormatError, normalize_collective, parse_nccl_tests
+from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile, HardwareConfig
 from trainsim.errors import ConfigError
 
@@ -37,15 +38,13 @@ LARGE_BYTES = 1 << 20
 """Messages from 1 MiB up are 'large' in the accuracy figures (bandwidth-bound on GPUs)."""
 
 
-def read_calibration_file(entry: CalibrationFile, root: Path = Path(".")) -> pd.DataFrame:
+def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibration.files[].path") -> pd.DataFrame:
     """One file's out-of-place measurements as MEASUREMENT_COLUMNS; names the file and field when it cannot.
 
     `attrs["skipped_wrong"]` counts the rows left out because nccl-tests found wrong results in them.
     """
     skipped_wrong = 0
-    path = Path(entry.path) if Path(entry.path).is_absolute() else root / entry.path
-    if not path.is_file():
-        raise ConfigError(f"hardware.calibration.files: {path} does not exist")
+    path = resolve_data_path(entry.path, field)
     if path.suffix == ".parquet":
         table = pd.read_parquet(path)
         missing = {"collective", "message_bytes", "time_s", "nranks", "nodes"} - set(table.columns)
@@ -93,12 +92,13 @@ def local_sweep(hw: HardwareConfig) -> pd.DataFrame:
     return pd.concat(tables, ignore_index=True)[MEASUREMENT_COLUMNS]
 
 
-def collect_measurements(hw: HardwareConfig, root: Path = Path("."), sweep=local_sweep) -> pd.DataFrame:
+def collect_measurements(hw: HardwareConfig, sweep=local_sweep) -> pd.DataFrame:
     """All measurements of the hardware: its files, then the local sweep if enabled.
 
     `attrs["skipped_wrong"]`: per file, the rows nccl-tests flagged with wrong results (left out).
     """
-    tables = [read_calibration_file(entry, root) for entry in hw.calibration.files]
+    tables = [read_calibration_file(entry, f"hardware.calibration.files[{i}].path")
+              for i, entry in enumerate(hw.calibration.files)]
     skipped = {entry.path: t.attrs["skipped_wrong"] for entry, t in zip(hw.calibration.files, tables, strict=True)}
     if hw.calibration.local_sweep:
         tables.append(sweep(hw))
@@ -165,15 +165,14 @@ def _finite(obj):
     return obj
 
 
-def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output: Path, root: Path = Path("."),
-                               sweep=local_sweep) -> dict:
+def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output: Path, sweep=local_sweep) -> dict:
     """Collect, fit and publish the calibration of one hardware; returns fit.json's content."""
     config = {"hardware": dataclasses.asdict(hw)}
     with atomic_artifact(output, stage="calibration", config=config, config_keys=keys) as tmp:
-        measurements = collect_measurements(hw, root, sweep)
+        measurements = collect_measurements(hw, sweep)
         measurements.to_parquet(tmp / MEASUREMENTS_FILE, index=False)
-        sources = {str(e.path): file_sha256(root / e.path if not Path(e.path).is_absolute() else Path(e.path))
-                   for e in hw.calibration.files}
+        sources = {str(e.path): file_sha256(resolve_data_path(e.path, f"hardware.calibration.files[{i}].path"))
+                   for i, e in enumerate(hw.calibration.files)}
         fit = {"hardware": hw.name, "nccl_version": hw.nccl.version, "sources": sources,
                "skipped_wrong_results": measurements.attrs.get("skipped_wrong", {}),
                "collectives": calibrate(measurements, hw) if len(measurements) else {}}

@@ -20,9 +20,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-import trainsim
 from trainsim.artifacts import atomic_artifact, read_table
 from trainsim.artifacts.store import file_sha256
+from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError
 from trainsim.profile.database import ProfileDatabase
@@ -38,25 +38,13 @@ SUMMARY_FILE = "summary.json"
 PROFILE_DATABASE = "artifacts/profiles/{hardware}/kernels.parquet"  # the profile stage's database (registry)
 
 
-def resolve_import_path(name: str, index: int) -> Path:
-    """A configured CSV path: relative to the working directory (the project root when run by Snakemake or
-    DVC), else to the trainsim checkout; the error names the field and both places looked at."""
-    path = Path(name)
-    candidates = [path] if path.is_absolute() else [Path.cwd() / path, Path(trainsim.__file__).parents[2] / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
-    raise ConfigError(f"hardware.slowdown.import_files[{index}]={name!r}: no such file (looked at "
-                      f"{', '.join(str(c) for c in candidates)})")
-
-
 def _imported(hw: HardwareConfig, hardware_key: str) -> tuple[pd.DataFrame, dict]:
     if not hw.slowdown.import_files:
         raise ConfigError(f"hardware '{hw.name}': slowdown.source='import' needs slowdown.import_files")
     frames, summary = [], {"files": [], "invalid": dict.fromkeys(INVALID_REASONS, 0), "invalid_ids": [],
                            "slowdown_mismatch": 0}
     for index, name in enumerate(hw.slowdown.import_files):
-        path = resolve_import_path(name, index)
+        path = resolve_data_path(name, f"hardware.slowdown.import_files[{index}]")
         result = import_echo_csv(path, hardware_key)
         frames.append(result.rows)
         summary["files"].append({"path": name, "sha256": file_sha256(path), "rows": len(result.rows),

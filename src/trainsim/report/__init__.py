@@ -1,0 +1,1 @@
+"""Stage 7: one self-contained HTML page and flat metrics per configuration point."""

@@ -1,0 +1,154 @@
+"""Render the collected report data as one self-contained HTML page (inline CSS, figures as data URIs).
+
+Sections carry stable ids (setup, end-to-end, breakdown, communication, slowdown, cost, provenance)
+so the browser test and readers' links can find them.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+import pandas as pd
+
+from trainsim.report import figures
+
+NOT_MEASURED = "not measured"
+SECTIONS = ("setup", "end-to-end", "breakdown", "communication", "slowdown", "cost", "provenance")
+
+CSS = """
+body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1em;font-size:.85em}
+th,td{border:1px solid #ccc;padding:.2em .5em;text-align:right}
+th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}
+img{max-width:100%;display:block;margin:.5em 0}
+.missing{color:#a00;font-weight:bold}
+code{font-size:.85em}
+details{font-size:.8em}
+.scroll{overflow-x:auto}
+"""
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def table_html(frame: pd.DataFrame, table_id: str) -> str:
+    """A plain HTML table (numbers to 4 significant digits, missing as '-')."""
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
+                   for row in frame.astype(object).where(frame.notna(), None).itertuples(index=False))
+    return (f'<div class="scroll"><table id="{table_id}"><thead><tr>{head}</tr></thead>'
+            f"<tbody>{rows}</tbody></table></div>")
+
+
+def _kv_table(pairs: dict[str, Any], table_id: str) -> str:
+    return table_html(pd.DataFrame({"item": list(pairs), "value": [_fmt(v) for v in pairs.values()]}), table_id)
+
+
+def _img(uri: str, fig_id: str, alt: str) -> str:
+    return f'<img id="{fig_id}" alt="{html.escape(alt)}" src="{uri}">'
+
+
+def setup_section(data: dict[str, Any]) -> str:
+    """Hardware, model, layout, software versions and which backend produced each number."""
+    summary, config = data["summary"], data["config"]
+    par = config.get("parallelism", {})
+    hw = config.get("hardware", {})
+    setup = {"hardware": data["keys"]["hardware"], "device": hw.get("device_name"), "nodes": hw.get("num_nodes"),
+             "devices per node": hw.get("devices_per_node"), "model": data["keys"]["model"],
+             "layout": data["keys"]["parallelism"],
+             "tp / pp / dp": f"{par.get('tp')} / {par.get('pp')} / {par.get('dp')}",
+             "schedule": summary.get("schedule"), "micro-batches": summary.get("num_microbatches"),
+             "precision": par.get("precision"), "code version": data["code_version"]}
+    backends = {"compute kernels": ", ".join(f"{k}: {v} ops" for k, v in summary.get("compute_backends", {}).items()),
+                "profile backend": data["profile"].get("backend"),
+                "communication": summary.get("models", {}).get("comm"),
+                "overlap slowdown": summary.get("models", {}).get("slowdown"),
+                "measured step time": data["end_to_end"]["measured"] and data["ground_truth_dir"] or NOT_MEASURED}
+    return ("<h3>Configuration</h3>" + _kv_table(setup, "setup-table")
+            + "<h3>Backends that produced each number</h3>" + _kv_table(backends, "backends-table")
+            + "<h3>Software versions</h3>" + _kv_table(data["tool_versions"], "versions-table"))
+
+
+def end_to_end_section(data: dict[str, Any]) -> str:
+    e2e = data["end_to_end"]
+    row = {"configuration": "/".join(data["keys"][k] for k in ("hardware", "model", "parallelism")),
+           "predicted_s": e2e["predicted_s"]}
+    if e2e["measured"]:
+        row.update({"measured_s": e2e["measured_s"], "spread_s": e2e.get("spread_s"),
+                    "predicted / measured": e2e["normalised"], "error_pct": e2e["error_pct"]})
+        note = ""
+    else:
+        row.update({"measured_s": NOT_MEASURED, "predicted / measured": NOT_MEASURED, "error_pct": NOT_MEASURED})
+        note = (f'<p class="missing">{NOT_MEASURED} ({html.escape(str(e2e["reason"]))}); ground truth is read from '
+                f'<code>{html.escape(str(data["ground_truth_dir"]))}</code>. No error is reported.</p>')
+    return (note + table_html(pd.DataFrame([row]), "end-to-end-table")
+            + _img(figures.end_to_end_figure(e2e), "end-to-end-figure", "predicted vs measured step time"))
+
+
+def breakdown_section(data: dict[str, Any]) -> str:
+    return ("<p>Per rank class, in seconds: solo compute, slowdown added by overlap, communication not hidden "
+            "behind compute per group, pipeline bubble, idle after the flush.</p>"
+            + table_html(data["breakdown"], "breakdown-table")
+            + _img(figures.breakdown_figure(data["breakdown"]), "breakdown-figure", "step breakdown")
+            + "<h3>Timeline</h3>"
+            + _img(figures.timeline_figure(data["timeline"]), "timeline-figure", "timeline of one step"))
+
+
+def communication_section(data: dict[str, Any]) -> str:
+    if "comm_summary" not in data:
+        return "<p class='missing'>no calibration artifact</p>"
+    return ("<p>Held-out mean absolute percentage error of the fitted NCCL model and the alpha-beta baseline, "
+            "for messages of at least 1 MiB (large) and below (small).</p>"
+            + table_html(data["comm_summary"], "comm-table")
+            + _img(figures.comm_figure(data["comm_by_size"]), "comm-figure", "communication error by size"))
+
+
+def slowdown_section(data: dict[str, Any]) -> str:
+    if "slowdown" not in data:
+        return "<p class='missing'>no slowdown model artifact</p>"
+    slow = data["slowdown"]
+    rows = [{"split": split, "predictor": who, **values}
+            for split, block in slow["metrics"].items() for who, values in block.items()]
+    holdout = slow["metrics"].get("holdout") or next(iter(slow["metrics"].values()))
+    return (table_html(pd.DataFrame(rows), "slowdown-table")
+            + _img(figures.slowdown_accuracy_figure(holdout), "slowdown-figure", "slowdown accuracy")
+            + "<h3>Feature importances</h3>" + table_html(slow["importances"].head(12), "importance-table")
+            + _img(figures.importance_figure(slow["importances"]), "importance-figure", "feature importances"))
+
+
+def cost_section(data: dict[str, Any]) -> str:
+    cost = data["cost"]
+    frame = pd.DataFrame([{"GPUs": cost["world_size"], "trace_s": cost["trace_s"], "compose_s": cost["compose_s"],
+                           "compose_stage_s": cost["compose_stage_s"]}])
+    return table_html(frame, "cost-table") + _img(figures.cost_figure(cost), "cost-figure", "simulation cost")
+
+
+def provenance_section(data: dict[str, Any]) -> str:
+    frame = pd.DataFrame([{**{k: v for k, v in p.items() if k != "files"}, "config_hash": p["config_hash"][:16]}
+                          for p in data["provenance"]])
+    details = "".join(
+        f"<details><summary>{html.escape(p['stage'])}: {len(p['files'])} file(s)</summary><pre>"
+        + html.escape(json.dumps(p["files"], indent=1)) + "</pre></details>" for p in data["provenance"])
+    return table_html(frame, "provenance-table") + details
+
+
+def render_page(data: dict[str, Any]) -> str:
+    """The whole page; one section per SECTIONS entry, in that order."""
+    builders = {"setup": setup_section, "end-to-end": end_to_end_section, "breakdown": breakdown_section,
+                "communication": communication_section, "slowdown": slowdown_section, "cost": cost_section,
+                "provenance": provenance_section}
+    titles = {"setup": "Setup", "end-to-end": "End-to-end step time", "breakdown": "Step breakdown",
+              "communication": "Communication model", "slowdown": "Slowdown model",
+              "cost": "Simulation cost", "provenance": "Provenance"}
+    title = "trainsim report: " + " / ".join(data["keys"][k] for k in ("hardware", "model", "parallelism"))
+    body = "".join(f'<section id="{name}"><h2>{titles[name]}</h2>{builders[name](data)}</section>'
+                   for name in SECTIONS)
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>\n")

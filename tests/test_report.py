@@ -1,0 +1,126 @@
+"""The report stage: one page per configuration point, checked in headless Chromium, metrics for DVC,
+ground truth shown as measured or "not measured", and a corrupt input stopping the report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import copy_project
+
+from trainsim.artifacts import atomic_artifact, read_manifest
+from trainsim.errors import ArtifactError
+from trainsim.registry import STAGES
+from trainsim.report.browser import broken_elements, find_browser, render_report
+from trainsim.report.html import SECTIONS
+from trainsim.report.stage import HTML_FILE, METRICS_FILE, write_report_artifact
+
+KEYS = {"hardware": "a100-80g-dgx", "model": "gpt-tiny", "parallelism": "dp2"}
+"""A GPU point: analytical kernels, the NCCL model fitted to the A100 tables, the model trained on Echo's
+A100 data. Nothing is timed on this machine, so the pipeline is quick and its output deterministic."""
+
+
+def _snakemake(project: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["snakemake", *args, "--config", f"hardware={KEYS['hardware']}"], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def a100_project(tmp_path_factory, workflow_env) -> Path:
+    project = copy_project(tmp_path_factory.mktemp("report") / "project")
+    _snakemake(project, workflow_env, "--cores", "2")
+    return project
+
+
+def _artifact(project: Path, stage: str) -> Path:
+    return project / STAGES[stage].path(KEYS)
+
+
+def _browser() -> str:
+    browser = find_browser()
+    if browser is None:  # .ci/run installs Debian's chromium; only a failed install gets here
+        pytest.skip("no Chromium on this machine (apt-get install chromium)")
+    return browser
+
+
+@pytest.mark.slow
+def test_page_renders_whole_in_chromium(a100_project, tmp_path):
+    page = _artifact(a100_project, "report") / HTML_FILE
+    rendered = render_report(page, browser=_browser(), screenshot=tmp_path / "page.png")
+    assert broken_elements(rendered, SECTIONS) == []
+    assert rendered["sections"] == list(SECTIONS)
+    figures = {img["id"] for img in rendered["images"]}
+    assert {"end-to-end-figure", "breakdown-figure", "timeline-figure", "comm-figure", "slowdown-figure",
+            "importance-figure", "cost-figure"} <= figures
+    tables = {t["id"]: t["rows"] for t in rendered["tables"]}
+    assert tables["comm-table"] == len(json.loads((_artifact(a100_project, "calibration") / "fit.json")
+                                                  .read_text())["collectives"])
+    assert tables["provenance-table"] == 5  # trace, profile, calibration, slowdown model, compose
+    assert (tmp_path / "page.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_metrics_come_from_the_upstream_artifacts_and_missing_truth_is_not_measured(a100_project):
+    report = _artifact(a100_project, "report")
+    metrics = json.loads((report / METRICS_FILE).read_text())
+    compose = json.loads((_artifact(a100_project, "compose") / "summary.json").read_text())
+    assert metrics["end_to_end"]["predicted_s"] == compose["step_time_s"]
+    assert metrics["end_to_end"]["measured"] == 0 and "error_pct" not in metrics["end_to_end"]  # never a zero
+    page = (report / HTML_FILE).read_text()
+    assert "not measured" in page and "a100-80g-dgx" in page
+    fit = json.loads((_artifact(a100_project, "calibration") / "fit.json").read_text())
+    for name, entry in fit["collectives"].items():
+        assert metrics["comm"][name]["model_mape_pct_large"] == pytest.approx(entry["heldout"]["model_mape_pct_large"])
+    model_metrics = json.loads((_artifact(a100_project, "slowdown_model") / "metrics.json").read_text())
+    assert metrics["slowdown"]["holdout_model"]["within_10_pct"] == pytest.approx(
+        model_metrics["holdout"]["model"]["within_10_pct"])
+    manifest = read_manifest(report)
+    assert set(manifest["files"]) == {HTML_FILE, METRICS_FILE} | {name for name, _, _ in STAGES["report"].dvc_plots}
+
+
+@pytest.mark.slow
+def test_snakemake_report_bundles_the_page(a100_project, workflow_env, tmp_path):
+    _snakemake(a100_project, workflow_env, "--cores", "1", "--report", str(tmp_path / "report.zip"))
+    with zipfile.ZipFile(tmp_path / "report.zip") as bundle:
+        names = bundle.namelist()
+    assert any(n.endswith(f"/{HTML_FILE}") and "/data/raw/" in n for n in names)
+    assert any(n.endswith(f"/{METRICS_FILE}") for n in names)
+
+
+@pytest.mark.slow
+def test_ground_truth_appearing_re_reports_with_the_error(a100_project, workflow_env):
+    predicted = json.loads((_artifact(a100_project, "report") / METRICS_FILE).read_text())["end_to_end"]["predicted_s"]
+    truth = _artifact(a100_project, "ground_truth")
+    with atomic_artifact(truth, stage="ground_truth", config={}, config_keys=KEYS) as tmp:
+        (tmp / "summary.json").write_text(json.dumps({"status": "measured", "step_time_median_s": 2 * predicted,
+                                                      "step_time_spread_s": 0.1 * predicted}))
+    plan = _snakemake(a100_project, workflow_env, "-n", "--cores", "1", "--quiet", "rules").stdout
+    assert "report" in plan and "compose" not in plan and "trace" not in plan
+    _snakemake(a100_project, workflow_env, "--cores", "1")
+    report = _artifact(a100_project, "report")
+    metrics = json.loads((report / METRICS_FILE).read_text())["end_to_end"]
+    assert metrics["measured"] == 1 and metrics["error_pct"] == pytest.approx(-50.0)
+    assert metrics["normalised"] == pytest.approx(0.5)
+    assert str(truth.relative_to(a100_project)) in read_manifest(report)["inputs"]
+    shutil.rmtree(truth)
+
+
+@pytest.mark.slow
+def test_a_corrupt_input_stops_the_report_and_keeps_the_old_one(a100_project, tmp_path):
+    inputs = {name: tmp_path / name for name in STAGES["report"].inputs}
+    for name, path in inputs.items():
+        shutil.copytree(_artifact(a100_project, name), path)
+    summary = inputs["compose"] / "summary.json"
+    summary.write_text(summary.read_text().replace('"step_time_s": ', '"step_time_s": 1'))
+    output = tmp_path / "report"
+    shutil.copytree(_artifact(a100_project, "report"), output)
+    before = (output / HTML_FILE).read_bytes()
+    with pytest.raises(ArtifactError, match="summary.json does not match the SHA-256"):
+        write_report_artifact(KEYS, inputs, output, tmp_path / "no-ground-truth")
+    assert (output / HTML_FILE).read_bytes() == before
