@@ -3,15 +3,23 @@
 #   snakemake --cores 2 --config model=gpt-small parallelism=tp2
 #   snakemake --cores 2 --config parallelism=tp2 overrides='[parallelism.recompute=full]'
 #   snakemake --cores 2 --config model=gpt-tiny,gpt-small parallelism=dp2,pp2   # sweep: 4 points
-# Every --config entry is a Hydra override (field-level ones under `overrides`); see README.
+#   snakemake --cores 2 --config sweep_file=sweeps/example.yaml sweep_name=grid   # a large grid from a file
+# Every --config entry is a Hydra override (field-level ones under `overrides`) except sweep_file and
+# sweep_name; see README. Every sweep ends in artifacts/sweeps/{name}/ (summary table and page).
 import json
 import os
+import sys
 
-from trainsim.config import compose_run
-from trainsim.config.sweep import expand_sweep
+from trainsim.config.sweep import sweep_points
 from trainsim.registry import STAGES, leaf_stages, stage_command
 
-RUNS = [compose_run(overrides) for overrides in expand_sweep(config)]
+SWEEP_NAME, POINTS = sweep_points(config)
+RUNS = [point.run for point in POINTS if point.run is not None]
+for point in POINTS:
+    if point.reason is not None:
+        print(f"trainsim: invalid sweep point {list(point.overrides)}: {point.reason}", file=sys.stderr)
+if not RUNS:
+    raise ValueError("no valid point in this sweep: " + "; ".join(p.reason for p in POINTS))
 
 
 def stage_config_json(stage, wildcards):
@@ -33,6 +41,22 @@ report: "report/workflow.rst"
 rule all:
     input:
         [stage.path(run.keys) for stage in leaf_stages() for run in RUNS],
+        f"artifacts/sweeps/{SWEEP_NAME}",
+
+
+rule sweep_summary:
+    """Every point of this sweep in one table and page; invalid points listed with their reason."""
+    input:
+        [STAGES["report"].path(run.keys) for run in RUNS],
+    output:
+        directory("artifacts/sweeps/{sweep}"),
+    params:
+        points_json=json.dumps([point.as_dict() for point in POINTS]),
+    log:
+        "logs/sweeps/{sweep}.log",
+    shell:
+        "python stages/sweep_summary_stage.py --output {output:q} --name {wildcards.sweep:q} "
+        "--points-json {params.points_json:q} > {log:q} 2>&1"
 
 
 def stage_inputs(stage, wildcards):

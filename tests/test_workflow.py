@@ -46,7 +46,8 @@ def test_snakefile_rules_come_from_the_registry(repo, workflow_env):
 @pytest.mark.slow
 def test_snakemake_runs_then_reruns_only_what_changed(project_copy, workflow_env):
     slowdown = {"calibration": 1, "slowdown_dataset": 1, "slowdown_model": 1}  # keyed by hardware only
-    compose = {"compose": 1, "report": 1}  # the timeline and its report: every change below redoes both
+    # the timeline, its report and the sweep's summary: every change below redoes them
+    compose = {"compose": 1, "report": 1, "sweep_summary": 1}
     assert _planned_jobs(project_copy, workflow_env) == {"all": 1, "trace": 1, "profile": 1, **slowdown, **compose}
     _run(["snakemake", "--cores", "2"], project_copy, workflow_env)
     artifact = project_copy / STAGES["trace"].path({"model": "gpt-tiny", "parallelism": "dp2"})
@@ -68,7 +69,8 @@ def test_snakemake_runs_then_reruns_only_what_changed(project_copy, workflow_env
     assert _planned_jobs(project_copy, workflow_env, "overrides=[parallelism.recompute=full]") == both
     # a sweep is one cached job per point
     assert _planned_jobs(project_copy, workflow_env, "parallelism=dp2,tp2,pp2") == {"all": 1, "trace": 2, "profile": 2,
-                                                                                     "compose": 2, "report": 2}
+                                                                                     "compose": 2, "report": 2,
+                                                                                     "sweep_summary": 1}
     # editing a hardware YAML re-profiles only; editing the model's YAML re-traces (params track values)
     hardware_yaml = project_copy / "conf/hardware/local-cpu.yaml"
     hardware_yaml.write_text(hardware_yaml.read_text().replace("threads_per_device: 1", "threads_per_device: 2"))

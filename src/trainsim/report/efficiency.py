@@ -1,0 +1,50 @@
+"""What a step costs and how well it uses the hardware: tokens/s, model FLOPs utilisation, dollars.
+
+MFU counts model FLOPs only (no recomputation), as PaLM (Chowdhery et al. 2022, appendix B) and
+Megatron-LM (Narayanan et al. 2021, eq. 3) define it, so layouts with and without recomputation compare
+on the work the model needs, not the work they chose to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
+    """Training FLOPs of one step: 3x the forward pass (backward = 2x forward).
+
+    Forward per token and layer: 2 x (QKV h(h + 2 h_kv) + output projection h^2 + MLP n h f) matmul
+    FLOPs plus 4 s h for attention scores and values; logits 2 h V per token. For GPT (n = 2, f = 4h,
+    h_kv = h) this is Narayanan et al. 2021 eq. 3 without recomputation: 72 B s l h^2 (1 + s/6h + V/12lh).
+    """
+    h, layers, s = model["hidden_size"], model["num_layers"], model["seq_length"]
+    heads = model["num_attention_heads"]
+    h_kv = h * (model.get("num_kv_heads") or heads) // heads
+    ffn = model.get("ffn_hidden_size") or 4 * h
+    mlp_matrices = 3 if model.get("family") == "llama" else 2  # SwiGLU has gate, up and down
+    per_token_layer = 2 * (h * (h + 2 * h_kv) + h * h + mlp_matrices * h * ffn) + 4 * s * h
+    per_token = layers * per_token_layer + 2 * h * model["vocab_size"]
+    return 3.0 * per_token * tokens_per_step(model, par)
+
+
+def tokens_per_step(model: dict[str, Any], par: dict[str, Any]) -> int:
+    return int(par["global_batch_size"]) * int(model["seq_length"])
+
+
+def efficiency(step_time_s: float, hardware: dict[str, Any], model: dict[str, Any],
+               par: dict[str, Any]) -> dict[str, float | None]:
+    """tokens/s, MFU (None without a peak rate for the precision), cost per step and per million tokens
+    (None without hardware.price_per_device_hour)."""
+    world = par["dp"] * par["tp"] * par["pp"]
+    tokens = tokens_per_step(model, par)
+    peak = hardware.get("peak_flops_per_s", {}).get(par["precision"])
+    price = hardware.get("price_per_device_hour") or 0.0
+    cost = price * world * step_time_s / 3600 if price > 0 else None
+    return {
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step_time_s,
+        "model_flops_per_step": model_flops_per_step(model, par),
+        "mfu_pct": 100 * model_flops_per_step(model, par) / (step_time_s * world * peak) if peak else None,
+        "cost_per_step_usd": cost,
+        "cost_per_million_tokens_usd": cost / tokens * 1e6 if cost is not None else None,
+    }

@@ -1,0 +1,137 @@
+"""The sweep summary: every point of a sweep in one table (Parquet, CSV) and one page.
+
+Per valid point: layout, predicted step time, tokens/s, MFU, peak memory and OOM verdict, cost per step
+and per million tokens, measured step time and error where a ground truth exists, and what the
+simulation cost (trace and compose wall time). Invalid points keep their overrides and the reason; an
+OOM point is simulated but flagged. The page adds predicted-vs-measured per configuration and
+simulation cost against GPU count.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from trainsim.artifacts import atomic_artifact, read_manifest  # noqa: E402
+from trainsim.registry import STAGES  # noqa: E402
+from trainsim.report.efficiency import efficiency  # noqa: E402
+from trainsim.report.figures import COLOURS, png_data_uri  # noqa: E402
+from trainsim.report.html import CSS, NOT_MEASURED, table_html  # noqa: E402
+
+TABLE_FILE, CSV_FILE, HTML_FILE = "summary.parquet", "summary.csv", "summary.html"
+STATUS_OK, STATUS_OOM, STATUS_INVALID = "ok", "oom", "invalid"
+SECTIONS = ("points", "end-to-end", "cost")
+
+
+def point_row(keys: dict[str, str], root: Path = Path(".")) -> dict[str, Any]:
+    """One valid point's row, read from its verified compose, trace and report artifacts."""
+    compose_dir = root / STAGES["compose"].path(keys)
+    manifest = read_manifest(compose_dir)
+    summary = json.loads((compose_dir / "summary.json").read_text())
+    config = manifest["config"]
+    hw, model, par = config["hardware"], config["model"], config["parallelism"]
+    peaks = [c["peak_memory_bytes"] for c in summary["classes"] if c.get("peak_memory_bytes") is not None]
+    row: dict[str, Any] = {
+        **keys, "status": STATUS_OOM if summary["oom"] else STATUS_OK, "reason": None,
+        "world_size": summary["world_size"], "num_nodes": hw["num_nodes"], "dp": par["dp"], "tp": par["tp"],
+        "pp": par["pp"], "micro_batch_size": par["micro_batch_size"], "num_microbatches": summary["num_microbatches"],
+        "schedule": par["schedule"], "recompute": par["recompute"], "step_time_s": summary["step_time_s"],
+        **efficiency(summary["step_time_s"], hw, model, par),
+        "peak_memory_gib": max(peaks) / 2**30 if peaks else None,
+        "memory_capacity_gib": hw["memory_capacity_bytes"] / 2**30 if hw["memory_capacity_bytes"] else None,
+        "oom": bool(summary["oom"]),
+        "trace_s": read_manifest(root / STAGES["trace"].path(keys)).get("wall_time_s"),
+        "compose_s": summary.get("simulate_s"),
+    }
+    report_dir = root / STAGES["report"].path(keys)
+    end_to_end = json.loads((report_dir / "metrics.json").read_text())["end_to_end"] if (
+        report_dir / "metrics.json").is_file() else {}
+    row["measured_step_s"] = end_to_end.get("measured_s")
+    row["error_pct"] = end_to_end.get("error_pct")
+    return row
+
+
+def summary_table(points: list[dict[str, Any]], root: Path = Path(".")) -> pd.DataFrame:
+    """All points in sweep order; `points` as SweepPoint.as_dict() gives them (keys None when invalid)."""
+    rows = []
+    for point in points:
+        base = {"point": " ".join(point["overrides"]) or "(defaults)"}
+        if point["keys"] is None:
+            rows.append({**base, "status": STATUS_INVALID, "reason": point["reason"]})
+        else:
+            rows.append({**base, **point_row(point["keys"], root)})
+    return pd.DataFrame(rows)
+
+
+def _end_to_end_figure(table: pd.DataFrame) -> str:
+    measured = table[table["measured_step_s"].notna()] if "measured_step_s" in table else table.iloc[:0]
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.35 * max(len(measured), 1)))
+    if len(measured):
+        ax.barh(measured["point"], measured["step_time_s"] / measured["measured_step_s"], color=COLOURS["model"])
+        ax.axvline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xlabel("predicted / measured step time")
+    else:
+        ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="#a00")
+        ax.set_axis_off()
+    return png_data_uri(fig)
+
+
+def _cost_figure(table: pd.DataFrame) -> str:
+    valid = table[table["status"] != STATUS_INVALID]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for column, colour in (("trace_s", COLOURS["forward"]), ("compose_s", COLOURS["backward"])):
+        if column in valid:
+            ax.scatter(valid["world_size"], valid[column], color=colour, label=column.removesuffix("_s"))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("wall time (s)")
+    ax.legend(fontsize=8)
+    return png_data_uri(fig)
+
+
+def render_summary_page(name: str, table: pd.DataFrame) -> str:
+    shown = [c for c in ("point", "status", "reason", "world_size", "dp", "tp", "pp", "micro_batch_size",
+                         "schedule", "recompute", "step_time_s", "tokens_per_s", "mfu_pct", "peak_memory_gib",
+                         "oom", "cost_per_step_usd", "cost_per_million_tokens_usd", "measured_step_s",
+                         "error_pct") if c in table]
+    invalid = int((table["status"] == STATUS_INVALID).sum())
+    valid = table[table["status"] != STATUS_INVALID]
+    e2e = valid[[c for c in ("point", "step_time_s", "measured_step_s", "error_pct") if c in table]].copy()
+    if "measured_step_s" in e2e:  # "not measured", never an error of zero
+        e2e["measured_step_s"] = e2e["measured_step_s"].astype(object).where(e2e["measured_step_s"].notna(),
+                                                                             NOT_MEASURED)
+    cost_cols = [c for c in ("point", "world_size", "trace_s", "compose_s") if c in table]
+    sections = {
+        "points": f"<p>{len(table)} point(s), {invalid} invalid (reason in the table).</p>"
+                  + table_html(table[shown], "points-table"),
+        "end-to-end": table_html(e2e, "end-to-end-table")
+                      + f'<img id="end-to-end-figure" alt="predicted vs measured" src="{_end_to_end_figure(table)}">',
+        "cost": table_html(valid[cost_cols], "cost-table")
+                + f'<img id="cost-figure" alt="simulation cost by GPU count" src="{_cost_figure(table)}">',
+    }
+    titles = {"points": "Points", "end-to-end": "Predicted vs measured", "cost": "Simulation cost by GPU count"}
+    body = "".join(f'<section id="{k}"><h2>{titles[k]}</h2>{v}</section>' for k, v in sections.items())
+    title = f"trainsim sweep {html.escape(name)}"
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f"<style>{CSS}</style></head><body><h1>{title}</h1>{body}</body></html>\n")
+
+
+def write_sweep_summary(name: str, points: list[dict[str, Any]], output: Path,
+                        root: Path = Path(".")) -> pd.DataFrame:
+    """Gather the points and publish summary.parquet, summary.csv and summary.html atomically."""
+    table = summary_table(points, root)
+    inputs = [root / STAGES["compose"].path(p["keys"]) for p in points if p["keys"] is not None]
+    with atomic_artifact(output, stage="sweep_summary", config={"name": name, "points": points},
+                         config_keys={"sweep": name}, inputs=inputs) as tmp:
+        table.to_parquet(tmp / TABLE_FILE, index=False)
+        table.to_csv(tmp / CSV_FILE, index=False)
+        (tmp / HTML_FILE).write_text(render_summary_page(name, table))
+    return table

@@ -1,0 +1,93 @@
+"""Sweeps: sweep files, invalid points kept with their reason, the summary table and page, efficiency."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pandas as pd
+import pytest
+from conftest import copy_project
+
+from trainsim.config import compose_run
+from trainsim.config.sweep import read_sweep_file, sweep_points
+from trainsim.errors import ConfigError
+from trainsim.report.browser import broken_elements, find_browser, render_report
+from trainsim.report.efficiency import efficiency, model_flops_per_step
+from trainsim.report.sweep import SECTIONS, STATUS_INVALID, STATUS_OK
+
+
+def test_sweep_file_grid_and_points(tmp_path):
+    path = tmp_path / "grid.yaml"
+    path.write_text("name: g\ngrid:\n  model: [gpt-tiny, gpt-small]\n  parallelism.tp: [1, 2]\n"
+                    "points:\n  - [parallelism=pp2]\n")
+    name, points = read_sweep_file(path)
+    assert name == "g" and len(points) == 5
+    assert ["model=gpt-small", "parallelism.tp=2"] in points and points[-1] == ["parallelism=pp2"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("grid: {model: gpt-tiny}\n", "'grid' must map override keys to non-empty lists"),
+    ("points: [parallelism=pp2]\n", r"points\[0\] must be a list of overrides"),
+    ("grids: {}\n", r"unknown key\(s\) \['grids'\]"),
+    ("name: x\n", "no points"),
+])
+def test_bad_sweep_files_are_named(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"sweep file {path}: {message}"):
+        read_sweep_file(path)
+
+
+def test_invalid_points_are_kept_with_their_reason(tmp_path):
+    path = tmp_path / "grid.yaml"
+    path.write_text("grid:\n  parallelism.tp: [1, 3]\n")
+    name, points = sweep_points({"parallelism": "single", "sweep_file": str(path)})
+    assert name.startswith("sweep-") and len(points) == 2
+    assert points[0].run is not None and points[0].reason is None
+    assert points[1].run is None and "tp=3 does not divide" in points[1].reason
+    assert points[1].as_dict() == {"overrides": ["parallelism=single", "parallelism.tp=3"], "keys": None,
+                                   "reason": points[1].reason}
+    assert sweep_points({"sweep_name": "mine"})[0] == "mine"
+    with pytest.raises(ConfigError, match="names a directory"):
+        sweep_points({"sweep_name": "../x"})
+
+
+def test_model_flops_match_megatron_and_efficiency_figures():
+    run = compose_run(["hardware=a100-80g-dgx", "model=gpt-175b", "parallelism=pp8-tp8-dp2"])
+    model, par = run.group("model"), run.group("parallelism")
+    b, s, h, v = par["global_batch_size"], model["seq_length"], model["hidden_size"], model["vocab_size"]
+    layers = model["num_layers"]
+    megatron = 72 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (12 * layers * h))  # Narayanan et al. 2021, eq. 3
+    assert model_flops_per_step(model, par) == pytest.approx(megatron, rel=1e-12)
+    figures = efficiency(10.0, run.group("hardware"), model, par)
+    world = par["dp"] * par["tp"] * par["pp"]
+    assert figures["mfu_pct"] == pytest.approx(100 * megatron / (10.0 * world * 312e12))
+    assert figures["tokens_per_s"] == pytest.approx(b * s / 10.0)
+    assert figures["cost_per_step_usd"] == pytest.approx(5.12 * world * 10 / 3600)
+    no_price = efficiency(10.0, {**run.group("hardware"), "price_per_device_hour": 0.0, "peak_flops_per_s": {}},
+                          model, par)
+    assert no_price["cost_per_step_usd"] is None and no_price["mfu_pct"] is None
+
+
+@pytest.mark.slow
+def test_a_sweep_with_an_invalid_point_runs_the_rest_and_summarises(tmp_path, workflow_env):
+    project = copy_project(tmp_path / "project")
+    (project / "grid.yaml").write_text("name: mixed\npoints:\n  - [parallelism=dp2]\n  - [parallelism=pp2]\n"
+                                       "  - [parallelism=single, parallelism.tp=3]\n")
+    proc = subprocess.run(["snakemake", "--cores", "2", "--config", "sweep_file=grid.yaml",
+                           "overrides=hardware=a100-80g-dgx"], cwd=project, env=workflow_env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "invalid sweep point" in proc.stderr and "tp=3 does not divide" in proc.stderr
+    summary = project / "artifacts/sweeps/mixed"
+    table = pd.read_parquet(summary / "summary.parquet")
+    assert list(table["status"]) == [STATUS_OK, STATUS_OK, STATUS_INVALID]
+    assert "tp=3 does not divide" in table["reason"].iloc[2]
+    assert (table["step_time_s"].iloc[:2] > 0).all() and (table["mfu_pct"].iloc[:2] > 0).all()
+    assert (table["cost_per_million_tokens_usd"].iloc[:2] > 0).all()
+    assert table["measured_step_s"].isna().all()  # a100: not measured here, and never an error of zero
+    assert pd.read_csv(summary / "summary.csv")["status"].tolist() == table["status"].tolist()
+    if find_browser() is not None:
+        rendered = render_report(summary / "summary.html")
+        assert broken_elements(rendered, SECTIONS) == []
+        assert {t["id"]: t["rows"] for t in rendered["tables"]}["points-table"] == 3
