@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from trainsim.errors import ArtifactError
-from trainsim.report.sweep import STATUS_INVALID, write_sweep_summary
+from trainsim.report.sweep import STATUS_INVALID, what_if_lines, write_sweep_summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     except ArtifactError as exc:
         console.print(f"[red]sweep summary failed:[/red] {exc}", markup=False, highlight=False)
         return 2
+    for line in what_if_lines(table):
+        console.print(line, markup=False, highlight=False)
     invalid = int((table["status"] == STATUS_INVALID).sum())
     console.print(f"{len(table)} point(s), {invalid} invalid -> {args.output}")
     return 0

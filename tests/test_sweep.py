@@ -91,3 +91,43 @@ def test_a_sweep_with_an_invalid_point_runs_the_rest_and_summarises(tmp_path, wo
         rendered = render_report(summary / "summary.html")
         assert broken_elements(rendered, SECTIONS) == []
         assert {t["id"]: t["rows"] for t in rendered["tables"]}["points-table"] == 3
+
+
+def test_what_if_scales_links_and_kernels():
+    from trainsim.comm.model import CommModel
+
+    base = compose_run(["hardware=a100-80g-dgx"])
+    fast = compose_run(["hardware=a100-80g-dgx", "hardware.what_if.inter_node_bandwidth_scale=2",
+                        "hardware.what_if.latency_scale=0.5"])
+    assert fast.keys["hardware"] != base.keys["hardware"]  # a what-if is a hardware of its own
+    before, after = CommModel.from_hardware(base.hardware), CommModel.from_hardware(fast.hardware)
+    big, small = 1 << 30, 1 << 10
+    # 2 nodes, 1 GiB: bound by the network, so about twice as fast; 1 KiB: latency-bound, about half
+    assert after.collective_seconds("all_reduce", big, 16, 2) == pytest.approx(
+        before.collective_seconds("all_reduce", big, 16, 2) / 2, rel=0.15)
+    assert after.collective_seconds("all_reduce", small, 16, 2) < 0.7 * before.collective_seconds(
+        "all_reduce", small, 16, 2)
+    # inside one node nothing changed but the latency
+    assert after.collective_seconds("all_reduce", big, 8, 1) == pytest.approx(
+        before.collective_seconds("all_reduce", big, 8, 1), rel=0.02)
+
+    from trainsim.what_if import compute_scale_factors
+
+    flops = compose_run(["hardware=a100-80g-dgx", "hardware.what_if.peak_flops_scale=2"]).hardware
+    ops = pd.DataFrame({"op": ["aten::mm", "aten::add"], "flops": [2 * 8192**3, 4096**2],
+                        "bytes_moved": [3 * 2 * 8192**2, 3 * 2 * 4096**2], "input_dtypes": ["bf16,bf16", "bf16,bf16"]})
+    matmul, add = compute_scale_factors(ops, flops)
+    assert matmul == pytest.approx(0.5, rel=0.05) and add == pytest.approx(1.0, rel=0.05)  # roofline decides
+    with pytest.raises(ConfigError, match="what_if.latency_scale=0.0 must be positive"):
+        compose_run(["hardware.what_if.latency_scale=0"])
+    with pytest.raises(ConfigError, match="need hardware.peak_flops_per_s"):
+        compose_run(["hardware=local-cpu", "hardware.what_if.peak_flops_scale=2"])
+
+
+def test_summary_compares_every_point_with_the_first():
+    from trainsim.report.sweep import what_if_lines
+
+    table = pd.DataFrame({"point": ["model=m net=1", "model=m net=2", "model=m net=3"],
+                          "status": ["ok", "ok", "invalid"], "step_time_s": [2.0, 1.5, None]})
+    table.loc[[0, 1], "step_vs_first_pct"] = [0.0, -25.0]
+    assert what_if_lines(table) == ["net=2: step -25.0% (1.5 s vs 2 s with net=1)"]

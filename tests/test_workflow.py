@@ -131,6 +131,13 @@ def test_dvc_repro_runs_the_trace_then_does_nothing(project_copy, workflow_env):
     status = _run(["dvc", "status"], clone, workflow_env).stdout
     assert "up to date" in status.lower() or "changed" not in status
 
+    # a layout change re-runs only what the layout keys (never calibration or the slowdown model)
+    params = project_copy / "params.yaml"
+    params.write_text(params.read_text().replace("parallelism: dp2", "parallelism: pp2"))
+    changed = json.loads(_run(["dvc", "status", "--json"], project_copy, workflow_env).stdout)
+    assert {"trace", "profile", "compose", "report"} <= set(changed)
+    assert not {"calibration", "slowdown_dataset", "slowdown_model"} & set(changed)
+
 
 def _tree_digest(root: Path) -> dict[str, str]:
     return {p.relative_to(root).as_posix(): file_sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}

@@ -1,8 +1,9 @@
-"""`trainsim` command line: inspect configs, trace a layout, run the real step, emit dvc.yaml."""
+"""`trainsim` command line: inspect configs, trace a layout, run the real step, search layouts, emit dvc.yaml."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -147,6 +148,41 @@ def _cmd_compose(args, console: Console) -> int:
     return 0
 
 
+def _cmd_search(args, console: Console) -> int:
+    import pandas as pd
+
+    from trainsim.config import compose_run
+    from trainsim.registry import STAGES
+    from trainsim.search.layouts import SearchSpace
+    from trainsim.search.output import search_dir, write_search_artifact
+    from trainsim.search.run import STATUS_OK, cost_column, search_layouts
+
+    run = compose_run(args.overrides, check="layout")
+    space = SearchSpace(micro_batch_sizes=tuple(args.micro_batch_sizes), schedules=tuple(args.schedules),
+                        recompute=tuple(args.recompute), min_world_size=args.min_gpus)
+    calibration = Path(STAGES["calibration"].path(run.keys))
+    with console.status(f"searching layouts of {run.model.name} on {args.gpus} x {run.hardware.name}"):
+        result = search_layouts(run, args.gpus, space, jobs=args.jobs or os.cpu_count() or 1,
+                                calibration_dir=calibration)
+    output = Path(args.output) if args.output else search_dir(run, args.gpus)
+    write_search_artifact(run, args.gpus, space, result, output, top=args.top)
+    table = result.table
+    ok = table[table["status"] == STATUS_OK]
+    view = Table(title=f"{len(table)} layouts ({len(ok)} fit in memory); fastest {min(args.top, len(ok))} "
+                       f"and the Pareto front (time vs {cost_column(table)})")
+    columns = ("layout", "step_time_s", "tokens_per_s", "mfu_pct", "peak_memory_gib", cost_column(table))
+    for column in columns:
+        view.add_column(column, justify="right")
+    shown = pd.concat([ok.nsmallest(args.top, "step_time_s"), ok[ok["pareto"]]]).drop_duplicates("layout")
+    for _, row in shown.iterrows():
+        view.add_row(*(f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in columns))
+    console.print(view)
+    console.print(f"estimates: {len(table) / result.estimate_s:.0f} layouts/s on {result.jobs} process(es); "
+                  f"slices traced and profiled in {result.slices_s:.1f} s -> {output} "
+                  f"(search.html; simulate the chosen ones fully: snakemake --config sweep_file={output}/sweep.yaml)")
+    return 0
+
+
 def _cmd_dvc_yaml(args, console: Console) -> int:
     from trainsim.registry import render_dvc_yaml
 
@@ -192,6 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b parallelism=pp12-tp8-dp1")
     p.add_argument("--output", help="artifact directory (default: the registry path under artifacts/)")
     p.set_defaults(func=_cmd_compose)
+    p = sub.add_parser("search", help="search the parallel layouts of a model on a GPU budget")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: model, hardware, parallelism.global_batch_size ...")
+    p.add_argument("--gpus", type=int, required=True, help="GPU budget (also halvings of it down to one node)")
+    p.add_argument("--min-gpus", type=int, default=0, help="smallest world size tried (default: one node)")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"])
+    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"])
+    p.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
+    p.add_argument("--top", type=int, default=5, help="fastest layouts shown and written to sweep.yaml")
+    p.add_argument("--output", help="artifact directory (default artifacts/search/{hardware}/{model}/{gpus}gpu)")
+    p.set_defaults(func=_cmd_search)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")
     p.set_defaults(func=_cmd_dvc_yaml)

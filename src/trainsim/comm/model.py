@@ -31,6 +31,7 @@ give chunk sizes, channel thresholds and the priors the fit starts from and fall
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ import numpy as np
 import yaml
 
 from trainsim.config.schema import HardwareConfig
+from trainsim.what_if import is_identity, scale_comm_values
 
 PROTOCOLS = ("LL", "LL128", "Simple")
 RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -222,7 +224,8 @@ class CommModel:
     def __init__(self, hardware: HardwareConfig, fits: dict[str, CollectiveParams], source: str):
         self.hardware = hardware
         self.fits = fits
-        self.source = source
+        self.source = source + ("" if is_identity(hardware.what_if) else f"; what-if {hardware.what_if}")
+        self._scaled: dict[str, CollectiveParams] = {}
 
     @classmethod
     def from_hardware(cls, hw: HardwareConfig) -> CommModel:
@@ -236,6 +239,16 @@ class CommModel:
         return cls(hw, fits, source=f"calibrated: {path}")
 
     def params(self, collective: str) -> CollectiveParams:
+        """The parameters used for `collective`, with hardware.what_if applied."""
+        if collective not in self._scaled:
+            params = self._params(collective)
+            what_if = self.hardware.what_if
+            if not is_identity(what_if):
+                params = dataclasses.replace(params, values=scale_comm_values(params.values, what_if))
+            self._scaled[collective] = params
+        return self._scaled[collective]
+
+    def _params(self, collective: str) -> CollectiveParams:
         if collective in self.fits:
             return self.fits[collective]
         prior = prior_params(self.hardware, collective)

@@ -155,6 +155,24 @@ class SlowdownConfig:
 
 
 @dataclass
+class WhatIfConfig:
+    """Hypothetical hardware changes applied when composing (measurements and fits stay as they are):
+    "what if the inter-node links were twice as fast?". 1.0 everywhere = the hardware as configured;
+    the node count is hardware.num_nodes itself."""
+
+    intra_node_bandwidth_scale: float = 1.0
+    """Multiplier on the intra-node link bandwidth the communication model uses (2.0 = twice as fast)."""
+    inter_node_bandwidth_scale: float = 1.0
+    """Multiplier on the inter-node (network) bandwidth."""
+    latency_scale: float = 1.0
+    """Multiplier on every communication latency and launch cost (0.5 = half the latency)."""
+    peak_flops_scale: float = 1.0
+    """Multiplier on the device's peak FLOP/s; kernel times scale by their roofline bound."""
+    memory_bandwidth_scale: float = 1.0
+    """Multiplier on the device's memory bandwidth; kernel times scale by their roofline bound."""
+
+
+@dataclass
 class StragglerConfig:
     """Ranks whose compute is slower than the rest (a throttled GPU, a noisy node); the composer gives
     them, and every rank that waits for them differently, their own rank classes."""
@@ -217,6 +235,8 @@ class HardwareConfig:
     """How the overlap-slowdown dataset is obtained and its model trained."""
     stragglers: list[StragglerConfig] = field(default_factory=list)
     """Slow ranks or nodes for what-if studies (timeline compose only); empty = all devices equal."""
+    what_if: WhatIfConfig = field(default_factory=WhatIfConfig)
+    """Hypothetical bandwidth, latency and peak-rate changes (compose and search only)."""
 
 
 @dataclass

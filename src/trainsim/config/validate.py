@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.errors import ConfigError
+from trainsim.what_if import validate_what_if
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -116,6 +117,7 @@ def validate_hardware(hw: HardwareConfig) -> None:
     for dtype, rate in hw.peak_flops_per_s.items():
         if rate <= 0:
             raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate} must be positive (or leave it out)")
+    validate_what_if(hw)
 
 
 def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig) -> None:

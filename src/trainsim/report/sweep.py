@@ -28,7 +28,7 @@ from trainsim.report.html import CSS, NOT_MEASURED, table_html  # noqa: E402
 
 TABLE_FILE, CSV_FILE, HTML_FILE = "summary.parquet", "summary.csv", "summary.html"
 STATUS_OK, STATUS_OOM, STATUS_INVALID = "ok", "oom", "invalid"
-SECTIONS = ("points", "end-to-end", "cost")
+SECTIONS = ("points", "what-if", "end-to-end", "cost")
 
 
 def point_row(keys: dict[str, str], root: Path = Path(".")) -> dict[str, Any]:
@@ -68,7 +68,28 @@ def summary_table(points: list[dict[str, Any]], root: Path = Path(".")) -> pd.Da
             rows.append({**base, "status": STATUS_INVALID, "reason": point["reason"]})
         else:
             rows.append({**base, **point_row(point["keys"], root)})
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    valid = table["status"] != STATUS_INVALID
+    if valid.any():  # every answer relative to the sweep's first valid point (the baseline of a what-if)
+        first = table.loc[valid, "step_time_s"].iloc[0]
+        table.loc[valid, "step_vs_first_pct"] = 100 * (table.loc[valid, "step_time_s"] / first - 1)
+    return table
+
+
+def what_if_lines(table: pd.DataFrame) -> list[str]:
+    """'<what differs>: step -x% (t s vs t0 s with <the first point's value>)' for every valid point after the
+    first, e.g. 'hardware.what_if.inter_node_bandwidth_scale=2: step -3.1% (... with ..._scale=1)'."""
+    valid = table[table["status"] != STATUS_INVALID]
+    if len(valid) < 2:
+        return []
+    first = valid.iloc[0]
+    lines = []
+    for row in valid.iloc[1:].itertuples():  # name each point by what differs from the first
+        changed = [o for o in row.point.split() if o not in first.point.split()] or [row.point]
+        before = [o for o in first.point.split() if o not in row.point.split()] or [first.point]
+        lines.append(f"{' '.join(changed)}: step {row.step_vs_first_pct:+.1f}% ({row.step_time_s:.4g} s vs "
+                     f"{first.step_time_s:.4g} s with {' '.join(before)})")
+    return lines
 
 
 def _end_to_end_figure(table: pd.DataFrame) -> str:
@@ -100,8 +121,8 @@ def _cost_figure(table: pd.DataFrame) -> str:
 def render_summary_page(name: str, table: pd.DataFrame) -> str:
     shown = [c for c in ("point", "status", "reason", "world_size", "dp", "tp", "pp", "micro_batch_size",
                          "schedule", "recompute", "step_time_s", "tokens_per_s", "mfu_pct", "peak_memory_gib",
-                         "oom", "cost_per_step_usd", "cost_per_million_tokens_usd", "measured_step_s",
-                         "error_pct") if c in table]
+                         "oom", "cost_per_step_usd", "cost_per_million_tokens_usd", "step_vs_first_pct",
+                         "measured_step_s", "error_pct") if c in table]
     invalid = int((table["status"] == STATUS_INVALID).sum())
     valid = table[table["status"] != STATUS_INVALID]
     e2e = valid[[c for c in ("point", "step_time_s", "measured_step_s", "error_pct") if c in table]].copy()
@@ -109,7 +130,12 @@ def render_summary_page(name: str, table: pd.DataFrame) -> str:
         e2e["measured_step_s"] = e2e["measured_step_s"].astype(object).where(e2e["measured_step_s"].notna(),
                                                                              NOT_MEASURED)
     cost_cols = [c for c in ("point", "world_size", "trace_s", "compose_s") if c in table]
+    lines = what_if_lines(table)
     sections = {
+        "what-if": ("<p>Each point against the first (the baseline when the sweep varies hardware.what_if, "
+                    "num_nodes or any other knob):</p><ul id='what-if-list'>"
+                    + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>") if lines
+                   else "<p>one valid point: nothing to compare</p>",
         "points": f"<p>{len(table)} point(s), {invalid} invalid (reason in the table).</p>"
                   + table_html(table[shown], "points-table"),
         "end-to-end": table_html(e2e, "end-to-end-table")
@@ -117,8 +143,9 @@ def render_summary_page(name: str, table: pd.DataFrame) -> str:
         "cost": table_html(valid[cost_cols], "cost-table")
                 + f'<img id="cost-figure" alt="simulation cost by GPU count" src="{_cost_figure(table)}">',
     }
-    titles = {"points": "Points", "end-to-end": "Predicted vs measured", "cost": "Simulation cost by GPU count"}
-    body = "".join(f'<section id="{k}"><h2>{titles[k]}</h2>{v}</section>' for k, v in sections.items())
+    titles = {"points": "Points", "what-if": "What if", "end-to-end": "Predicted vs measured",
+              "cost": "Simulation cost by GPU count"}
+    body = "".join(f'<section id="{k}"><h2>{titles[k]}</h2>{sections[k]}</section>' for k in SECTIONS)
     title = f"trainsim sweep {html.escape(name)}"
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{CSS}</style></head><body><h1>{title}</h1>{body}</body></html>\n")

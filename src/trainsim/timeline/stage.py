@@ -31,6 +31,7 @@ from trainsim.timeline.compose import StepTimeline, compose_step
 from trainsim.timeline.costs import CommCost, NoSlowdown, PredictorSlowdown, SlowdownEstimate
 from trainsim.timeline.outputs import class_table, node_kind_names, summary
 from trainsim.trace.stage import GRAPH_FILE, MEMORY_FILE, RANK_CLASSES_FILE
+from trainsim.what_if import scaled_compute_times
 
 PROFILE_FILE = "kernels.parquet"  # trainsim.profile.stage.PROFILE_FILE (not imported: it pulls in torch)
 SUMMARY_FILE = "summary.json"
@@ -86,6 +87,7 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     rank_classes = read_table(trace_dir, RANK_CLASSES_FILE).to_pandas()
     memory = read_table(trace_dir, MEMORY_FILE).to_pandas()
     compute, backends = load_profile(profile_dir)
+    compute = scaled_compute_times(compute, graph[graph["kind"] == "compute"], hw)
     comm = comm_model(hw, inputs.get("calibration"))
     slowdown = slowdown_model(hw, inputs.get("slowdown_model"))
     config = {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}

@@ -1,0 +1,190 @@
+"""Step time and peak memory of a layout from per-layer slice costs: the search's fast path.
+
+Per stage and micro-batch, forward = layers x (layer compute + its tensor-parallel collectives, which
+block compute as in Megatron-LM) plus the embedding on the first stage and the head on the last; the
+same for backward. The pipeline schedule is then played out exactly: every stage runs its actions
+(`pipeline_actions`, the schedule the tracer and composer use) in order, a forward waits for the same
+micro-batch's forward on the previous virtual stage plus the P2P transfer, a backward for the next
+stage's backward. Data-parallel gradients are all-reduced in buckets that become ready during the
+stage's last backward and run back to back on the communication stream; the optimizer follows.
+Memory: model states plus activations of the forwards in flight, as the trace stage computes them.
+
+What the full composer adds and this does not: overlap slowdown of compute that runs beside the
+gradient all-reduce, op-level dependencies inside a pass, stragglers. benchmarks/sweep_speed.py prints
+the agreement of the two on full traces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainsim.comm.model import CommModel
+from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.search.slices import PartCost, SliceCosts
+from trainsim.trace.memory import memory_row
+from trainsim.workloads.layout import Layout
+from trainsim.workloads.schedules import pipeline_actions
+
+
+@dataclass
+class LayoutEstimate:
+    step_time_s: float
+    pipeline_s: float
+    """end of the last backward on the slowest stage"""
+    exposed_dp_s: float
+    optimizer_s: float
+    tp_comm_s: float
+    """tensor-parallel collective time per step on the busiest stage (inside pipeline_s)"""
+    peak_memory_bytes: int
+    oom: bool
+
+
+def _nodes_spanned(ranks: list[int], devices_per_node: int) -> int:
+    return len({r // devices_per_node for r in ranks})
+
+
+def _collective_seconds(counts: dict[str, int], comm: CommModel, tp: int, tp_nodes: int) -> float:
+    total = 0.0
+    for label, count in counts.items():
+        collective, message_bytes = label.split(":")
+        total += count * comm.collective_seconds(collective, int(message_bytes), tp, tp_nodes)
+    return total
+
+
+def _chunk_parts(pp: int, v: int) -> dict[tuple[int, int], list[str]]:
+    """(stage, chunk) -> the end parts it carries: the embedding on virtual stage 0, the head on the last."""
+    parts = {(s, c): [] for s in range(pp) for c in range(v)}
+    parts[(0, 0)].append("first")
+    parts[(pp - 1, v - 1)].append("last")
+    return parts
+
+
+def play_pipeline(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, schedule: str,
+                  num_microbatches: int) -> tuple[list[float], list[float], list[float]]:
+    """Per stage: end of its last action, start and duration of its last backward (for the DP overlap).
+
+    forward_s / backward_s: (stage, chunk) -> seconds per micro-batch. Virtual stage of (s, c) is c*pp + s.
+    Past a few rounds of micro-batches the schedule is periodic (every further round of pp micro-batches
+    shifts the end by the same time), so long pipelines are played for 2 pp and 3 pp micro-batches and
+    extrapolated linearly; a test checks this against playing every micro-batch.
+    """
+    short, long = 2 * pp, 3 * pp
+    if schedule == "gpipe" or num_microbatches <= long:  # GPipe's memory of m forwards is not periodic in m
+        return _play(forward_s, backward_s, p2p_s, pp, v, schedule, num_microbatches)
+    a, b = (_play(forward_s, backward_s, p2p_s, pp, v, schedule, m) for m in (short, long))
+    scale = (num_microbatches - long) / (long - short)
+    ends = [e_b + (e_b - e_a) * scale for e_a, e_b in zip(a[0], b[0], strict=True)]
+    starts = [s_b + (s_b - s_a) * scale for s_a, s_b in zip(a[1], b[1], strict=True)]
+    return ends, starts, b[2]
+
+
+def _play(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, schedule: str,
+          num_microbatches: int) -> tuple[list[float], list[float], list[float]]:
+    actions = [pipeline_actions(schedule, pp, s, num_microbatches, v) for s in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
+    position, clock = [0] * pp, [0.0] * pp
+    last_backward = [(0.0, 0.0)] * pp
+    last_virtual = pp * v - 1
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            while position[s] < len(actions[s]):
+                a = actions[s][position[s]]
+                virtual = a.chunk * pp + s
+                if a.kind == "F":
+                    dep = ("F", virtual - 1, a.microbatch) if virtual > 0 else None
+                    duration = forward_s[(s, a.chunk)]
+                else:
+                    dep = ("B", virtual + 1, a.microbatch) if virtual < last_virtual else None
+                    if dep is None:  # the last virtual stage turns its own forward around
+                        dep = ("F", virtual, a.microbatch)
+                    duration = backward_s[(s, a.chunk)]
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0 if dep is None else done[dep] + (p2p_s if dep[1] != virtual else 0.0)
+                start = max(clock[s], ready)
+                clock[s] = start + duration
+                done[(a.kind, virtual, a.microbatch)] = clock[s]
+                if a.kind == "B":
+                    last_backward[s] = (start, duration)
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"pipeline schedule {schedule!r} deadlocks for pp={pp}, v={v}")
+    return clock, [b[0] for b in last_backward], [b[1] for b in last_backward]
+
+
+def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chunk: int,
+                  par: ParallelismConfig) -> int:
+    def total(field: str, chunk: int) -> int:
+        extra = sum(getattr(getattr(costs, p), field) for p in parts[(s, chunk)])
+        return layers_per_chunk * getattr(costs.layer, field) + extra
+
+    states = {f: sum(total(f, c) for c in range(v)) for f in ("parameter_bytes", "gradient_bytes",
+                                                               "optimizer_state_bytes")}
+    # the forwards in flight peak within the first 2 pp (+ v pp) actions, so 4 pp micro-batches show the peak
+    # of any longer 1F1B pipeline; GPipe keeps all m in flight
+    m = par.num_microbatches if par.schedule == "gpipe" else min(par.num_microbatches, 4 * par.pp)
+    row = memory_row(s, **states, saved_bytes_per_chunk={c: total("activation_bytes", c) for c in range(v)},
+                     actions=pipeline_actions(par.schedule, par.pp, s, m, v),
+                     largest_temporary_bytes=costs.largest_temporary_bytes)
+    return int(row["peak_bytes"])
+
+
+def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig,
+                    comm: CommModel, memory_only: bool = False) -> LayoutEstimate:
+    """Fast step-time and memory estimate of one layout (memory_only: skip the timing, for OOM screening)."""
+    pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
+    layout = Layout(par.dp, par.tp, par.pp)
+    layers_per_chunk = model.num_layers // (pp * v)
+    parts = _chunk_parts(pp, v)
+    peak = max(_stage_memory(costs, parts, s, v, layers_per_chunk, par) for s in range(pp))
+    oom = bool(hw.memory_capacity_bytes) and peak > hw.memory_capacity_bytes
+    if memory_only:
+        return LayoutEstimate(math.nan, math.nan, math.nan, math.nan, math.nan, peak, oom)
+
+    dpn = hw.devices_per_node
+    tp_nodes = _nodes_spanned(layout.group_ranks(0, "tp"), dpn)
+
+    def pass_seconds(part: PartCost, phase: str) -> tuple[float, float]:
+        compute = part.forward_s if phase == "F" else part.backward_s
+        counts = part.forward_collectives if phase == "F" else part.backward_collectives
+        return compute, _collective_seconds(counts, comm, par.tp, tp_nodes) if par.tp > 1 else 0.0
+
+    per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in ("layer", "first",
+                                                                                                "last")}
+    forward, backward, tp_comm = {}, {}, [0.0] * pp
+    for (s, c), extra in parts.items():
+        for phase, table in (("F", forward), ("B", backward)):
+            compute, collectives = (layers_per_chunk * x for x in per_part["layer"][phase])
+            compute += sum(per_part[p][phase][0] for p in extra)
+            collectives += sum(per_part[p][phase][1] for p in extra)
+            table[(s, c)] = compute + collectives
+            tp_comm[s] += collectives * m
+    next_stage = layout.rank_of(0, 0, 1) if pp > 1 else 0
+    p2p_s = comm.p2p_seconds(costs.p2p_message_bytes, same_node=next_stage // dpn == 0) if pp > 1 else 0.0
+    ends, backward_start, backward_len = play_pipeline(forward, backward, p2p_s, pp, v, par.schedule, m)
+
+    step = exposed_max = optimizer_max = 0.0
+    for s in range(pp):
+        grads = sum(layers_per_chunk * costs.layer.gradient_bytes
+                    + sum(getattr(costs, p).gradient_bytes for p in parts[(s, c)]) for c in range(v))
+        end = ends[s]
+        if par.dp > 1 and grads > 0:
+            buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
+            dp_nodes = _nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), dpn)
+            bucket_s = comm.collective_seconds("all_reduce", math.ceil(grads / buckets), par.dp, dp_nodes)
+            clock = backward_start[s]
+            for i in range(buckets):  # bucket i is ready after (i+1)/buckets of the last backward
+                clock = max(clock, backward_start[s] + backward_len[s] * (i + 1) / buckets) + bucket_s
+            exposed_max = max(exposed_max, max(clock - ends[s], 0.0))
+            end = max(end, clock)
+        optimizer = sum(layers_per_chunk * costs.layer.optimizer_s + sum(getattr(costs, p).optimizer_s
+                                                                       for p in parts[(s, c)]) for c in range(v))
+        optimizer_max = max(optimizer_max, optimizer)
+        step = max(step, end + optimizer)
+    return LayoutEstimate(step_time_s=step, pipeline_s=max(ends), exposed_dp_s=exposed_max,
+                          optimizer_s=optimizer_max, tp_comm_s=max(tp_comm), peak_memory_bytes=peak, oom=oom)

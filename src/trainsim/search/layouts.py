@@ -1,0 +1,86 @@
+"""Enumerate the parallel layouts of a model on a GPU budget.
+
+A layout is (dp, tp, pp, micro-batch size, schedule with its virtual stages, recompute). World sizes are
+the budget and its halvings down to one node, so the search can trade time for cost. Tensor
+parallelism stays inside a node (its collectives block compute on every layer, so nobody runs it
+across nodes). Layouts the model cannot be split into are dropped here with validate_layout's reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.config.validate import RECOMPUTE_MODES, SCHEDULES, validate_layout
+from trainsim.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may vary; everything else comes from the base parallelism config."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b")
+    virtual_stages: tuple[int, ...] = (2,)
+    """for interleaved-1f1b"""
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    min_world_size: int = 0
+    """0: one node"""
+    tp_sizes: tuple[int, ...] = field(default=())
+    """empty: every divisor of the heads up to the devices per node"""
+
+    def __post_init__(self):
+        for name, values, accepted in (("schedules", self.schedules, SCHEDULES),
+                                       ("recompute", self.recompute, RECOMPUTE_MODES)):
+            unknown = [v for v in values if v not in accepted]
+            if unknown or not values:
+                raise ConfigError(f"search space {name}={list(values)}: accepted values are {', '.join(accepted)}")
+        bad = [b for b in (*self.micro_batch_sizes, *self.virtual_stages, *self.tp_sizes) if b < 1]
+        if bad or not self.micro_batch_sizes:
+            raise ConfigError(f"search space: micro-batch sizes, virtual stages and tp sizes must be >= 1, got {bad}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def world_sizes(budget: int, hw: HardwareConfig, space: SearchSpace) -> list[int]:
+    smallest = space.min_world_size or min(hw.devices_per_node, budget)
+    sizes, size = [], budget
+    while size >= smallest and size >= 1:
+        sizes.append(size)
+        if size % 2:
+            break
+        size //= 2
+    return sizes
+
+
+def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareConfig, budget: int,
+                      space: SearchSpace) -> list[ParallelismConfig]:
+    """Every valid layout within the budget, in a stable order (world size, tp, pp, mbs, schedule, recompute)."""
+    if budget < 1:
+        raise ConfigError(f"GPU budget {budget} must be positive")
+    heads = model.num_attention_heads
+    tps = space.tp_sizes or tuple(t for t in _divisors(heads) if t <= hw.devices_per_node)
+    layouts = []
+    for world in world_sizes(budget, hw, space):
+        for tp in tps:
+            for pp in _divisors(model.num_layers):
+                if world % (tp * pp):
+                    continue
+                dp = world // (tp * pp)
+                for mbs in space.micro_batch_sizes:
+                    for schedule in space.schedules:
+                        for v in (space.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
+                            for recompute in space.recompute:
+                                par = dataclasses.replace(
+                                    base, name=f"dp{dp}-tp{tp}-pp{pp}-mbs{mbs}-{schedule}-v{v}-{recompute}",
+                                    dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, schedule=schedule,
+                                    virtual_stages=v, recompute=recompute)
+                                try:
+                                    validate_layout(model, par)
+                                except ConfigError:
+                                    continue
+                                layouts.append(par)
+    return layouts

@@ -1,0 +1,184 @@
+"""Layout search: enumerate, screen memory, estimate the rest in parallel, rank by time and by cost.
+
+Slice costs (two small traces per tensor-parallel degree, micro-batch size and recompute mode) are
+cached under artifacts/search/slices/, the profile database is the profile stage's, and the calibrated
+NCCL model is used when its artifact exists, so a second search on the same model and hardware traces
+and times nothing. The best layouts go into a sweep file, to be simulated with the full pipeline
+(trace, profile, compose, report) by Snakemake, locally or on a cluster through its executor plugins.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from trainsim.comm.model import FIT_FILE, CommModel
+from trainsim.config.compose import Run
+from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.registry import STAGES
+from trainsim.report.efficiency import efficiency
+from trainsim.search.estimate import estimate_layout
+from trainsim.search.layouts import SearchSpace, enumerate_layouts
+from trainsim.search.slices import SliceCosts, measure_slice_costs, slice_key
+
+SLICE_CACHE = Path("artifacts/search/slices")
+STATUS_OK, STATUS_OOM = "ok", "oom"
+
+
+@dataclass
+class SearchResult:
+    table: pd.DataFrame
+    """one row per layout: layout fields, status, estimate, efficiency, pareto flag"""
+    slices_s: float
+    """wall time spent tracing and profiling slices (0 when all were cached)"""
+    estimate_s: float
+    """wall time of the memory screen and the estimates"""
+    jobs: int
+
+
+def cluster_for(hw: HardwareConfig, budget: int) -> HardwareConfig:
+    """The hardware with enough nodes for the budget (the search's what-if node count)."""
+    return dataclasses.replace(hw, num_nodes=max(hw.num_nodes, math.ceil(budget / hw.devices_per_node)))
+
+
+def load_slice_costs(model: ModelConfig, layouts: list[ParallelismConfig], hw: HardwareConfig, keys: dict[str, str],
+                     cache: Path = SLICE_CACHE) -> tuple[dict[str, SliceCosts], float]:
+    """Slice costs for every distinct slice key of `layouts`: from the cache, else traced and profiled."""
+    started, costs = time.perf_counter(), {}
+    directory = Path(cache) / keys["hardware"] / keys["model"]
+    database = Path(STAGES["profile"].database_path(keys))  # the profile stage's: nothing is timed twice
+    for par in layouts:
+        key = slice_key(par)
+        if key in costs:
+            continue
+        path = directory / f"{key}.json"
+        if path.is_file():
+            costs[key] = SliceCosts.from_json(path.read_text())
+            continue
+        costs[key] = measure_slice_costs(model, par, hw, keys["hardware"], database)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(costs[key].to_json())
+        os.replace(tmp, path)  # atomic: a concurrent search reads the old or the new file, never half
+    return costs, time.perf_counter() - started
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(costs, model, hw, comm) -> None:
+    _WORKER.update(costs=costs, model=model, hw=hw, comm=comm)
+
+
+def _evaluate(par: ParallelismConfig) -> dict:
+    costs, model, hw, comm = (_WORKER[k] for k in ("costs", "model", "hw", "comm"))
+    slice_costs = costs[slice_key(par)]
+    screen = estimate_layout(slice_costs, model, par, hw, comm, memory_only=True)
+    row = {"layout": par.name, "world_size": par.world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
+           "micro_batch_size": par.micro_batch_size, "num_microbatches": par.num_microbatches,
+           "schedule": par.schedule, "virtual_stages": par.virtual_stages, "recompute": par.recompute,
+           "peak_memory_gib": screen.peak_memory_bytes / 2**30}
+    if screen.oom:
+        return {**row, "status": STATUS_OOM}
+    est = estimate_layout(slice_costs, model, par, hw, comm)
+    plain = {"hardware": dataclasses.asdict(hw), "model": dataclasses.asdict(model),
+             "parallelism": dataclasses.asdict(par)}
+    return {**row, "status": STATUS_OK, "step_time_s": est.step_time_s, "pipeline_s": est.pipeline_s,
+            "exposed_dp_s": est.exposed_dp_s, "optimizer_s": est.optimizer_s, "tp_comm_s": est.tp_comm_s,
+            "gpu_seconds_per_step": est.step_time_s * par.world_size,
+            **efficiency(est.step_time_s, plain["hardware"], plain["model"], plain["parallelism"])}
+
+
+def cost_column(table: pd.DataFrame) -> str:
+    """Dollars per million tokens when the hardware has a price, else GPU-seconds per step."""
+    ok = table[table["status"] == STATUS_OK]
+    return "cost_per_million_tokens_usd" if ok["cost_per_million_tokens_usd"].notna().all() else \
+        "gpu_seconds_per_step"
+
+
+def pareto_front(table: pd.DataFrame, x: str, y: str) -> pd.Series:
+    """True for rows no other row beats on both x and y (both minimised)."""
+    flags = pd.Series(False, index=table.index)
+    best_y = math.inf
+    for index, row in table.sort_values([x, y]).iterrows():
+        if row[y] < best_y:
+            flags[index], best_y = True, row[y]
+    return flags
+
+
+def evaluate_layouts(layouts: list[ParallelismConfig], costs: dict[str, SliceCosts], model: ModelConfig,
+                     hw: HardwareConfig, comm: CommModel, jobs: int = 1) -> pd.DataFrame:
+    """Screen and estimate every layout, in `jobs` processes (chunks of layouts per process)."""
+    if jobs <= 1 or len(layouts) < 2 * jobs:
+        _init_worker(costs, model, hw, comm)
+        rows = [_evaluate(par) for par in layouts]
+    else:
+        chunk = max(1, len(layouts) // (4 * jobs))
+        with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_init_worker,
+                                                    initargs=(costs, model, hw, comm)) as pool:
+            rows = list(pool.map(_evaluate, layouts, chunksize=chunk))
+    return pd.DataFrame(rows)
+
+
+def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, jobs: int = 1,
+                   calibration_dir: Path | None = None, cache: Path = SLICE_CACHE) -> SearchResult:
+    """The whole search for `run`'s model on `run`'s hardware with `budget` GPUs."""
+    space = space or SearchSpace()
+    hw = cluster_for(run.hardware, budget)
+    layouts = enumerate_layouts(run.model, run.parallelism, hw, budget, space)
+    if not layouts:
+        raise ValueError(f"no layout of {run.model.name} fits the constraints on {budget} GPUs "
+                         f"(search space {space})")
+    costs, slices_s = load_slice_costs(run.model, layouts, hw, run.keys, cache)
+    calibrated = calibration_dir is not None and (Path(calibration_dir) / FIT_FILE).is_file()
+    comm = CommModel.load(calibration_dir, hw) if calibrated else CommModel.from_hardware(hw)
+    started = time.perf_counter()
+    table = evaluate_layouts(layouts, costs, run.model, hw, comm, jobs)
+    estimate_s = time.perf_counter() - started
+    ok = table["status"] == STATUS_OK
+    table["pareto"] = False
+    if ok.any():
+        table.loc[ok, "pareto"] = pareto_front(table[ok], "step_time_s", cost_column(table))
+    return SearchResult(table=table, slices_s=slices_s, estimate_s=estimate_s, jobs=jobs)
+
+
+def layout_overrides(row: pd.Series, num_nodes: int) -> list[str]:
+    """Hydra overrides that reproduce one searched layout in the full pipeline."""
+    return [f"parallelism.dp={row.dp}", f"parallelism.tp={row.tp}", f"parallelism.pp={row.pp}",
+            f"parallelism.micro_batch_size={row.micro_batch_size}", f"parallelism.schedule={row.schedule}",
+            f"parallelism.virtual_stages={row.virtual_stages}", f"parallelism.recompute={row.recompute}",
+            f"hardware.num_nodes={num_nodes}"]
+
+
+def sweep_file_text(result: SearchResult, run: Run, budget: int, top: int) -> str:
+    """A sweep file (config/sweep.py format) with the `top` fastest layouts and the Pareto front."""
+    ok = result.table[result.table["status"] == STATUS_OK]
+    chosen = pd.concat([ok.nsmallest(top, "step_time_s"), ok[ok["pareto"]]]).drop_duplicates("layout")
+    nodes = cluster_for(run.hardware, budget).num_nodes
+    base = [f"{group}={run.choices[group]}" for group in ("hardware", "model", "parallelism")]
+    points = []
+    for _, row in chosen.iterrows():
+        layout = layout_overrides(row, nodes)
+        set_here = {o.split("=")[0] for o in layout} | {"hardware", "model", "parallelism"}
+        points.append(base + [o for o in run.overrides if o.split("=")[0] not in set_here] + layout)
+    data = {"name": f"search-{run.keys['model']}-{run.keys['hardware']}-{budget}gpu", "points": points}
+    return "# Layouts chosen by `trainsim search`; simulate them fully with\n" \
+           f"#   snakemake --cores all --config sweep_file=<this file>\n{yaml.safe_dump(data, sort_keys=False)}"
+
+
+def summary_json(result: SearchResult, budget: int) -> str:
+    t = result.table
+    counts = t["status"].value_counts().to_dict()
+    return json.dumps({"budget_gpus": budget, "layouts": len(t), "status_counts": counts, "jobs": result.jobs,
+                       "slices_s": result.slices_s, "estimate_s": result.estimate_s,
+                       "layouts_per_s": len(t) / result.estimate_s if result.estimate_s else None}, indent=2)

@@ -1,0 +1,135 @@
+"""Per-layer costs of a model from two small traces, so a layout search never traces the whole model.
+
+Every transformer layer of a layout is the same graph, and a stage is its layers plus the embedding
+(first stage) or the head and loss (last stage). So for one (tp, micro-batch size, recompute,
+precision) we trace two 2-stage slices of the model, with 1 and 2 layers per stage, profile their ops
+through the hardware's profile database (nothing is timed twice), and take differences:
+
+    layer = stage0(2 layers) - stage0(1 layer)
+    first = stage0(1 layer) - layer          (embedding and what only the first stage does)
+    last  = stage1(1 layer) - layer          (final norm, head, loss)
+
+Each part keeps its forward, backward and optimizer compute seconds, its tensor-parallel collectives per
+micro-batch (priced later by the communication model, since their cost depends on the hardware only),
+and its memory (parameters, gradients, optimizer states, activations saved per micro-batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.profile.database import ProfileDatabase
+from trainsim.profile.stage import distinct_ops, profile_ops
+from trainsim.what_if import scaled_compute_times
+
+PART_NAMES = ("layer", "first", "last")
+MEMORY_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes")
+
+
+@dataclass
+class PartCost:
+    """Costs of one part of a stage, per micro-batch unless named otherwise."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    """once per step"""
+    forward_collectives: dict[str, int] = field(default_factory=dict)
+    """'collective:message_bytes' -> count, tensor-parallel collectives in the forward pass"""
+    backward_collectives: dict[str, int] = field(default_factory=dict)
+    parameter_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    activation_bytes: int = 0
+    """saved for the backward pass, per micro-batch"""
+
+    def minus(self, other: PartCost) -> PartCost:
+        """Difference of two parts; collective counts below zero are dropped (never negative work)."""
+        def counts(a: dict, b: dict) -> dict:
+            return dict(Counter(a) - Counter(b))
+        return PartCost(
+            forward_s=max(self.forward_s - other.forward_s, 0.0),
+            backward_s=max(self.backward_s - other.backward_s, 0.0),
+            optimizer_s=max(self.optimizer_s - other.optimizer_s, 0.0),
+            forward_collectives=counts(self.forward_collectives, other.forward_collectives),
+            backward_collectives=counts(self.backward_collectives, other.backward_collectives),
+            **{f: max(getattr(self, f) - getattr(other, f), 0) for f in MEMORY_FIELDS})
+
+
+@dataclass
+class SliceCosts:
+    """What the layout estimator needs for one (tp, micro_batch_size, recompute, precision)."""
+
+    layer: PartCost
+    first: PartCost
+    last: PartCost
+    p2p_message_bytes: int
+    """activation tensor sent between pipeline stages per micro-batch"""
+    largest_temporary_bytes: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SliceCosts:
+        data = json.loads(text)
+        return cls(**{k: PartCost(**data[k]) for k in PART_NAMES}, p2p_message_bytes=data["p2p_message_bytes"],
+                   largest_temporary_bytes=data["largest_temporary_bytes"])
+
+
+def slice_key(par: ParallelismConfig) -> str:
+    """The parallelism fields a slice depends on (dp, pp, schedule and batch do not change a layer)."""
+    return f"tp{par.tp}-mbs{par.micro_batch_size}-{par.recompute}-{par.precision}"
+
+
+def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series) -> PartCost:
+    compute = graph[(graph["kind"] == "compute") & ~graph["no_kernel"]]
+    seconds = compute["signature"].map(times).groupby(compute["phase"]).sum()
+    tp = graph[(graph["kind"] == "collective") & (graph["group_kind"] == "tp") & graph["per_microbatch"]]
+    labels = tp["collective"] + ":" + tp["message_bytes"].astype(str)
+    return PartCost(
+        forward_s=float(seconds.get("forward", 0.0)), backward_s=float(seconds.get("backward", 0.0)),
+        optimizer_s=float(seconds.get("optimizer", 0.0)),
+        forward_collectives=dict(Counter(labels[tp["phase"] == "forward"])),
+        backward_collectives=dict(Counter(labels[tp["phase"] == "backward"])),
+        parameter_bytes=int(memory["parameter_bytes"]), gradient_bytes=int(memory["gradient_bytes"]),
+        optimizer_state_bytes=int(memory["optimizer_state_bytes"]),
+        activation_bytes=int(memory["activation_bytes_per_microbatch"]))
+
+
+def _trace_slice(model: ModelConfig, par: ParallelismConfig, layers_per_stage: int):
+    from trainsim.trace.tracer import trace_layout  # torch: only when a slice is actually traced
+
+    sliced_model = dataclasses.replace(model, num_layers=2 * layers_per_stage)
+    sliced_par = dataclasses.replace(par, dp=1, pp=2, virtual_stages=1, schedule="1f1b",
+                                     global_batch_size=par.micro_batch_size)
+    result = trace_layout(sliced_model, sliced_par)
+    return result.graph.to_pandas(), result.memory.to_pandas().set_index("rank_class")
+
+
+def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, hardware_key: str,
+                        database: Path) -> SliceCosts:
+    """Trace the two slices, profile their ops into `database`, and split them into parts."""
+    one, one_memory = _trace_slice(model, par, 1)
+    two, two_memory = _trace_slice(model, par, 2)
+    ops = distinct_ops(pd.concat([one, two], ignore_index=True))
+    rows, _ = profile_ops(ops, hw, hardware_key, ProfileDatabase(database))
+    times = scaled_compute_times(dict(zip(rows["signature"], rows["median_s"].astype(float))), ops, hw)
+
+    def stage(graph, memory, cls):
+        return _stage_cost(graph[graph["rank_class"] == cls], times, memory.loc[cls])
+
+    first_one, last_one, first_two = stage(one, one_memory, 0), stage(one, one_memory, 1), stage(two, two_memory, 0)
+    layer = first_two.minus(first_one)
+    sends = one[(one["kind"] == "p2p") & (one["collective"] == "send")]["message_bytes"]
+    return SliceCosts(layer=layer, first=first_one.minus(layer), last=last_one.minus(layer),
+                      p2p_message_bytes=int(sends.max()) if len(sends) else 0,
+                      largest_temporary_bytes=int(max(one_memory["largest_temporary_bytes"].max(),
+                                                      two_memory["largest_temporary_bytes"].max())))

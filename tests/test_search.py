@@ -1,0 +1,168 @@
+"""Layout search: enumeration, the pipeline played out, agreement with the full composer, the artifact."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from trainsim.config import compose_run
+from trainsim.config.sweep import read_sweep_file
+from trainsim.errors import ConfigError
+from trainsim.report.browser import broken_elements, find_browser, render_report
+from trainsim.search.estimate import estimate_layout, play_pipeline
+from trainsim.search.layouts import SearchSpace, enumerate_layouts
+from trainsim.search.output import SECTIONS, write_search_artifact
+from trainsim.search.run import STATUS_OK, cluster_for, layout_overrides, load_slice_costs, search_layouts
+
+SMALL = ["hardware=a100-80g-dgx", "model=gpt-small", "parallelism=dp2", "parallelism.global_batch_size=16"]
+SPACE = SearchSpace(micro_batch_sizes=(1, 2), recompute=("none", "full"))
+
+
+def test_enumeration_is_valid_and_bounded():
+    run = compose_run(SMALL, check="layout")
+    hw = cluster_for(run.hardware, 16)
+    layouts = enumerate_layouts(run.model, run.parallelism, hw, 16, SPACE)
+    assert {p.world_size for p in layouts} == {16, 8}  # the budget and its halvings down to one node
+    assert all(p.tp <= hw.devices_per_node and run.model.num_attention_heads % p.tp == 0 for p in layouts)
+    assert all(run.model.num_layers % (p.pp * p.virtual_stages) == 0 for p in layouts)
+    assert all(p.global_batch_size % (p.micro_batch_size * p.dp) == 0 for p in layouts)
+    assert {p.schedule for p in layouts} == {"1f1b", "interleaved-1f1b"}
+    assert len({p.name for p in layouts}) == len(layouts)
+
+
+@pytest.mark.parametrize("space, field", [(dict(schedules=("zigzag",)), "schedules"),
+                                          (dict(recompute=("most",)), "recompute"),
+                                          (dict(micro_batch_sizes=(0,)), "micro-batch sizes")])
+def test_bad_search_space_is_named(space, field):
+    with pytest.raises(ConfigError, match=field):
+        SearchSpace(**space)
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)])
+def test_pipeline_played_out_matches_the_textbook_bubble(schedule, v):
+    pp, m, f, b = 4, 8, 1.0, 2.0  # per stage and micro-batch, split evenly over v chunks
+    forward = {(s, c): f / v for s in range(pp) for c in range(v)}
+    backward = {(s, c): b / v for s in range(pp) for c in range(v)}
+    ends, _, _ = play_pipeline(forward, backward, 0.0, pp, v, schedule, m)
+    # Narayanan et al. 2021 sec. 2.2: (m + (p - 1) / v) (f + b) with equal stages and free P2P
+    assert max(ends) == pytest.approx((m + (pp - 1) / v) * (f + b))
+
+
+@pytest.mark.parametrize("schedule, v, pp", [("1f1b", 1, 2), ("1f1b", 1, 8), ("interleaved-1f1b", 2, 4),
+                                             ("interleaved-1f1b", 3, 8)])
+def test_long_pipelines_are_extrapolated_exactly(schedule, v, pp):
+    from trainsim.search.estimate import _play
+
+    m = 12 * pp  # uneven stages and a P2P cost: the periodic steady state still holds
+    forward = {(s, c): (1.0 + 0.3 * s) / v for s in range(pp) for c in range(v)}
+    backward = {(s, c): (2.0 + 0.5 * (s == pp - 1)) / v for s in range(pp) for c in range(v)}
+    fast = play_pipeline(forward, backward, 0.05, pp, v, schedule, m)
+    exact = _play(forward, backward, 0.05, pp, v, schedule, m)
+    for got, want in zip(fast, exact, strict=True):
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def small_search(tmp_path_factory):
+    """One search in a scratch directory (its profile database and slice cache stay out of the checkout)."""
+    run = compose_run(SMALL, check="layout")
+    workdir = tmp_path_factory.mktemp("search")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(workdir)
+        yield run, search_layouts(run, 16, SPACE, jobs=2, cache=workdir / "slices"), workdir / "slices"
+
+
+@pytest.mark.slow
+def test_search_ranks_layouts_and_a_second_search_traces_nothing(small_search):
+    run, result, cache = small_search
+    table = result.table
+    assert set(table["status"]) <= {STATUS_OK, "oom"} and (table["status"] == STATUS_OK).any()
+    ok = table[table["status"] == STATUS_OK]
+    assert (ok["step_time_s"] > 0).all() and (ok["mfu_pct"] > 0).all() and ok["pareto"].any()
+    front = ok[ok["pareto"]].sort_values("step_time_s")
+    assert front["cost_per_million_tokens_usd"].is_monotonic_decreasing  # a front trades time for cost
+    again = search_layouts(run, 16, SPACE, jobs=1, cache=cache)
+    assert again.slices_s < 1.0
+    pd.testing.assert_frame_equal(again.table, table)  # parallel and serial give the same answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2-tp2-pp2-mbs1-1f1b-v1-none", "dp1-tp2-pp4-mbs2-1f1b-v1-full",
+                                    "dp4-tp1-pp2-mbs2-interleaved-1f1b-v2-none"])
+def test_fast_path_agrees_with_the_full_composer(small_search, layout, tmp_path):
+    from trainsim.timeline.stage import write_timeline_artifact
+    from trainsim.trace.stage import write_trace_artifact
+
+    run, result, cache = small_search
+    row = result.table.set_index("layout").loc[layout]
+    full = compose_run(SMALL + layout_overrides(row, cluster_for(run.hardware, 16).num_nodes))
+    from trainsim.profile.stage import write_profile_artifact
+
+    write_trace_artifact(full.model, full.parallelism, full.keys, tmp_path / "trace")
+    write_profile_artifact(full.hardware, full.keys, tmp_path / "trace", tmp_path / "db", tmp_path / "profile")
+    summary = write_timeline_artifact(full.hardware, full.model, full.parallelism, full.keys,
+                                      {"trace": tmp_path / "trace", "profile": tmp_path / "profile"}, tmp_path / "tl")
+    assert row["step_time_s"] == pytest.approx(summary["step_time_s"], rel=0.10)
+    memory = pd.read_parquet(tmp_path / "trace/memory.parquet")
+    assert row["peak_memory_gib"] * 2**30 == pytest.approx(memory["peak_bytes"].max(), rel=0.01)
+    assert summary["num_microbatches"] == row["num_microbatches"]
+
+
+@pytest.mark.slow
+def test_search_artifact_page_and_sweep_file(small_search, tmp_path):
+    run, result, _ = small_search
+    write_search_artifact(run, 16, SPACE, result, tmp_path / "search", top=3)
+    name, points = read_sweep_file(tmp_path / "search/sweep.yaml")
+    assert name == "search-gpt-small-a100-80g-dgx-16gpu" and len(points) >= 3
+    for point in points:  # every chosen layout is a valid full-pipeline run
+        assert compose_run(point).parallelism.world_size <= 16
+    summary = json.loads((tmp_path / "search/summary.json").read_text())
+    assert summary["layouts"] == len(result.table)
+    assert len(pd.read_csv(tmp_path / "search/layouts.csv")) == len(result.table)
+    if find_browser() is not None:
+        rendered = render_report(tmp_path / "search/search.html")
+        assert broken_elements(rendered, SECTIONS) == []
+        assert "pareto-figure" in {img["id"] for img in rendered["images"]}
+
+
+def test_oom_layouts_are_screened_before_timing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = compose_run(["hardware=a100-80g-dgx", "model=gpt-175b", "parallelism=pp16-tp8-dp8"], check="layout")
+    layouts = [p for p in enumerate_layouts(run.model, run.parallelism, cluster_for(run.hardware, 8), 8,
+                                            SearchSpace(micro_batch_sizes=(1,), recompute=("full",),
+                                                        schedules=("1f1b",)))
+               if p.tp == 8 and p.pp == 1]
+    assert layouts  # 175B on one 8-GPU node cannot hold its weights
+    costs, _ = load_slice_costs(run.model, layouts[:1], run.hardware, run.keys, cache=tmp_path / "slices")
+    screen = estimate_layout(costs[next(iter(costs))], run.model, layouts[0], run.hardware, None, memory_only=True)
+    assert screen.oom and screen.peak_memory_bytes > run.hardware.memory_capacity_bytes
+
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_in_flight_activations_peak_within_four_rounds(schedule, v):
+    from trainsim.trace.memory import peak_inflight_activation_bytes
+    from trainsim.workloads.schedules import pipeline_actions
+
+    pp, saved = 8, {c: 100 + 7 * c for c in range(v)}
+    for stage in range(pp):
+        full = peak_inflight_activation_bytes(pipeline_actions(schedule, pp, stage, 40 * pp, v), saved)
+        capped = peak_inflight_activation_bytes(pipeline_actions(schedule, pp, stage, 4 * pp, v), saved)
+        assert capped == full
+
+
+@pytest.mark.slow
+def test_search_command_writes_the_artifact(tmp_path, monkeypatch, capsys):
+    from trainsim.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["search", "hardware=a100-80g-dgx", "model=gpt-tiny", "--gpus", "8", "--micro-batch-sizes", "1",
+            "--schedules", "1f1b", "--recompute", "none", "--jobs", "1", "--top", "2"]
+    assert main(args) == 0
+    out = tmp_path / "artifacts/search/a100-80g-dgx/gpt-tiny/8gpu"
+    assert {"layouts.parquet", "layouts.csv", "search.html", "sweep.yaml", "summary.json", "manifest.json"} <= {
+        p.name for p in out.iterdir()}
+    assert "layouts/s" in capsys.readouterr().out
+    assert main([*args[:-6], "--schedules", "zigzag"]) == 2  # a bad search space is an error, not a crash
