@@ -41,10 +41,15 @@ VTRAIN_MAPE_PCT = 8.37
 """vTrain's own reported MAPE on these rows."""
 HARDWARE = "a100-80g-dgx"
 CACHE = Path("artifacts/validation/vtrain/traces")
-FITTED = ("matmul_efficiency", "matmul_half_flops", "memory_efficiency", "memory_half_bytes", "launch_overhead_s")
-"""The analytical kernel model's hardware-level parameters fitted to the fit rows (KernelModelConfig fields)."""
-LOWER = [0.05, 1e6, 0.05, 1e4, 1e-7]
-UPPER = [1.0, 1e12, 1.0, 1e9, 1e-3]
+FUSED_KINDS = ("elementwise", "optimizer", "normalization", "softmax_loss")
+FITTED = ("matmul_efficiency", "matmul_half_flops", "memory_efficiency", "memory_half_bytes", "launch_overhead_s",
+          *(f"kind_efficiency.{k}" for k in FUSED_KINDS))
+"""The analytical kernel model's hardware-level parameters fitted to the fit rows (KernelModelConfig fields;
+kind_efficiency.<kind>: bandwidth of a kind relative to plain elementwise kernels, above 1 where the
+framework fuses what the eager trace records as separate kernels, as Megatron does for bias-GeLU,
+scale-mask-softmax, layer norm and Adam)."""
+LOWER = [0.05, 1e6, 0.05, 1e4, 1e-7, *(0.1 for _ in FUSED_KINDS)]
+UPPER = [1.0, 1e12, 1.0, 1e9, 1e-3, *(10.0 for _ in FUSED_KINDS)]
 
 
 def read_rows(path: Path = CSV) -> pd.DataFrame:
@@ -134,8 +139,20 @@ class Prediction:
     seconds: float
 
 
-def _hw_with(hw: HardwareConfig, params: dict) -> HardwareConfig:
-    return dataclasses.replace(hw, kernel_model=dataclasses.replace(hw.kernel_model, **params))
+def hw_with(hw: HardwareConfig, params: dict) -> HardwareConfig:
+    """`hw` with kernel-model fields set; 'kind_efficiency.<kind>' keys go into that dict."""
+    fields = {k: v for k, v in params.items() if "." not in k}
+    kinds = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("kind_efficiency.")}
+    km = hw.kernel_model
+    return dataclasses.replace(hw, kernel_model=dataclasses.replace(
+        km, **fields, kind_efficiency={**km.kind_efficiency, **kinds}))
+
+
+def kernel_model_params(hw: HardwareConfig) -> dict[str, float]:
+    """The current values of FITTED on `hw`."""
+    km = hw.kernel_model
+    return {name: km.kind_efficiency.get(name.split(".", 1)[1], 1.0) if name.startswith("kind_efficiency.")
+            else getattr(km, name) for name in FITTED}
 
 
 def predict_rows(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig,
@@ -193,11 +210,11 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
         graph = pq.read_table(trace_dirs[key] / "graph.parquet").to_pandas()
         ops_by_key[key] = distinct_ops(graph)
     all_ops = pd.concat(ops_by_key.values()).drop_duplicates("signature").reset_index(drop=True)
-    params = {name: getattr(hw.kernel_model, name) for name in FITTED}
+    params = kernel_model_params(hw)
     measured = rows["measured_ms"].to_numpy() / 1e3
     stage_counts = None
     for _ in range(2):
-        hw0 = _hw_with(hw, params)
+        hw0 = hw_with(hw, params)
         base = predict_rows(rows, hw0, model, par, trace_dirs, comm, counts=stage_counts is None)
         if stage_counts is None:
             stage_counts = list(base["counts"])
@@ -216,10 +233,10 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
 
         def residuals(x, hw0=hw0, step0=step0, fixed0=fixed0, counts=counts):
             trial = dict(zip(FITTED, np.exp(x)))
-            t = analytical(all_ops, _hw_with(hw0, trial))
+            t = analytical(all_ops, hw_with(hw0, trial))
             return np.log(np.maximum(step0 + counts @ t - fixed0, 1e-6)) - np.log(measured)
 
-        x0 = np.log([params[n] for n in FITTED])
+        x0 = np.log(np.clip([params[n] for n in FITTED], LOWER, UPPER))
         fit = least_squares(residuals, x0, bounds=(np.log(LOWER), np.log(UPPER)))
         params = dict(zip(FITTED, (float(v) for v in np.exp(fit.x))))
     return params
@@ -237,10 +254,10 @@ def evaluate(rows: pd.DataFrame | None = None, fit: bool = True, calibration: Pa
     comm = comm_model(run.hardware, calibration if (calibration / "manifest.json").is_file() else None)
     dirs = ensure_traces(rows, run.model, run.parallelism, workers=workers)
     hw = run.hardware
-    params = {name: getattr(hw.kernel_model, name) for name in FITTED}
+    params = kernel_model_params(hw)
     if fit and rows["fit"].any():
         params = fit_kernel_model(rows[rows["fit"]], hw, run.model, run.parallelism, dirs, comm)
-    table = predict_rows(rows, _hw_with(hw, params), run.model, run.parallelism, dirs, comm)
+    table = predict_rows(rows, hw_with(hw, params), run.model, run.parallelism, dirs, comm)
     return Prediction(table, params, time.perf_counter() - start)
 
 
