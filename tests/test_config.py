@@ -98,3 +98,11 @@ def test_sweep_expands_cartesian_product():
     assert expand_sweep({"overrides": ["parallelism.tp=1,2", "hardware.num_nodes=4"]}) == [
         ["parallelism.tp=1", "hardware.num_nodes=4"], ["parallelism.tp=2", "hardware.num_nodes=4"]]
     assert expand_sweep({"overrides": "parallelism.tp=2"}) == [["parallelism.tp=2"]]
+
+
+def test_an_override_to_the_option_value_keeps_the_key():
+    same = compose_run(["hardware=a100-80g-dgx", "hardware.what_if.inter_node_bandwidth_scale=1",
+                        "hardware.num_nodes=16"])
+    assert same.keys["hardware"] == "a100-80g-dgx"  # nothing changed: nothing re-runs
+    changed = compose_run(["hardware=a100-80g-dgx", "hardware.num_nodes=4"])
+    assert changed.keys["hardware"].startswith("a100-80g-dgx-") and changed.hardware.num_nodes == 4

@@ -54,6 +54,9 @@ class Run:
     """Config-group option chosen for each group (the YAML file name)."""
     overrides: tuple[str, ...]
     """Hydra overrides this run was composed from."""
+    option_values: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Plain values of each chosen option without field overrides (an override to the same value keeps
+    the option's key, so it re-runs nothing)."""
 
     def group(self, name: str) -> dict[str, Any]:
         """The plain (JSON-able) values of one config group."""
@@ -66,7 +69,8 @@ class Run:
         """
         touched = any(o.lstrip("+~").startswith(f"{name}.") for o in self.overrides)
         base = self.choices[name]
-        return f"{base}-{stable_hash(self.group(name))}" if touched else base
+        changed = touched and self.option_values.get(name) != self.group(name)
+        return f"{base}-{stable_hash(self.group(name))}" if changed else base
 
     @property
     def keys(self) -> dict[str, str]:
@@ -84,6 +88,22 @@ def detect_local_devices(hw: HardwareConfig) -> HardwareConfig:
     return dataclasses.replace(hw, devices_per_node=devices, memory_capacity_bytes=float(memory))
 
 
+def _compose(conf: Path, overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, Any]]:
+    """Chosen option per group and the typed groups."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf), version_base=None):
+            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        detail = f"{exc}" + (f" ({exc.__cause__})" if exc.__cause__ else "")
+        raise ConfigError(f"cannot compose config from {conf} with overrides {list(overrides)}: {detail}") from exc
+    finally:
+        GlobalHydra.instance().clear()
+    choices = {name: str(cfg.hydra.runtime.choices[name]) for name in CONFIG_GROUPS}
+    return choices, {name: OmegaConf.to_object(cfg[name]) for name in CONFIG_GROUPS}
+
+
 def compose_run(
     overrides: list[str] | tuple[str, ...] = (),
     config_dir: Path | None = None,
@@ -97,25 +117,17 @@ def compose_run(
     conf = Path(config_dir or default_config_dir()).resolve()
     if not (conf / "config.yaml").is_file():
         raise ConfigError(f"no config.yaml in config directory {conf}")
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(conf), version_base=None):
-            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as exc:
-        detail = f"{exc}" + (f" ({exc.__cause__})" if exc.__cause__ else "")
-        raise ConfigError(f"cannot compose config from {conf} with overrides {list(overrides)}: {detail}") from exc
-    finally:
-        GlobalHydra.instance().clear()
-
-    choices = {name: str(cfg.hydra.runtime.choices[name]) for name in CONFIG_GROUPS}
-    typed = {name: OmegaConf.to_object(cfg[name]) for name in CONFIG_GROUPS}
+    choices, typed = _compose(conf, tuple(overrides))
+    touched = {name for name in CONFIG_GROUPS if any(o.lstrip("+~").startswith(f"{name}.") for o in overrides)}
+    options = _compose(conf, tuple(f"{g}={choices[g]}" for g in CONFIG_GROUPS))[1] if touched else typed
     run = Run(
         hardware=detect_local_devices(typed["hardware"]),
         model=typed["model"],
         parallelism=typed["parallelism"],
         choices=choices,
         overrides=tuple(overrides),
+        option_values={name: dataclasses.asdict(detect_local_devices(options[name]) if name == "hardware"
+                                                else options[name]) for name in CONFIG_GROUPS},
     )
     if check == "run":
         validate_run(run.hardware, run.model, run.parallelism)
