@@ -49,7 +49,8 @@ rule sweep_summary:
     input:
         [STAGES["report"].path(run.keys) for run in RUNS],
     output:
-        directory("artifacts/sweeps/{sweep}"),
+        report(directory("artifacts/sweeps/{sweep}"), htmlindex="summary.html", caption="report/sweep.rst",
+               category="Sweep summary", labels={"sweep": "{sweep}"}),
     params:
         points_json=json.dumps([point.as_dict() for point in POINTS]),
     log:

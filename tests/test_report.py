@@ -91,6 +91,7 @@ def test_snakemake_report_bundles_the_page(a100_project, workflow_env, tmp_path)
         names = bundle.namelist()
     assert any(n.endswith(f"/{HTML_FILE}") and "/data/raw/" in n for n in names)
     assert any(n.endswith(f"/{METRICS_FILE}") for n in names)
+    assert any(n.endswith("/summary.html") for n in names)  # the sweep's summary page too
 
 
 @pytest.mark.slow
