@@ -72,6 +72,7 @@ def test_metrics_come_from_the_upstream_artifacts_and_missing_truth_is_not_measu
     compose = json.loads((_artifact(a100_project, "compose") / "summary.json").read_text())
     assert metrics["end_to_end"]["predicted_s"] == compose["step_time_s"]
     assert metrics["end_to_end"]["measured"] == 0 and "error_pct" not in metrics["end_to_end"]  # never a zero
+    assert metrics["efficiency"]["mfu_pct"] > 0 and metrics["efficiency"]["cost_per_step_usd"] > 0
     page = (report / HTML_FILE).read_text()
     assert "not measured" in page and "a100-80g-dgx" in page
     fit = json.loads((_artifact(a100_project, "calibration") / "fit.json").read_text())

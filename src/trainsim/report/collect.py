@@ -17,6 +17,7 @@ import pandas as pd
 from trainsim.artifacts import read_manifest
 from trainsim.comm.fit import AlphaBeta, predict_table
 from trainsim.comm.model import CollectiveParams
+from trainsim.report.efficiency import efficiency
 from trainsim.validation.ground_truth import NOT_MEASURED, error_pct, read_ground_truth
 
 
@@ -115,6 +116,10 @@ def collect(inputs: dict[str, Path], keys: dict[str, str], truth_dir: Path) -> d
                  "compose_s": summary.get("simulate_s"), "compose_stage_s": compose_manifest.get("wall_time_s")},
         "provenance": prov,
     }
+    config = data["config"]
+    if {"hardware", "model", "parallelism"} <= set(config):
+        data["efficiency"] = efficiency(float(summary["step_time_s"]), config["hardware"], config["model"],
+                                        config["parallelism"])
     if "calibration" in inputs:
         data["comm_summary"], data["comm_by_size"] = comm_errors(inputs["calibration"])
     if "slowdown_model" in inputs:

@@ -88,6 +88,9 @@ def end_to_end_section(data: dict[str, Any]) -> str:
         row.update({"measured_s": NOT_MEASURED, "predicted / measured": NOT_MEASURED, "error_pct": NOT_MEASURED})
         note = (f'<p class="missing">{NOT_MEASURED} ({html.escape(str(e2e["reason"]))}); ground truth is read from '
                 f'<code>{html.escape(str(data["ground_truth_dir"]))}</code>. No error is reported.</p>')
+    efficiency = data.get("efficiency")
+    if efficiency:
+        note += table_html(pd.DataFrame([efficiency]), "efficiency-table")
     return (note + table_html(pd.DataFrame([row]), "end-to-end-table")
             + _img(figures.end_to_end_figure(e2e), "end-to-end-figure", "predicted vs measured step time"))
 

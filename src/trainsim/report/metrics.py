@@ -38,6 +38,8 @@ def metrics(data: dict[str, Any]) -> dict[str, Any]:
         out["slowdown"] = {f"{split}_{who}": _clean(values)
                            for split, block in data["slowdown"]["metrics"].items() for who, values in block.items()}
     out["cost"] = _clean(data["cost"])
+    if "efficiency" in data:
+        out["efficiency"] = _clean(data["efficiency"])
     return out
 
 
