@@ -9,7 +9,7 @@ import pytest
 
 from trainsim.config import compose_run
 from trainsim.config.sweep import read_sweep_file
-from trainsim.errors import ConfigError
+from trainsim.errors import ArtifactError, ConfigError
 from trainsim.report.browser import broken_elements, find_browser, render_report
 from trainsim.search.estimate import estimate_layout, play_pipeline
 from trainsim.search.layouts import SearchSpace, enumerate_layouts
@@ -86,6 +86,12 @@ def test_search_ranks_layouts_and_a_second_search_traces_nothing(small_search):
     again = search_layouts(run, 16, SPACE, jobs=1, cache=cache)
     assert again.slices_s < 1.0
     pd.testing.assert_frame_equal(again.table, table)  # parallel and serial give the same answer
+    cached = sorted(cache.rglob("*.json"))[0]
+    text = cached.read_text()
+    cached.write_text(text[: len(text) // 2])  # a half-written cache file is reported, not silently redone
+    with pytest.raises(ArtifactError, match=f"{cached.name} is corrupt"):
+        search_layouts(run, 16, SPACE, jobs=1, cache=cache)
+    cached.write_text(text)
 
 
 @pytest.mark.slow

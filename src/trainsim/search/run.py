@@ -22,14 +22,16 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from trainsim.comm.model import FIT_FILE, CommModel
+from trainsim.comm.model import CommModel
 from trainsim.config.compose import Run
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.errors import ArtifactError, ConfigError
 from trainsim.registry import STAGES
 from trainsim.report.efficiency import efficiency
 from trainsim.search.estimate import estimate_layout
 from trainsim.search.layouts import SearchSpace, enumerate_layouts
 from trainsim.search.slices import SliceCosts, measure_slice_costs, slice_key
+from trainsim.timeline.stage import comm_model
 
 SLICE_CACHE = Path("artifacts/search/slices")
 STATUS_OK, STATUS_OOM = "ok", "oom"
@@ -63,7 +65,11 @@ def load_slice_costs(model: ModelConfig, layouts: list[ParallelismConfig], hw: H
             continue
         path = directory / f"{key}.json"
         if path.is_file():
-            costs[key] = SliceCosts.from_json(path.read_text())
+            try:
+                costs[key] = SliceCosts.from_json(path.read_text())
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ArtifactError(f"{path} is corrupt ({exc}); delete it and the search traces the slice "
+                                    "again") from exc
             continue
         costs[key] = measure_slice_costs(model, par, hw, keys["hardware"], database)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,11 +143,11 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
     hw = cluster_for(run.hardware, budget)
     layouts = enumerate_layouts(run.model, run.parallelism, hw, budget, space)
     if not layouts:
-        raise ValueError(f"no layout of {run.model.name} fits the constraints on {budget} GPUs "
-                         f"(search space {space})")
+        raise ConfigError(f"no layout of {run.model.name} fits the constraints on {budget} GPUs "
+                          f"(search space {space})")
     costs, slices_s = load_slice_costs(run.model, layouts, hw, run.keys, cache)
-    calibrated = calibration_dir is not None and (Path(calibration_dir) / FIT_FILE).is_file()
-    comm = CommModel.load(calibration_dir, hw) if calibrated else CommModel.from_hardware(hw)
+    calibrated = calibration_dir is not None and (Path(calibration_dir) / "manifest.json").is_file()
+    comm = comm_model(hw, calibration_dir if calibrated else None)  # a corrupt calibration is an error
     started = time.perf_counter()
     table = evaluate_layouts(layouts, costs, run.model, hw, comm, jobs)
     estimate_s = time.perf_counter() - started
