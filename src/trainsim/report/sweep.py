@@ -52,8 +52,10 @@ def point_row(keys: dict[str, str], root: Path = Path(".")) -> dict[str, Any]:
         "compose_s": summary.get("simulate_s"),
     }
     report_dir = root / STAGES["report"].path(keys)
-    end_to_end = json.loads((report_dir / "metrics.json").read_text())["end_to_end"] if (
-        report_dir / "metrics.json").is_file() else {}
+    end_to_end = {}
+    if (report_dir / "manifest.json").is_file():
+        read_manifest(report_dir)  # verified: a corrupt report stops the summary
+        end_to_end = json.loads((report_dir / "metrics.json").read_text())["end_to_end"]
     row["measured_step_s"] = end_to_end.get("measured_s")
     row["error_pct"] = end_to_end.get("error_pct")
     return row
