@@ -40,11 +40,12 @@ def efficiency(step_time_s: float, hardware: dict[str, Any], model: dict[str, An
     peak = hardware.get("peak_flops_per_s", {}).get(par["precision"])
     price = hardware.get("price_per_device_hour") or 0.0
     cost = price * world * step_time_s / 3600 if price > 0 else None
+    flops = model_flops_per_step(model, par)
     return {
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step_time_s,
-        "model_flops_per_step": model_flops_per_step(model, par),
-        "mfu_pct": 100 * model_flops_per_step(model, par) / (step_time_s * world * peak) if peak else None,
+        "model_flops_per_step": flops,
+        "mfu_pct": 100 * flops / (step_time_s * world * peak) if peak else None,
         "cost_per_step_usd": cost,
         "cost_per_million_tokens_usd": cost / tokens * 1e6 if cost is not None else None,
     }

@@ -151,7 +151,11 @@ def render_page(data: dict[str, Any]) -> str:
               "communication": "Communication model", "slowdown": "Slowdown model",
               "cost": "Simulation cost", "provenance": "Provenance"}
     title = "trainsim report: " + " / ".join(data["keys"][k] for k in ("hardware", "model", "parallelism"))
-    body = "".join(f'<section id="{name}"><h2>{titles[name]}</h2>{builders[name](data)}</section>'
-                   for name in SECTIONS)
+    return html_page(title, [(name, titles[name], builders[name](data)) for name in SECTIONS])
+
+
+def html_page(title: str, sections: list[tuple[str, str, str]]) -> str:
+    """A self-contained page: (element id, heading, body HTML) per section, in order."""
+    body = "".join(f'<section id="{sid}"><h2>{heading}</h2>{content}</section>' for sid, heading, content in sections)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>\n")

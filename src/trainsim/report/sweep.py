@@ -24,7 +24,7 @@ from trainsim.artifacts import atomic_artifact, read_manifest  # noqa: E402
 from trainsim.registry import STAGES  # noqa: E402
 from trainsim.report.efficiency import efficiency  # noqa: E402
 from trainsim.report.figures import COLOURS, png_data_uri  # noqa: E402
-from trainsim.report.html import CSS, NOT_MEASURED, table_html  # noqa: E402
+from trainsim.report.html import NOT_MEASURED, html_page, table_html  # noqa: E402
 
 TABLE_FILE, CSV_FILE, HTML_FILE = "summary.parquet", "summary.csv", "summary.html"
 STATUS_OK, STATUS_OOM, STATUS_INVALID = "ok", "oom", "invalid"
@@ -147,10 +147,7 @@ def render_summary_page(name: str, table: pd.DataFrame) -> str:
     }
     titles = {"points": "Points", "what-if": "What if", "end-to-end": "Predicted vs measured",
               "cost": "Simulation cost by GPU count"}
-    body = "".join(f'<section id="{k}"><h2>{titles[k]}</h2>{sections[k]}</section>' for k in SECTIONS)
-    title = f"trainsim sweep {html.escape(name)}"
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"<style>{CSS}</style></head><body><h1>{title}</h1>{body}</body></html>\n")
+    return html_page(f"trainsim sweep {name}", [(k, titles[k], sections[k]) for k in SECTIONS])
 
 
 def write_sweep_summary(name: str, points: list[dict[str, Any]], output: Path,

@@ -136,14 +136,15 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
 
 def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig,
                     comm: CommModel, memory_only: bool = False) -> LayoutEstimate:
-    """Fast step-time and memory estimate of one layout (memory_only: skip the timing, for OOM screening)."""
+    """Fast step-time and memory estimate of one layout. Memory comes first: a layout that does not fit
+    (or memory_only) is returned without timing (step fields NaN)."""
     pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
     layout = Layout(par.dp, par.tp, par.pp)
     layers_per_chunk = model.num_layers // (pp * v)
     parts = _chunk_parts(pp, v)
     peak = max(_stage_memory(costs, parts, s, v, layers_per_chunk, par) for s in range(pp))
     oom = bool(hw.memory_capacity_bytes) and peak > hw.memory_capacity_bytes
-    if memory_only:
+    if memory_only or oom:
         return LayoutEstimate(math.nan, math.nan, math.nan, math.nan, math.nan, peak, oom)
 
     dpn = hw.devices_per_node

@@ -4,7 +4,6 @@ front, and a sweep file of the chosen layouts for the full pipeline."""
 from __future__ import annotations
 
 import dataclasses
-import html
 from pathlib import Path
 
 import matplotlib
@@ -16,7 +15,7 @@ import pandas as pd  # noqa: E402
 from trainsim.artifacts import atomic_artifact  # noqa: E402
 from trainsim.config.compose import Run  # noqa: E402
 from trainsim.report.figures import COLOURS, png_data_uri  # noqa: E402
-from trainsim.report.html import CSS, table_html  # noqa: E402
+from trainsim.report.html import html_page, table_html  # noqa: E402
 from trainsim.search.layouts import SearchSpace  # noqa: E402
 from trainsim.search.run import STATUS_OK, SearchResult, cost_column, summary_json, sweep_file_text  # noqa: E402
 
@@ -67,10 +66,8 @@ def render_search_page(run: Run, budget: int, result: SearchResult) -> str:
     }
     titles = {"best": "Best by time and by cost", "pareto": "Pareto front", "layouts": "Layouts",
               "search-cost": "Search cost"}
-    title = html.escape(f"trainsim layout search: {run.model.name} on {budget} x {run.hardware.name}")
-    body = "".join(f'<section id="{k}"><h2>{titles[k]}</h2>{v}</section>' for k, v in sections.items())
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"<style>{CSS}</style></head><body><h1>{title}</h1>{body}</body></html>\n")
+    return html_page(f"trainsim layout search: {run.model.name} on {budget} x {run.hardware.name}",
+                     [(k, titles[k], sections[k]) for k in SECTIONS])
 
 
 def write_search_artifact(run: Run, budget: int, space: SearchSpace, result: SearchResult, output: Path,

@@ -83,26 +83,24 @@ _WORKER: dict = {}
 
 
 def _init_worker(costs, model, hw, comm) -> None:
-    _WORKER.update(costs=costs, model=model, hw=hw, comm=comm)
+    _WORKER.update(costs=costs, model=model, hw=hw, comm=comm,
+                   plain_hw=dataclasses.asdict(hw), plain_model=dataclasses.asdict(model))
 
 
 def _evaluate(par: ParallelismConfig) -> dict:
-    costs, model, hw, comm = (_WORKER[k] for k in ("costs", "model", "hw", "comm"))
-    slice_costs = costs[slice_key(par)]
-    screen = estimate_layout(slice_costs, model, par, hw, comm, memory_only=True)
+    """One layout's row: memory screen and, when it fits, the step estimate and efficiency figures."""
+    w = _WORKER
+    est = estimate_layout(w["costs"][slice_key(par)], w["model"], par, w["hw"], w["comm"])
     row = {"layout": par.name, "world_size": par.world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
            "micro_batch_size": par.micro_batch_size, "num_microbatches": par.num_microbatches,
            "schedule": par.schedule, "virtual_stages": par.virtual_stages, "recompute": par.recompute,
-           "peak_memory_gib": screen.peak_memory_bytes / 2**30}
-    if screen.oom:
+           "peak_memory_gib": est.peak_memory_bytes / 2**30}
+    if est.oom:
         return {**row, "status": STATUS_OOM}
-    est = estimate_layout(slice_costs, model, par, hw, comm)
-    plain = {"hardware": dataclasses.asdict(hw), "model": dataclasses.asdict(model),
-             "parallelism": dataclasses.asdict(par)}
     return {**row, "status": STATUS_OK, "step_time_s": est.step_time_s, "pipeline_s": est.pipeline_s,
             "exposed_dp_s": est.exposed_dp_s, "optimizer_s": est.optimizer_s, "tp_comm_s": est.tp_comm_s,
             "gpu_seconds_per_step": est.step_time_s * par.world_size,
-            **efficiency(est.step_time_s, plain["hardware"], plain["model"], plain["parallelism"])}
+            **efficiency(est.step_time_s, w["plain_hw"], w["plain_model"], dataclasses.asdict(par))}
 
 
 def cost_column(table: pd.DataFrame) -> str:

@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import pickle
 import statistics
-import tempfile
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -79,65 +75,36 @@ def _profile_tables(prof, rank: int) -> list[dict]:
     return rows
 
 
-def _worker(rank: int, model_cfg: ModelConfig, par: ParallelismConfig, port: int, steps: int, warmup: int,
-            threads: int, profile: bool, out_dir: str) -> None:
-    try:
-        _run_rank(rank, model_cfg, par, port, steps, warmup, threads, profile, out_dir)
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
-def _run_rank(rank, model_cfg, par, port, steps, warmup, threads, profile, out_dir) -> None:
-    import torch
+def _measured_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismConfig, steps: int, warmup: int,
+                   profile: bool) -> tuple:
+    """Timed steps, then (when `profile`) one extra step under torch.profiler; returns (RankRun, op rows)."""
     import torch.distributed as dist
 
     from trainsim.workloads.launch import timed_steps
-    from trainsim.workloads.train_step import layout_of, train_step
+    from trainsim.workloads.train_step import train_step
 
-    torch.set_num_threads(threads)
-    layout = layout_of(par)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=layout.world_size)
-    try:
-        rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
-        ops: list[dict] = []
-        if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
-            dist.barrier()
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                train_step(rm, actions, batches.__getitem__)
-            ops = _profile_tables(prof, rank)
-        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-            pickle.dump((result, ops), f)
-    finally:
-        dist.destroy_process_group()
+    rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
+    ops: list[dict] = []
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        dist.barrier()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            train_step(rm, actions, batches.__getitem__)
+        ops = _profile_tables(prof, rank)
+    return result, ops
 
 
 def run_ranks(model: ModelConfig, par: ParallelismConfig, *, steps: int = STEPS, warmup: int = WARMUP,
               threads: int = 1, profile: bool = True) -> tuple[list, pd.DataFrame]:
     """Run the real steps; returns per-rank RankRun and the profiled-step op table. Raises
     GroundTruthError with each failing rank's traceback when a rank fails."""
-    import torch.multiprocessing as mp
+    from trainsim.workloads.launch import RankFailure, spawn_ranks
 
-    from trainsim.workloads.launch import _free_port
-
-    world = par.dp * par.tp * par.pp
-    with tempfile.TemporaryDirectory(prefix="trainsim-gt-") as out_dir:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        try:
-            mp.spawn(_worker, nprocs=world, join=True,
-                     args=(model, par, _free_port(), steps, warmup, threads, profile, out_dir))
-        except Exception as exc:
-            errors = [f"rank {r}:\n{Path(out_dir, f'rank{r}.err').read_text()}" for r in range(world)
-                      if Path(out_dir, f"rank{r}.err").is_file()]
-            detail = "\n".join(errors) or str(exc)
-            raise GroundTruthError(f"real run of {model.name} / {par.name} failed:\n{detail}") from exc
-        results = []
-        for rank in range(world):
-            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
-                results.append(pickle.load(f))
+    try:
+        results = spawn_ranks(_measured_rank, par, model, par, steps, warmup, profile, threads=threads)
+    except RankFailure as exc:
+        raise GroundTruthError(f"real run of {model.name} / {par.name} failed:\n{exc}") from exc
     runs = [r for r, _ in results]
     ops = pd.DataFrame([row for _, rows in results for row in rows],
                        columns=["rank", "name", "kind", "calls", "self_s", "total_s"])

@@ -12,6 +12,7 @@ import pickle
 import socket
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -81,39 +82,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, model_cfg: ModelConfig, par: ParallelismConfig, port: int, steps: int, warmup: int,
-            record: bool, threads: int, out_dir: str) -> None:
-    from trainsim.trace.recorder import ExecutionRecorder  # the recorder is optional in real runs
+class RankFailure(RuntimeError):
+    """A spawned rank failed; the message carries every failing rank's traceback."""
 
-    torch.set_num_threads(threads)
-    layout = layout_of(par)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=layout.world_size)
+
+def _rank_main(rank: int, body, par: ParallelismConfig, port: int, threads: int, out_dir: str, args: tuple) -> None:
     try:
-        rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
-        if record:  # an extra step: the recorder's own overhead must not distort the timings above
-            dist.barrier()
-            recorder = ExecutionRecorder(layout, rank)
-            with observing(recorder), recorder:
-                train_step(rm, actions, batches.__getitem__)
-            result.events = recorder.events
+        torch.set_num_threads(threads)
+        layout = layout_of(par)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=layout.world_size)
+        try:
+            result = body(rank, layout, *args)
+        finally:
+            dist.destroy_process_group()
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1) -> list:
+    """Run `body(rank, layout, *args)` in one process per rank of `par` (gloo over loopback, `threads`
+    torch threads each) and return each rank's result. `body` must be a module-level function (it is
+    pickled to the processes). RankFailure carries the failing ranks' tracebacks."""
+    world = par.dp * par.tp * par.pp
+    with tempfile.TemporaryDirectory(prefix="trainsim-ranks-") as out_dir:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        try:
+            mp.spawn(_rank_main, nprocs=world, join=True, args=(body, par, _free_port(), threads, out_dir, args))
+        except Exception as exc:
+            errors = [f"rank {r}:\n{Path(out_dir, f'rank{r}.err').read_text()}" for r in range(world)
+                      if Path(out_dir, f"rank{r}.err").is_file()]
+            raise RankFailure("\n".join(errors) or str(exc)) from exc
+        results = []
+        for rank in range(world):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+    return results
+
+
+def _timed_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismConfig, steps: int, warmup: int,
+                record: bool) -> RankRun:
+    from trainsim.trace.recorder import ExecutionRecorder  # the recorder is optional in real runs
+
+    rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
+    if record:  # an extra step: the recorder's own overhead must not distort the timings above
+        dist.barrier()
+        recorder = ExecutionRecorder(layout, rank)
+        with observing(recorder), recorder:
+            train_step(rm, actions, batches.__getitem__)
+        result.events = recorder.events
+    return result
 
 
 def run_real_step(model_cfg: ModelConfig, par: ParallelismConfig, *, steps: int = 1, warmup: int = 0,
                   record: bool = False, threads_per_rank: int = 1) -> list[RankRun]:
     """Spawn dp*tp*pp processes, run `warmup + steps` timed training steps (plus one recorded step
     when `record`), return per-rank results."""
-    world = par.dp * par.tp * par.pp
-    with tempfile.TemporaryDirectory(prefix="trainsim-real-") as out_dir:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        mp.spawn(_worker, nprocs=world, join=True,
-                 args=(model_cfg, par, _free_port(), steps, warmup, record, threads_per_rank, out_dir))
-        runs = []
-        for rank in range(world):
-            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
-                runs.append(pickle.load(f))
-    return runs
+    return spawn_ranks(_timed_rank, par, model_cfg, par, steps, warmup, record, threads=threads_per_rank)
