@@ -4,7 +4,8 @@ Part 1, this machine (gpt-small on local-cpu, one thread per process): for each 
 tp2, pp2 with 1F1B over 4 micro-batches) the real step is measured first (trainsim/validation/
 ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as spread; the artifact is
 published at artifacts/ground_truth/local-cpu/...), then predicted by the pipeline (`trainsim compose`:
-trace, profile on this CPU, calibrated gloo model, slowdown model when built). Prints
+trace, profile on this CPU, calibrated gloo model, slowdown model: every stage's artifact is built when
+missing). Prints
 `figure e2e_error_pct_local_<layout> <|error|> %`. Target: <= 5 % each.
 
 Part 2, published measurements: vTrain's 1440 Megatron-DeepSpeed iteration times on an 8x A100 node
@@ -12,7 +13,7 @@ Part 2, published measurements: vTrain's 1440 Megatron-DeepSpeed iteration times
 every 5th row (file order), the other 80 % are held out. Prints `figure vtrain_single_mape_pct` and
 `figure vtrain_single_max_error_pct` on the held-out rows next to vTrain's own 8.37 %.
 
-    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain]
+    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--reuse-ground-truth]
 First run traces 576 distinct vTrain shapes (~25 min on 2 cores, cached under
 artifacts/validation/vtrain/traces); later runs take ~8 min. Calibrate the A100 NCCL model first:
     python stages/calibration_stage.py --output artifacts/calibration/a100-80g-dgx hardware=a100-80g-dgx
@@ -29,7 +30,7 @@ from trainsim.config import compose_run
 from trainsim.registry import STAGES
 from trainsim.timeline.stage import compose_run_artifacts
 from trainsim.validation import vtrain
-from trainsim.validation.ground_truth import error_pct, write_ground_truth_artifact
+from trainsim.validation.ground_truth import error_pct, read_ground_truth, write_ground_truth_artifact
 
 LOCAL = {
     "single": ["parallelism=single", "hardware.devices_per_node=1"],
@@ -39,15 +40,18 @@ LOCAL = {
 }
 
 
-def local_part() -> list[tuple[str, float, str]]:
+def local_part(reuse: bool) -> list[tuple[str, float, str]]:
     figures = []
     print(f"{'layout':>7} {'predicted s':>11} {'measured s':>10} {'IQR s':>7} {'error %':>8}  prediction breakdown "
           "(critical path)")
     for name, overrides in LOCAL.items():
         run = compose_run(["model=gpt-small", *overrides])
-        truth = write_ground_truth_artifact(run.hardware, run.model, run.parallelism, run.keys,
-                                            Path(STAGES["ground_truth"].path(run.keys)))
-        predicted, _ = compose_run_artifacts(run)
+        truth_dir = Path(STAGES["ground_truth"].path(run.keys))
+        if reuse and (truth_dir / "manifest.json").is_file():
+            truth = read_ground_truth(truth_dir)
+        else:
+            truth = write_ground_truth_artifact(run.hardware, run.model, run.parallelism, run.keys, truth_dir)
+        predicted, _ = compose_run_artifacts(run, all_inputs=True)
         error = error_pct(predicted["step_time_s"], truth)
         breakdown = ", ".join(f"{k} {v:.3f}" for k, v in predicted["critical_path"]["by_category"].items())
         if error is None:
@@ -95,11 +99,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-local", action="store_true")
     parser.add_argument("--skip-vtrain", action="store_true")
+    parser.add_argument("--reuse-ground-truth", action="store_true",
+                        help="predict against ground-truth artifacts already measured instead of measuring anew")
     args = parser.parse_args()
     start = time.perf_counter()
     figures = []
     if not args.skip_local:  # first: the real runs need a quiet machine
-        figures += local_part()
+        figures += local_part(args.reuse_ground_truth)
     if not args.skip_vtrain:
         figures += vtrain_part()
     for name, value, unit in figures:

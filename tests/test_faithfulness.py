@@ -21,7 +21,9 @@ def _comm_rows(events: pd.DataFrame) -> list[tuple]:
 
 
 def _op_rows(events: pd.DataFrame) -> list[tuple]:
-    return list(zip(events["op"], events["input_shapes"], events["input_dtypes"]))
+    """What a kernel's time depends on: op, shapes, strides and dtypes (the signature also holds scalar
+    arguments, which differ by rank and step: a tensor-parallel rank's vocabulary offset, Adam's step)."""
+    return list(zip(events["op"], events["input_shapes"], events["input_strides"], events["input_dtypes"]))
 
 
 @pytest.mark.slow
@@ -29,6 +31,7 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
     ["parallelism=dp2"],
     ["parallelism=tp2"],
     ["parallelism=pp2"],
+    ["parallelism=pp2", "parallelism.micro_batch_size=1"],
     ["parallelism=pp2-interleaved"],
     ["parallelism=pp2", "parallelism.pp=4", "parallelism.global_batch_size=8", "hardware.devices_per_node=4"],
 ])

@@ -15,6 +15,7 @@ from trainsim.config import compose_run
 from trainsim.errors import ArtifactError, ConfigError, ReplayError
 from trainsim.profile.analytical import fit_rates, is_matmul, op_kind, predict, predict_rows
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase
+from trainsim.profile.measure import CacheFlush, last_level_cache_bytes, time_cpu
 from trainsim.profile.replay import build_call
 from trainsim.profile.stage import choose_backend, distinct_ops, profile_ops
 from trainsim.trace import trace_layout
@@ -70,6 +71,7 @@ def test_profile_measures_once_then_reuses(tmp_path, tiny_ops):
     assert (rows["median_s"] > 0).all() and (rows["repeats"] >= 7).all() and (rows["backend"] == "cpu").all()
     # cores share caches and DRAM: each op was timed while every device of the node ran it
     assert rows["metrics"].map(lambda m: json.loads(m)["colocated_devices"]).eq(hw.devices_per_node).all()
+    assert rows["metrics"].map(lambda m: json.loads(m)["cold_cache"]).all()
     _, second = profile_ops(tiny_ops, hw, "local-cpu", db)
     assert second.measured == 0 and second.reused == len(tiny_ops)
 
@@ -78,6 +80,21 @@ def test_profile_measures_once_then_reuses(tmp_path, tiny_ops):
     new = set(other["signature"]) - set(tiny_ops["signature"])
     _, third = profile_ops(other, hw, "local-cpu", db)
     assert third.measured == len(new) > 0 and third.reused == len(other) - len(new)
+
+
+def test_caches_are_flushed_before_every_timed_call():
+    flushes, calls = [], []
+    timings = time_cpu([lambda: calls.append(1), lambda: calls.append(2)], min_samples=4, warmup=2,
+                       flush=lambda: flushes.append(len(calls)))
+    # every sample is preceded by a flush; warm-up calls are not
+    assert len(flushes) == sum(t.repeats for t in timings) == len(calls) - 4
+    assert flushes[0] == 4 and all(b - a == 1 for a, b in zip(flushes, flushes[1:]))
+    flush = CacheFlush("cpu")
+    assert flush.buffer.numel() * 4 == 2 * last_level_cache_bytes("cpu") > 0
+    before = flush.buffer.clone()
+    flush()
+    assert (flush.buffer == before + 1).all()  # writes the whole buffer
+    assert CacheFlush("cpu", enabled=False).buffer.numel() == 0
 
 
 def test_gpu_hardware_uses_the_analytical_backend(tmp_path, tiny_ops):

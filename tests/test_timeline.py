@@ -323,3 +323,24 @@ def test_compose_stage_end_to_end_on_real_traces(tmp_path, tiny_traces):
             assert result["classes"][0]["exposed_comm_s"]["dp"] > 0
         else:
             assert all(row["pipeline_bubble_s"] > 0 for row in result["classes"])
+
+
+@pytest.mark.slow
+def test_compose_all_inputs_builds_calibration_and_slowdown_model(tmp_path, monkeypatch):
+    """`trainsim compose --all-inputs`: the whole pipeline's prediction from an empty artifact tree."""
+    from trainsim.config import compose_run
+    from trainsim.timeline.stage import compose_run_artifacts
+
+    monkeypatch.chdir(tmp_path)
+    run = compose_run(["parallelism=dp2", "hardware.calibration.sweep_ranks=[2]",
+                       "hardware.calibration.sweep_collectives=[all_reduce]",
+                       "hardware.calibration.sweep_max_bytes=8192", "hardware.slowdown.collectives=[all_reduce]",
+                       "hardware.slowdown.message_bytes=[262144]", "hardware.slowdown.matmul_sizes=[64,96]",
+                       "hardware.slowdown.memory_bound_ops=[add]", "hardware.slowdown.memory_bound_elements=[16384]",
+                       "hardware.slowdown.solo_calls=3", "hardware.slowdown.max_calls_per_window=8"])
+    plain, _ = compose_run_artifacts(run)
+    assert plain["models"]["slowdown"] == "none" and "uncalibrated" in plain["models"]["comm"]
+    full, _ = compose_run_artifacts(run, tmp_path / "full", all_inputs=True)
+    assert "calibrated: artifacts/calibration/" in full["models"]["comm"] and full["models"]["slowdown"] == "xgboost"
+    for stage in ("calibration", "slowdown", "models"):
+        assert list((tmp_path / "artifacts" / stage).glob("*/manifest.json")), stage

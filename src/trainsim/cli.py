@@ -130,7 +130,7 @@ def _cmd_compose(args, console: Console) -> int:
 
     run = compose_run(args.overrides, check="layout")
     with console.status(f"composing {run.model.name} / {run.parallelism.name} on {run.hardware.name}"):
-        result, output = compose_run_artifacts(run, args.output)
+        result, output = compose_run_artifacts(run, args.output, all_inputs=args.all_inputs)
     table = Table(title=f"step {result['step_time_s']:.4f} s: breakdown per rank class (seconds)")
     for column in ("class", "ranks", "stage", "compute", "slowdown", "exposed tp", "exposed dp", "exposed pp",
                    "bubble", "idle", "memory"):
@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compose", help="compose the step timeline (traces and profiles first if missing)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b parallelism=pp12-tp8-dp1")
     p.add_argument("--output", help="artifact directory (default: the registry path under artifacts/)")
+    p.add_argument("--all-inputs", action="store_true",
+                   help="also build a missing calibration and slowdown model (they take a minute or two here)")
     p.set_defaults(func=_cmd_compose)
     p = sub.add_parser("search", help="search the parallel layouts of a model on a GPU budget")
     p.add_argument("overrides", nargs="*", help="Hydra overrides: model, hardware, parallelism.global_batch_size ...")

@@ -229,6 +229,9 @@ class HardwareConfig:
     colocated_profiling: bool = False
     """Time each op while all devices_per_node devices run it (CPU cores share caches and memory
     bandwidth, and in SPMD training all ranks of a node run the same op at once)."""
+    cold_cache_profiling: bool = True
+    """Evict the device's last-level cache before every timed call (as nvbench and triton do for L2):
+    in a training step the other layers evict an op's weights between two of its uses."""
     price_per_device_hour: float = 0.0
     """Cost of one device for one hour in USD (for cost-per-step figures); 0 = unknown."""
     slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)

@@ -7,6 +7,9 @@ whichever op was timed during a slow spell. Median and inter-quartile spread are
 On a CPU whose cores are the devices, ops are timed while the node's other devices run the same
 ops (co-located timing), since in SPMD training they all do.
 CUDA: CUDA events around each call, plus the kernels the op launches from torch.profiler.
+Both: the caches are evicted before every timed call (`CacheFlush`), as nvbench and triton's do_bench
+flush L2: inside a training step the layers between two uses of a weight push it out of the cache,
+while an op called back to back finds its operands cached and runs too fast.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +38,40 @@ class Timing:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+FALLBACK_CACHE_BYTES = 32 * 1024 * 1024
+"""Cache size assumed when the device does not report its last-level cache."""
+
+
+def last_level_cache_bytes(device: str = "cpu") -> int:
+    """Size of the device's last-level cache: L2 of a GPU, the highest cache level listed in sysfs on a CPU."""
+    if device == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)) or FALLBACK_CACHE_BYTES
+    best_level, size = 0, 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1024, "M": 1024**2, "G": 1024**3}
+        value = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        if level > best_level or (level == best_level and value > size):
+            best_level, size = level, value
+    return size or FALLBACK_CACHE_BYTES
+
+
+class CacheFlush:
+    """Writes a buffer twice the last-level cache's size, evicting what the previous call left there."""
+
+    def __init__(self, device: str = "cpu", enabled: bool = True):
+        elements = 2 * last_level_cache_bytes(device) // 4 if enabled else 0
+        self.buffer = torch.zeros(elements, dtype=torch.float32, device=device)
+
+    def __call__(self) -> None:
+        if self.buffer.numel():
+            self.buffer.add_(1.0)
+
+
 def _summary(samples: list[float]) -> tuple[float, float]:
     median = statistics.median(samples)
     q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [median] * 3
@@ -42,12 +80,13 @@ def _summary(samples: list[float]) -> tuple[float, float]:
 
 def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: int = 3,
              min_seconds: float = 0.005, max_samples: int = 100, warmup: int = 1,
-             sync: Callable[[], Any] = lambda: None) -> list[Timing]:
+             sync: Callable[[], Any] = lambda: None, flush: Callable[[], Any] = lambda: None) -> list[Timing]:
     """Time each call: `rounds` passes over all calls, each taking at least `min_samples` samples
-    and `min_seconds` of a call (at most `max_samples`) before moving to the next.
+    and `min_seconds` of wall time (at most `max_samples`) before moving to the next.
 
     `sync` is called before the warm-up and before each op's block of samples; co-located timing
     passes a barrier shared with processes running the same calls, so all run the same op together.
+    `flush` runs before every sample, untimed (a `CacheFlush`).
     """
     sync()
     for call in calls:
@@ -59,6 +98,7 @@ def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: in
             sync()
             begin = time.perf_counter()
             for n in range(max_samples):
+                flush()
                 start = time.perf_counter()
                 call()
                 taken.append(time.perf_counter() - start)
@@ -71,29 +111,32 @@ def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: in
     return timings
 
 
-def _colocated_worker(rows: list[dict], barrier, threads: int) -> None:
+def _colocated_worker(rows: list[dict], barrier, threads: int, flush_caches: bool) -> None:
     from trainsim.profile.replay import build_call
 
     torch.set_num_threads(threads)
-    time_cpu([build_call(row) for row in rows], sync=lambda: barrier.wait(BARRIER_TIMEOUT_S))
+    time_cpu([build_call(row) for row in rows], sync=lambda: barrier.wait(BARRIER_TIMEOUT_S),
+             flush=CacheFlush("cpu", flush_caches))
 
 
-def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices: int, threads: int) -> list[Timing]:
+def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices: int, threads: int,
+                       flush_caches: bool = True) -> list[Timing]:
     """Time `calls` (built from `rows`) while `devices - 1` other processes run the same ops in step.
 
     CPU "devices" are cores that share caches and memory bandwidth; in SPMD training every rank of a
     node runs the same op at the same time, so an op timed alone on an idle machine is too fast.
     """
+    flush = CacheFlush("cpu", flush_caches)
     if devices <= 1:
-        return time_cpu(calls)
+        return time_cpu(calls, flush=flush)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(devices)
-    workers = [ctx.Process(target=_colocated_worker, args=(rows, barrier, threads), daemon=True)
+    workers = [ctx.Process(target=_colocated_worker, args=(rows, barrier, threads, flush_caches), daemon=True)
                for _ in range(devices - 1)]
     for worker in workers:
         worker.start()
     try:
-        return time_cpu(calls, sync=lambda: barrier.wait(BARRIER_TIMEOUT_S))
+        return time_cpu(calls, sync=lambda: barrier.wait(BARRIER_TIMEOUT_S), flush=flush)
     except threading.BrokenBarrierError as exc:
         raise RuntimeError("a co-located timing process died; see its traceback above") from exc
     finally:
@@ -103,8 +146,10 @@ def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices
                 worker.kill()
 
 
-def time_cuda(call: Callable[[], Any], *, repeats: int = 20, warmup: int = 3) -> Timing:
-    """CUDA events per call; kernel names and count from the profiler (selected when a GPU is present)."""
+def time_cuda(call: Callable[[], Any], *, repeats: int = 20, warmup: int = 3,
+              flush: Callable[[], Any] = lambda: None) -> Timing:
+    """CUDA events per call, `flush` (a CacheFlush on the GPU) before each, outside the events;
+    kernel names and count from the profiler (selected when a GPU is present)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -112,6 +157,7 @@ def time_cuda(call: Callable[[], Any], *, repeats: int = 20, warmup: int = 3) ->
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
+        flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         call()

@@ -23,7 +23,7 @@ from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError, ReplayError
 from trainsim.profile.analytical import fit_rates, op_kind, predict, predict_rows
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
-from trainsim.profile.measure import time_cpu_colocated, time_cuda
+from trainsim.profile.measure import CacheFlush, time_cpu_colocated, time_cuda
 from trainsim.profile.replay import build_call
 from trainsim.trace.stage import GRAPH_FILE
 
@@ -100,9 +100,11 @@ def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, bac
         devices = hw.devices_per_node if hw.colocated_profiling else 1
         metrics["colocated_devices"] = devices
         rows = [op[OP_COLUMNS].to_dict() for op in measurable]
-        timings = time_cpu_colocated(rows, calls, devices, hw.threads_per_device)
+        timings = time_cpu_colocated(rows, calls, devices, hw.threads_per_device, hw.cold_cache_profiling)
     else:
-        timings = [time_cuda(call) for call in calls]
+        flush = CacheFlush(backend, hw.cold_cache_profiling)
+        timings = [time_cuda(call, flush=flush) for call in calls]
+    metrics["cold_cache"] = hw.cold_cache_profiling
     return [_row(op, hardware_key, backend, t.median_s, spread=t.spread, min_s=t.min_s, repeats=t.repeats,
                  threads=hw.threads_per_device, kernels=json.dumps(t.kernels),
                  metrics=json.dumps({**metrics, **t.metrics}))

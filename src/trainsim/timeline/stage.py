@@ -107,21 +107,33 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     return result
 
 
-def compose_run_artifacts(run, output: Path | None = None) -> tuple[dict, Path]:
+def compose_run_artifacts(run, output: Path | None = None, all_inputs: bool = False) -> tuple[dict, Path]:
     """What `trainsim compose` does: compose a run from the artifacts at the registry's paths, first
-    writing the trace and kernel profile if they are missing (calibration and slowdown model are used
-    when present). Returns the summary and the timeline directory."""
+    writing the trace and kernel profile if they are missing; calibration and slowdown model are used
+    when present, or also built when missing with `all_inputs` (the whole pipeline's prediction).
+    Returns the summary and the timeline directory."""
+    from trainsim.comm.calibration import write_calibration_artifact
     from trainsim.profile.stage import write_profile_artifact
     from trainsim.registry import STAGES
+    from trainsim.slowdown.stage import write_dataset_artifact, write_model_artifact
     from trainsim.trace.stage import write_trace_artifact
 
-    keys = run.keys
+    keys, hw = run.keys, run.hardware
     paths = {name: Path(stage.path(keys)) for name, stage in STAGES.items()}
-    if not (paths["trace"] / "manifest.json").is_file():
+
+    def missing(name: str) -> bool:
+        return not (paths[name] / "manifest.json").is_file()
+
+    if missing("trace"):
         write_trace_artifact(run.model, run.parallelism, keys, paths["trace"])
-    if not (paths["profile"] / "manifest.json").is_file():
-        write_profile_artifact(run.hardware, keys, paths["trace"], Path(STAGES["profile"].database_path(keys)),
-                               paths["profile"])
+    if missing("profile"):
+        write_profile_artifact(hw, keys, paths["trace"], Path(STAGES["profile"].database_path(keys)), paths["profile"])
+    if all_inputs and missing("calibration"):
+        write_calibration_artifact(hw, keys, paths["calibration"])
+    if all_inputs and missing("slowdown_model"):
+        if missing("slowdown_dataset"):
+            write_dataset_artifact(hw, keys, paths["slowdown_dataset"])
+        write_model_artifact(hw, keys, paths["slowdown_dataset"], paths["slowdown_model"])
     inputs = {name: paths[name] for name in STAGES["compose"].inputs
               if name in paths and (paths[name] / "manifest.json").is_file()}
     output = Path(output or paths["compose"])

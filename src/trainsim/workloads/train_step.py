@@ -189,6 +189,9 @@ def synthetic_batch(model_cfg: ModelConfig, par: ParallelismConfig, seed: int = 
         gen = torch.Generator().manual_seed(seed * 100003 + microbatch)
         shape = (par.micro_batch_size, model_cfg.seq_length + 1)
         ids = torch.randint(model_cfg.vocab_size, shape, generator=gen)
-        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        # clone: .contiguous() keeps the (seq + 1) row stride when micro_batch_size is 1, and the ops
+        # would then differ from the traced ones (the tracer's tokens are fresh tensors)
+        dense = torch.contiguous_format
+        return ids[:, :-1].clone(memory_format=dense), ids[:, 1:].clone(memory_format=dense)
 
     return batch
