@@ -228,3 +228,13 @@ def test_local_collection_measures_sane_instances():
     mm = rows[rows["op"] == "aten::mm"].iloc[0]
     assert mm["flops"] == 2 * 64**3 and mm["op_kind"] == "matmul" and mm["device_type"] == "cpu"
     assert to_table(rows).schema == SLOWDOWN_SCHEMA
+
+
+def test_nested_tuning_selects_inside_each_fold(a100):
+    from trainsim.config.schema import SlowdownTuningConfig
+    cfg = SlowdownModelConfig(objective="reg:absoluteerror", n_estimators=5, nthread=1,
+                              tuning=SlowdownTuningConfig(learning_rate=[0.1, 0.3], max_depth=[3]))
+    metrics = train_slowdown_model(a100, cfg).metrics
+    assert metrics["tuning"]["grid_size"] == 2 and len(metrics["tuning"]["cv_fold_params"]) == cfg.cv_folds
+    assert metrics["params"]["eta"] == metrics["tuning"]["final_params"]["learning_rate"]
+    assert train_slowdown_model(a100, SlowdownModelConfig(n_estimators=5)).metrics["tuning"] == {}

@@ -96,6 +96,23 @@ class KernelModelConfig:
 
 
 @dataclass
+class SlowdownTuningConfig:
+    """Hyperparameter grid chosen by an inner cross-validation inside each training set (nested CV).
+
+    Every non-empty list is a grid axis (the other parameters keep the model's value); all lists empty
+    = no tuning. Each outer fold, and the final model, picks the candidate with the most kernels within
+    10 % in an `inner_folds`-fold cross-validation of its own training part only, among candidates whose
+    inner summed-duration error is within `summed_error_limit_pct` (if none is, the smallest such error)."""
+
+    learning_rate: list[float] = field(default_factory=list)
+    n_estimators: list[int] = field(default_factory=list)
+    max_depth: list[int] = field(default_factory=list)
+    min_child_weight: list[float] = field(default_factory=list)
+    inner_folds: int = 4
+    summed_error_limit_pct: float = 2.0
+
+
+@dataclass
 class SlowdownModelConfig:
     """XGBoost regressor of the overlap slowdown (Echo's settings by default; see trainsim/slowdown/train.py)."""
 
@@ -109,6 +126,12 @@ class SlowdownModelConfig:
     """Boosting rounds (XGBRegressor default)."""
     learning_rate: float = 0.3
     """Shrinkage per round (XGBRegressor default)."""
+    min_child_weight: float = 1.0
+    """Minimum summed hessian (here: duration weight) per leaf (XGBRegressor default)."""
+    nthread: int = 0
+    """XGBoost threads; 0 = XGBoost's default (all cores)."""
+    tuning: SlowdownTuningConfig = field(default_factory=SlowdownTuningConfig)
+    """Nested-CV grid over learning_rate / n_estimators / max_depth / min_child_weight (empty = Echo's fixed values)."""
     cv_folds: int = 5
     """Folds of the cross-validation on the training part."""
     holdout_fraction: float = 0.2

@@ -20,6 +20,8 @@ is what the metrics measure, and kernels whose slowdown is ill-determined (tiny 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,8 +57,46 @@ def model_features(cfg: SlowdownModelConfig) -> list[str]:
 
 
 def xgb_params(cfg: SlowdownModelConfig) -> dict:
-    return {"objective": cfg.objective, "max_depth": cfg.max_depth, "seed": cfg.random_state,
-            "eta": cfg.learning_rate, "tree_method": "hist"}
+    params = {"objective": cfg.objective, "max_depth": cfg.max_depth, "seed": cfg.random_state,
+              "eta": cfg.learning_rate, "min_child_weight": cfg.min_child_weight, "tree_method": "hist"}
+    return params | ({"nthread": cfg.nthread} if cfg.nthread > 0 else {})
+
+
+TUNED = ("learning_rate", "n_estimators", "max_depth", "min_child_weight")
+
+
+def candidates(cfg: SlowdownModelConfig) -> list[SlowdownModelConfig]:
+    """The model settings of the tuning grid (just `cfg` when no grid axis is set)."""
+    axes = {name: getattr(cfg.tuning, name) for name in TUNED if getattr(cfg.tuning, name)}
+    return [dataclasses.replace(cfg, **dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+
+
+def select_params(x: pd.DataFrame, targets: pd.DataFrame, w: np.ndarray, index: np.ndarray,
+                  cfg: SlowdownModelConfig) -> SlowdownModelConfig:
+    """The grid candidate with the most kernels within 10 % in an inner cross-validation of `index` only
+    (never the rows being evaluated outside it), among those meeting the summed-error limit."""
+    grid = candidates(cfg)
+    if len(grid) == 1:
+        return grid[0]
+    y = targets["slowdown"].to_numpy(dtype=float)
+    order = np.random.default_rng(cfg.random_state + 1).permutation(index)
+    inner = np.array_split(order, max(2, cfg.tuning.inner_folds))
+    best, best_score = grid[0], -np.inf
+    for candidate in grid:
+        pred = np.empty(len(targets))
+        for fold in inner:
+            fit_on = np.setdiff1d(index, fold)
+            pred[fold] = _predict(_fit(x.iloc[fit_on], y[fit_on], w[fit_on], candidate), x.iloc[fold])
+        metrics = duration_metrics(targets.iloc[index], pred[index])
+        summed = abs(metrics["summed_error_pct"])
+        score = metrics["within_10_pct"] if summed <= cfg.tuning.summed_error_limit_pct else -summed
+        if score > best_score:
+            best, best_score = candidate, score
+    return best
+
+
+def tuned_values(cfg: SlowdownModelConfig) -> dict:
+    return {name: getattr(cfg, name) for name in TUNED}
 
 
 def categorize(features: pd.DataFrame, categories: dict[str, list[str]]) -> tuple[pd.DataFrame, dict[str, int]]:
@@ -154,11 +194,16 @@ def train_slowdown_model(dataset: pd.DataFrame, cfg: SlowdownModelConfig) -> Tra
 
     model_pred, base_pred = np.full(len(targets), np.nan), np.full(len(targets), np.nan)
     split = np.full(len(targets), "", dtype=object)
+    chosen = []  # per fold: the parameters its inner cross-validation selected (nested CV)
     for k, fold in enumerate(folds):
         fit_on = np.setdiff1d(train, fold)
-        model_pred[fold] = _predict(_fit(x_all.iloc[fit_on], y[fit_on], w[fit_on], cfg), x_all.iloc[fold])
+        fold_cfg = select_params(x_all, targets, w, fit_on, cfg)
+        chosen.append(tuned_values(fold_cfg))
+        model_pred[fold] = _predict(_fit(x_all.iloc[fit_on], y[fit_on], w[fit_on], fold_cfg), x_all.iloc[fold])
         base_pred[fold] = baseline_predict(baseline_factors(targets.iloc[fit_on]), targets["device_type"].iloc[fold])
         split[fold] = f"cv{k}"
+    grid_size = len(candidates(cfg))
+    cfg = select_params(x_all, targets, w, train, cfg)  # the final model's parameters: inner CV of the 80 % part
     booster = _fit(x_all.iloc[train], y[train], w[train], cfg)
     factors = baseline_factors(targets.iloc[train])
     model_pred[holdout] = _predict(booster, x_all.iloc[holdout])
@@ -175,6 +220,8 @@ def train_slowdown_model(dataset: pd.DataFrame, cfg: SlowdownModelConfig) -> Tra
                  "holdout": int(len(holdout))},
         "cv": evaluate(train), "holdout": evaluate(holdout), "baseline_factors": factors,
         "params": xgb_params(cfg) | {"n_estimators": cfg.n_estimators, "duration_weighting": cfg.duration_weighting},
+        "tuning": {"grid_size": grid_size, "cv_fold_params": chosen, "final_params": tuned_values(cfg)}
+        if grid_size > 1 else {},
     }
     schema = {"schema_version": SCHEMA_VERSION, "model": "xgboost", "xgboost_version": xgb.__version__,
               "target": "slowdown", "feature_names": features, "categories": categories,
