@@ -8,7 +8,8 @@ For each layout (dp1 = one device, tp2, pp2) this
   3. runs real steps over gloo (one process per rank) and takes each rank's forward+backward wall
      time minus the time spent in communication calls (median of the measured steps),
 and prints `figure compute_error_pct_<layout> <mean |error| over ranks> %`. It also prints the
-profiling wall time from an empty database, the analytical model's held-out error when fitted
+profiling wall time from an empty database, a per-op table (each op's wall time inside one extra real
+step against its profiled time: where the error comes from), the analytical model's held-out error when fitted
 on half of the measured signatures, and the machine's timing noise floor: the coefficient of
 variation of one fixed matrix multiply timed in 10 windows a second apart (a shared VM drifts; an
 error below this floor cannot be told apart from noise). The same reference kernel is timed while
@@ -74,6 +75,22 @@ def predicted_compute_seconds(graph: pd.DataFrame, times: dict[str, float], par,
     return float(kernels["signature"].map(times).sum())
 
 
+def per_op_comparison(ranks, times: dict[str, float], top: int = 6) -> pd.DataFrame:
+    """Where the error comes from: per op name, the wall time of its calls inside one extra real step
+    (recorded with `time_ops`) against the profiled times of the same signatures, summed over ranks;
+    the `top` largest differences. `unprofiled` counts calls whose signature the profile lacks (scalar
+    arguments that differ by rank, e.g. a tensor-parallel rank's vocabulary offset)."""
+    events = pd.DataFrame([e for r in ranks for e in r.events])
+    kernels = events[(events["kind"] == "compute") & ~events["no_kernel"] & (events["phase"] != "optimizer")]
+    kernels = kernels.assign(profiled_s=kernels["signature"].map(times))
+    table = kernels.groupby("op").agg(calls=("op", "size"), in_step_s=("wall_s", "sum"),
+                                      profiled_s=("profiled_s", "sum"),
+                                      unprofiled=("profiled_s", lambda x: int(x.isna().sum())))
+    table["ratio"] = table["in_step_s"] / table["profiled_s"]
+    order = (table["in_step_s"] - table["profiled_s"]).abs().sort_values(ascending=False).index
+    return table.loc[order[:top]].round(4)
+
+
 def main() -> None:
     db = ProfileDatabase(Path(tempfile.mkdtemp(prefix="trainsim-bench-")) / "kernels.parquet")
     figures = [("timing_noise_cv_pct", timing_noise_cv_pct(), "%")]
@@ -90,7 +107,7 @@ def main() -> None:
             figures.append(("profile_seconds_gpt_small", time.perf_counter() - start, "s"))
         times = dict(zip(rows["signature"], rows["median_s"]))
         reference_before = reference_kernel_seconds()
-        ranks = run_real_step(run.model, par, steps=STEPS, warmup=WARMUP,
+        ranks = run_real_step(run.model, par, steps=STEPS, warmup=WARMUP, record=True, time_ops=True,
                               threads_per_rank=run.hardware.threads_per_device)
         # how much faster or slower the machine ran during the real steps than while profiling
         drift = (reference_before + reference_kernel_seconds()) / 2 / reference_at_profile
@@ -103,6 +120,7 @@ def main() -> None:
             corrected.append(100 * abs(predicted * drift / measured - 1))
             print(f"{name:>6} {rank_run.rank:>4} {predicted:>12.4f} {measured:>11.4f} {errors[-1]:>8.2f} "
                   f"{drift:>6.3f} {corrected[-1]:>8.2f}")
+        print(per_op_comparison(ranks, times).to_string(), flush=True)
         figures.append((f"compute_error_pct_{name}", statistics.mean(errors), "%"))
         figures.append((f"compute_error_drift_corrected_pct_{name}", statistics.mean(corrected), "%"))
 

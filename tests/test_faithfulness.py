@@ -40,7 +40,8 @@ def test_real_gloo_step_matches_ex_situ_trace(overrides):
     par = run.parallelism
     layout = layout_of(par)
     graph = trace_layout(run.model, par).graph.to_pandas()
-    real = run_real_step(run.model, par, record=True)
+    real = run_real_step(run.model, par, record=True, time_ops=True)
+    assert "wall_s" not in graph.columns  # op times are kept in real runs only
     assert len(real) == par.world_size
     for rank_run in real:
         pos = layout.position(rank_run.rank)
@@ -51,3 +52,4 @@ def test_real_gloo_step_matches_ex_situ_trace(overrides):
         assert _comm_rows(recorded) == _comm_rows(expected), f"collectives of rank {rank_run.rank} differ"
         assert _op_rows(recorded) == _op_rows(expected), f"ops of rank {rank_run.rank} differ"
         assert rank_run.step_seconds[0] > 0
+        assert (recorded["wall_s"] >= 0).all() and recorded["wall_s"].sum() > 0

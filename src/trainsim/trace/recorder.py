@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -101,9 +102,12 @@ def _sdpa_flops(func_name: str, q: torch.Tensor, k: torch.Tensor) -> int:
 class ExecutionRecorder(TorchDispatchMode, StepObserver):
     """Collects the events of one rank; install with `observing(recorder)` and `with recorder:`."""
 
-    def __init__(self, layout: Layout, rank: int):
+    def __init__(self, layout: Layout, rank: int, time_ops: bool = False):
         super().__init__()
         self.layout, self.rank = layout, rank
+        self.time_ops = time_ops
+        """Also keep each op's wall time (`wall_s`) in real runs: the in-situ side of a comparison with
+        the kernel profile (benchmarks/compute_accuracy.py); meaningless while tracing."""
         self.events: list[dict[str, Any]] = []
         self._last_writer: dict[int, int] = {}
         self._phase, self._chunk, self._microbatch = "setup", 0, 0
@@ -149,9 +153,13 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
     # -- dispatch -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        start = time.perf_counter()
         out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - start
         if func.namespace not in SKIPPED_NAMESPACES:
             self._record(func, args, kwargs, out)
+            if self.time_ops:
+                self.events[-1]["wall_s"] = elapsed
         return out
 
     def _group_ranks(self, boxed) -> list[int]:

@@ -124,13 +124,13 @@ def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1) -> list:
 
 
 def _timed_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismConfig, steps: int, warmup: int,
-                record: bool) -> RankRun:
+                record: bool, time_ops: bool) -> RankRun:
     from trainsim.trace.recorder import ExecutionRecorder  # the recorder is optional in real runs
 
     rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
     if record:  # an extra step: the recorder's own overhead must not distort the timings above
         dist.barrier()
-        recorder = ExecutionRecorder(layout, rank)
+        recorder = ExecutionRecorder(layout, rank, time_ops=time_ops)
         with observing(recorder), recorder:
             train_step(rm, actions, batches.__getitem__)
         result.events = recorder.events
@@ -138,7 +138,7 @@ def _timed_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismConfi
 
 
 def run_real_step(model_cfg: ModelConfig, par: ParallelismConfig, *, steps: int = 1, warmup: int = 0,
-                  record: bool = False, threads_per_rank: int = 1) -> list[RankRun]:
+                  record: bool = False, time_ops: bool = False, threads_per_rank: int = 1) -> list[RankRun]:
     """Spawn dp*tp*pp processes, run `warmup + steps` timed training steps (plus one recorded step
-    when `record`), return per-rank results."""
-    return spawn_ranks(_timed_rank, par, model_cfg, par, steps, warmup, record, threads=threads_per_rank)
+    when `record`, with each op's wall time when `time_ops`), return per-rank results."""
+    return spawn_ranks(_timed_rank, par, model_cfg, par, steps, warmup, record, time_ops, threads=threads_per_rank)
