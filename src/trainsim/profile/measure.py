@@ -40,6 +40,7 @@ class Timing:
 
 FALLBACK_CACHE_BYTES = 32 * 1024 * 1024
 """Cache size assumed when the device does not report its last-level cache."""
+_SYSFS_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
 
 
 def last_level_cache_bytes(device: str = "cpu") -> int:
@@ -53,8 +54,7 @@ def last_level_cache_bytes(device: str = "cpu") -> int:
             text = (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        units = {"K": 1024, "M": 1024**2, "G": 1024**3}
-        value = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        value = int(text[:-1]) * _SYSFS_UNITS[text[-1]] if text[-1] in _SYSFS_UNITS else int(text)
         if level > best_level or (level == best_level and value > size):
             best_level, size = level, value
     return size or FALLBACK_CACHE_BYTES

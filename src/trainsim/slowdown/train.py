@@ -71,14 +71,13 @@ def candidates(cfg: SlowdownModelConfig) -> list[SlowdownModelConfig]:
     return [dataclasses.replace(cfg, **dict(zip(axes, values))) for values in itertools.product(*axes.values())]
 
 
-def select_params(x: pd.DataFrame, targets: pd.DataFrame, w: np.ndarray, index: np.ndarray,
+def select_params(x: pd.DataFrame, targets: pd.DataFrame, y: np.ndarray, w: np.ndarray, index: np.ndarray,
                   cfg: SlowdownModelConfig) -> SlowdownModelConfig:
     """The grid candidate with the most kernels within 10 % in an inner cross-validation of `index` only
     (never the rows being evaluated outside it), among those meeting the summed-error limit."""
     grid = candidates(cfg)
     if len(grid) == 1:
         return grid[0]
-    y = targets["slowdown"].to_numpy(dtype=float)
     order = np.random.default_rng(cfg.random_state + 1).permutation(index)
     inner = np.array_split(order, max(2, cfg.tuning.inner_folds))
     best, best_score = grid[0], -np.inf
@@ -197,13 +196,13 @@ def train_slowdown_model(dataset: pd.DataFrame, cfg: SlowdownModelConfig) -> Tra
     chosen = []  # per fold: the parameters its inner cross-validation selected (nested CV)
     for k, fold in enumerate(folds):
         fit_on = np.setdiff1d(train, fold)
-        fold_cfg = select_params(x_all, targets, w, fit_on, cfg)
+        fold_cfg = select_params(x_all, targets, y, w, fit_on, cfg)
         chosen.append(tuned_values(fold_cfg))
         model_pred[fold] = _predict(_fit(x_all.iloc[fit_on], y[fit_on], w[fit_on], fold_cfg), x_all.iloc[fold])
         base_pred[fold] = baseline_predict(baseline_factors(targets.iloc[fit_on]), targets["device_type"].iloc[fold])
         split[fold] = f"cv{k}"
     grid_size = len(candidates(cfg))
-    cfg = select_params(x_all, targets, w, train, cfg)  # the final model's parameters: inner CV of the 80 % part
+    cfg = select_params(x_all, targets, y, w, train, cfg)  # the final model's parameters: inner CV of the 80 % part
     booster = _fit(x_all.iloc[train], y[train], w[train], cfg)
     factors = baseline_factors(targets.iloc[train])
     model_pred[holdout] = _predict(booster, x_all.iloc[holdout])

@@ -105,9 +105,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
     def __init__(self, layout: Layout, rank: int, time_ops: bool = False):
         super().__init__()
         self.layout, self.rank = layout, rank
+        # keep each op's wall time (`wall_s`) in real runs: the in-situ side of a comparison with the
+        # kernel profile (benchmarks/compute_accuracy.py); meaningless while tracing
         self.time_ops = time_ops
-        """Also keep each op's wall time (`wall_s`) in real runs: the in-situ side of a comparison with
-        the kernel profile (benchmarks/compute_accuracy.py); meaningless while tracing."""
         self.events: list[dict[str, Any]] = []
         self._last_writer: dict[int, int] = {}
         self._phase, self._chunk, self._microbatch = "setup", 0, 0
@@ -153,7 +153,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
     # -- dispatch -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        start = time.perf_counter()
+        start = time.perf_counter()  # ~100 ns; recording the op (JSON of its arguments) costs far more
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
         if func.namespace not in SKIPPED_NAMESPACES:
