@@ -238,3 +238,6 @@ def test_nested_tuning_selects_inside_each_fold(a100):
     assert metrics["tuning"]["grid_size"] == 2 and len(metrics["tuning"]["cv_fold_params"]) == cfg.cv_folds
     assert metrics["params"]["eta"] == metrics["tuning"]["final_params"]["learning_rate"]
     assert train_slowdown_model(a100, SlowdownModelConfig(n_estimators=5)).metrics["tuning"] == {}
+    with pytest.raises(ConfigError, match="tuning.inner_folds=1"):
+        train_slowdown_model(a100, dataclasses.replace(cfg, tuning=SlowdownTuningConfig(max_depth=[3, 6],
+                                                                                         inner_folds=1)))

@@ -78,8 +78,11 @@ def select_params(x: pd.DataFrame, targets: pd.DataFrame, y: np.ndarray, w: np.n
     grid = candidates(cfg)
     if len(grid) == 1:
         return grid[0]
+    if cfg.tuning.inner_folds < 2:
+        raise ConfigError(f"hardware.slowdown.model.tuning.inner_folds={cfg.tuning.inner_folds}: "
+                          "the inner cross-validation needs at least 2 folds")
     order = np.random.default_rng(cfg.random_state + 1).permutation(index)
-    inner = np.array_split(order, max(2, cfg.tuning.inner_folds))
+    inner = np.array_split(order, cfg.tuning.inner_folds)
     best, best_score = grid[0], -np.inf
     for candidate in grid:
         pred = np.empty(len(targets))
