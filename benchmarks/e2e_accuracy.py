@@ -76,6 +76,8 @@ def vtrain_part() -> list[tuple[str, float, str]]:
           f"{len(held)} held out; {result.seconds:.0f} s")
     print("fitted kernel model (hardware a100-80g-dgx): "
           + ", ".join(f"{k}={v:.3g}" for k, v in result.kernel_model.items()))
+    print("fit-row MAPE by host dispatch time: "
+          + ", ".join(f"{1e6 * h:.0f} us {m:.2f} %" for h, m in result.host_grid_mape_pct.items()))
     held = held.assign(layout=held.apply(lambda r: "pp" if r["pp"] > 1 and r["tp"] == 1 else
                                          ("tp" if r["tp"] > 1 and r["pp"] == 1 else
                                           ("tp+pp" if r["tp"] > 1 else "dp")), axis=1))

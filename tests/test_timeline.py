@@ -6,6 +6,7 @@ collective times, and zero-cost or fixed P2P, so every expected step time below 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -344,3 +345,31 @@ def test_compose_all_inputs_builds_calibration_and_slowdown_model(tmp_path, monk
     assert "calibrated: artifacts/calibration/" in full["models"]["comm"] and full["models"]["slowdown"] == "xgboost"
     for stage in ("calibration", "slowdown", "models"):
         assert list((tmp_path / "artifacts" / stage).glob("*/manifest.json")), stage
+
+
+@pytest.mark.parametrize("collapse", [True, False])
+def test_host_dispatch_bounds_the_step_when_kernels_are_short(collapse):
+    """Kernels of 1 s; the host issues an op every h s (the view between F and F2 costs dispatch too)."""
+    events = [_event(0, 0, "forward", "F"), {**_event(0, 1, "forward", "view", deps=(0,)), "no_kernel": True},
+              _event(0, 2, "forward", "F2", deps=(1,)), _event(0, 3, "backward", "B", deps=(2,))]
+    times = {"F": 1.0, "F2": 1.0, "B": 1.0}
+    device_bound = _compose(events, _par(), hw=dataclasses.replace(HW, host_dispatch_s=0.5), times=times,
+                            collapse=collapse)
+    # F issued at 0.5, F2 at 1.5 (after the view), B at 2.0: the device is the bottleneck after the first issue
+    assert device_bound.step_time_s == pytest.approx(3.5)
+    host_bound = _compose(events, _par(), hw=dataclasses.replace(HW, host_dispatch_s=2.0), times=times,
+                          collapse=collapse)
+    # B leaves the host at 4 x 2 s and runs 1 s
+    assert host_bound.step_time_s == pytest.approx(9.0)
+    path = summary(host_bound, class_table(host_bound, None, 1e9), world_size=1, num_microbatches=1)["critical_path"]
+    assert path["by_category"]["host"] > 0
+    assert sum(path["by_category"].values()) == pytest.approx(9.0)
+    assert _compose(events, _par(), times=times, collapse=collapse).step_time_s == pytest.approx(3.0)
+
+
+def test_host_dispatch_must_be_small_and_non_negative():
+    from trainsim.config.validate import validate_hardware
+    from trainsim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hardware.host_dispatch_s=-1"):
+        validate_hardware(dataclasses.replace(HW, host_dispatch_s=-1e-6))

@@ -255,6 +255,11 @@ class HardwareConfig:
     cold_cache_profiling: bool = True
     """Evict the device's last-level cache before every timed call (as nvbench and triton do for L2):
     in a training step the other layers evict an op's weights between two of its uses."""
+    host_dispatch_s: float = 0.0
+    """Host (CPU) time the framework takes to issue one op to the device (eager PyTorch dispatch and the
+    Python around it: microseconds per op). A kernel cannot start before the host has issued it, so a
+    step whose per-device kernels are short is host-bound (timeline/engine.py). 0 = the host never limits;
+    on a CPU device the dispatch is part of each measured op time, so keep 0 there."""
     price_per_device_hour: float = 0.0
     """Cost of one device for one hour in USD (for cost-per-step figures); 0 = unknown."""
     slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)

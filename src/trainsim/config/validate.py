@@ -117,6 +117,9 @@ def validate_hardware(hw: HardwareConfig) -> None:
     for dtype, rate in hw.peak_flops_per_s.items():
         if rate <= 0:
             raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate} must be positive (or leave it out)")
+    if not 0.0 <= hw.host_dispatch_s < 1.0:
+        raise ConfigError(f"hardware.host_dispatch_s={hw.host_dispatch_s} must be seconds per op in [0, 1) "
+                          "(0 = the host never limits)")
     validate_what_if(hw)
 
 

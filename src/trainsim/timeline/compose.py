@@ -22,7 +22,7 @@ from trainsim.config.schema import HardwareConfig, ParallelismConfig
 from trainsim.errors import ConfigError
 from trainsim.timeline.classes import TimelineClasses, straggler_factors, timeline_classes
 from trainsim.timeline.costs import CommCost, NoSlowdown, SlowdownEstimate, finite_seconds, model_name
-from trainsim.timeline.engine import Replay, replay, successors
+from trainsim.timeline.engine import HostIssue, Replay, replay, successors
 from trainsim.timeline.overlap import SlowdownCache, is_compute_kind, overlapped
 from trainsim.timeline.plugins import DEFAULT_RULES, schedule_actions
 from trainsim.timeline.program import (
@@ -259,8 +259,25 @@ def _class_ends(graph: StepGraph, result: Replay) -> np.ndarray:
     return ends
 
 
+def host_issue(graph: StepGraph, dispatch_s: float) -> HostIssue | None:
+    """When each node's first and last op leave the host: every class's host thread dispatches its ops
+    back to back in program order from the start of the step (nodes of a class are contiguous and in
+    program order, see step.build_step), running ahead of the device as CUDA's launch queue lets it.
+    The host is not modelled as waiting for the device inside a step."""
+    if dispatch_s <= 0 or not graph.num_nodes:
+        return None
+    ops = graph.table.host_ops[graph.tnode]
+    issued = np.empty(len(ops))
+    for c in np.unique(graph.cls):
+        mine = graph.cls == c
+        issued[mine] = np.cumsum(ops[mine]) * dispatch_s
+    kernels = (graph.table.last_op - graph.table.first_op + 1)[graph.tnode]
+    return HostIssue(first_s=issued - (ops - 1) * dispatch_s, last_s=issued, kernels=kernels)
+
+
 def _iterate(graph: StepGraph, solo: np.ndarray, fixed: np.ndarray, cache: SlowdownCache,
-             max_iterations: int, tolerance: float) -> tuple[Replay, np.ndarray, int, bool]:
+             max_iterations: int, tolerance: float, host: HostIssue | None = None
+             ) -> tuple[Replay, np.ndarray, int, bool]:
     """Replay, stretch overlapped compute, replay again until stable (overlap.py): the stretch the last
     replay implies differs from the one it used by at most `tolerance` x step time in total (then no node
     can move by more), or no class's end moved by more than that between the last two replays."""
@@ -269,7 +286,7 @@ def _iterate(graph: StepGraph, solo: np.ndarray, fixed: np.ndarray, cache: Slowd
     compute = is_compute_kind(kind) & (solo > 0)
     duration, previous_ends = fixed + solo, None
     for iteration in range(1, max_iterations + 1):
-        result = replay(graph, duration, csr)
+        result = replay(graph, duration, csr, host=host)
         ends = _class_ends(graph, result)
         limit = tolerance * result.step_time_s
         if previous_ends is not None and np.abs(ends - previous_ends).max() <= limit:
@@ -285,7 +302,7 @@ def _iterate(graph: StepGraph, solo: np.ndarray, fixed: np.ndarray, cache: Slowd
         if np.abs(stretched - duration).sum() <= limit:
             return result, duration, iteration, True
         duration = stretched
-    return replay(graph, duration, csr), duration, max_iterations, False
+    return replay(graph, duration, csr, host=host), duration, max_iterations, False
 
 
 def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: ParallelismConfig, hw: HardwareConfig,
@@ -312,7 +329,8 @@ def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Paralleli
     solo = step.table.compute_s[step.tnode]
     fixed = step.table.fixed_s[step.tnode]
     cache = SlowdownCache(slowdown, *_features(info))
-    result, duration, iterations, converged = _iterate(step, solo, fixed, cache, max_iterations, tolerance)
+    host = host_issue(step, hw.host_dispatch_s)
+    result, duration, iterations, converged = _iterate(step, solo, fixed, cache, max_iterations, tolerance, host)
     ops_per_node = step.table.last_op - step.table.first_op + 1
     return StepTimeline(
         step_time_s=result.step_time_s, classes=classes, graph=step, replay=result, duration_s=duration,

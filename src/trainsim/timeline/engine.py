@@ -7,6 +7,10 @@ latest arrival: a collective starts when the last member of its group arrives (E
 kernels spin until every peer joins), a P2P transfer when both sides are posted. Streams are FIFO in
 program order, so the replay needs no resource arbitration; each node records the node that decided
 its start (its latest predecessor, or the last member of its group), which is the critical path.
+
+Host dispatch (optional): a kernel cannot start before the host thread has issued it, nor a run of
+kernels end before its last kernel was issued and ran. `HostIssue` gives each node the time its first
+and last op leave the host; a node whose start the host decided has cause HOST.
 """
 
 from __future__ import annotations
@@ -19,13 +23,30 @@ import numpy as np
 
 from trainsim.timeline.step import StepGraph, TimelineError
 
+HOST = -2
+"""`Replay.cause` of a node that waited for the host to issue it."""
+
+
+@dataclass
+class HostIssue:
+    """Per node: when the host issues its first and its last op, and its kernel count (see module doc)."""
+
+    first_s: np.ndarray
+    last_s: np.ndarray
+    kernels: np.ndarray
+
+    def earliest_end(self, duration_s: np.ndarray) -> np.ndarray:
+        """The last kernel starts once issued and takes its share of the node's duration."""
+        return self.last_s + duration_s / np.maximum(self.kernels, 1)
+
 
 @dataclass
 class Replay:
     start_s: np.ndarray
     end_s: np.ndarray
     cause: np.ndarray
-    """Node that decided each node's start: latest predecessor or last-arriving group member (-1: t=0)."""
+    """Node that decided each node's start: latest predecessor or last-arriving group member (-1: t=0,
+    HOST: its issue by the host)."""
 
     @property
     def step_time_s(self) -> float:
@@ -43,7 +64,7 @@ def successors(graph: StepGraph) -> tuple[list[int], list[int], list[int], list[
 
 
 def replay(graph: StepGraph, duration_s: np.ndarray, csr=None,
-           describe: Callable[[int], str] | None = None) -> Replay:
+           describe: Callable[[int], str] | None = None, host: HostIssue | None = None) -> Replay:
     n = graph.num_nodes
     ptr, succ, remaining, initial = csr or successors(graph)
     remaining = list(remaining)
@@ -58,17 +79,23 @@ def replay(graph: StepGraph, duration_s: np.ndarray, csr=None,
     start = [0.0] * n
     end = [0.0] * n
     cause = [-1] * n
+    issued = host.first_s.tolist() if host is not None else [0.0] * n
+    min_end = host.earliest_end(duration_s).tolist() if host is not None else [0.0] * n
     heap = [(0.0, i) for i in initial]
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     done = 0
     while heap:
         t, i = pop(heap)
+        if issued[i] > t:  # ready before the host issued it: wait for the issue
+            push(heap, (issued[i], i))
+            latest_pred[i] = HOST
+            continue
         g = group[i]
         if g < 0:  # the common case: no other class to wait for
             cause[i] = latest_pred[i]
             start[i] = t
-            e = t + dur[i]
+            e = max(t + dur[i], min_end[i])
             end[i] = e
             done += 1
             for k in succ[ptr[i]:ptr[i + 1]]:
@@ -90,7 +117,7 @@ def replay(graph: StepGraph, duration_s: np.ndarray, csr=None,
         for j in members:  # the last member has arrived: all start together
             cause[j] = latest_pred[j] if j == last else last
             start[j] = t
-            e = t + dur[j]
+            e = max(t + dur[j], min_end[j])
             end[j] = e
             done += 1
             for k in succ[ptr[j]:ptr[j + 1]]:

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from trainsim.timeline.compose import StepTimeline
+from trainsim.timeline.engine import HOST
 from trainsim.timeline.overlap import covered, is_comm_kind, merged
 from trainsim.timeline.program import BLOCK, COMPUTE, KIND_NAMES
 
@@ -117,18 +118,23 @@ def critical_path(t: StepTimeline, max_segments: int = 200) -> dict:
     nodes = np.asarray(path)
     ends = end[nodes]
     contribution = np.diff(np.concatenate([[0.0], ends]))
+    # host-bound time: waiting for the first node's issue, and nodes ending after their last op's issue
+    host_s = ends - t.replay.start_s[nodes] - t.duration_s[nodes]
+    host_s = np.where(host_s > 1e-12 * max(float(ends[-1]), 1.0), host_s, 0.0)
+    host_s[0] += t.replay.start_s[nodes[0]] if t.replay.cause[nodes[0]] == HOST else 0.0
+    contribution = contribution - host_s
     kind = _node_kind(t)[nodes]
     group_kind = np.asarray(t.info.group_kind, dtype=object)[t.graph.tnode[nodes]]
     comm_part = np.where(kind == BLOCK, np.minimum(t.fixed_s[nodes], contribution), 0.0)
     category = np.where((kind == COMPUTE) | (kind == BLOCK), "compute",
                         np.asarray([f"comm.{g}" for g in group_kind], dtype=object))
-    by_category: dict[str, float] = {}
+    by_category: dict[str, float] = {"host": float(host_s.sum())} if host_s.sum() > 0 else {}
     for cat, value, inner, g in zip(category, contribution, comm_part, group_kind):
         by_category[cat] = by_category.get(cat, 0.0) + float(value - inner)
         if inner > 0:
             by_category[f"comm.{g}"] = by_category.get(f"comm.{g}", 0.0) + float(inner)
     cls = t.graph.cls[nodes]
-    by_class = {int(c): float(contribution[cls == c].sum()) for c in np.unique(cls)}
+    by_class = {int(c): float((contribution + host_s)[cls == c].sum()) for c in np.unique(cls)}
     phase = t.graph.table.phase[t.graph.tnode[nodes]]
     mb = t.graph.microbatch[nodes]
     segments, i = [], 0

@@ -29,8 +29,10 @@ PASS_VARIANTS = ("all", "per_microbatch")
 
 def kernel_graph(events: pd.DataFrame) -> pd.DataFrame:
     """Kernels of one class in program order; dependencies through views and allocations are followed
-    to the kernels that wrote the storage (no-kernel ops take no time and are dropped)."""
+    to the kernels that wrote the storage (no-kernel ops take no device time and are dropped; the host
+    still dispatches them, so each kernel's `host_ops` counts itself and the no-kernel ops before it)."""
     events = events.sort_values("id")
+    no_kernel_seen = np.cumsum(events["no_kernel"].to_numpy(dtype=bool))
     through: dict[int, set[int]] = {}
     new_deps = []
     for op_id, no_kernel, deps in zip(events["id"].to_numpy(), events["no_kernel"].to_numpy(),
@@ -43,7 +45,10 @@ def kernel_graph(events: pd.DataFrame) -> pd.DataFrame:
             through[int(op_id)] = resolved
         new_deps.append(sorted(resolved))
     out = events.assign(deps=new_deps)
-    return out[~out["no_kernel"].to_numpy()].reset_index(drop=True)
+    kernels = ~out["no_kernel"].to_numpy()
+    before = no_kernel_seen[kernels]
+    host_ops = 1 + np.diff(np.concatenate([[0], before]))
+    return out[kernels].assign(host_ops=host_ops).reset_index(drop=True)
 
 
 @dataclass
@@ -155,6 +160,8 @@ class PassNodes:
     edges: np.ndarray
     node_of_op: np.ndarray
     op_ids: np.ndarray
+    host_ops: np.ndarray
+    """Ops the host dispatches for each node (its kernels and the no-kernel ops among them)."""
     external: list[tuple[int, int]]
     """(node, trace id of a non-compute kernel of another pass it waits for)."""
     per_microbatch_op: np.ndarray
@@ -182,8 +189,9 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
     comp = (kind == COMPUTE) | (kind == BLOCK)
     keep = (e[:, 0] != e[:, 1]) & ~(comp[e[:, 0]] & comp[e[:, 1]]) if len(e) else np.zeros(0, dtype=bool)
     edges = np.unique(e[keep], axis=0) if keep.any() else np.zeros((0, 2), dtype=np.int64)
+    host_ops = np.bincount(node, weights=p.ops["host_ops"].to_numpy(dtype=float), minlength=count)
     return PassNodes(p.phase, p.chunk, p.variant, kind, compute_s, fixed_s, first, last,
-                     [costs.sync_key[i] for i in first], edges, node, p.ops["id"].to_numpy(),
+                     [costs.sync_key[i] for i in first], edges, node, p.ops["id"].to_numpy(), host_ops,
                      [(int(node[q]), d) for q, d in p.external], p.ops["per_microbatch"].to_numpy())
 
 

@@ -49,6 +49,7 @@ class TemplateTable:
     fixed_s: np.ndarray
     first_op: np.ndarray
     last_op: np.ndarray
+    host_ops: np.ndarray
     phase: np.ndarray
     chunk: np.ndarray
     sync_key: list
@@ -183,7 +184,7 @@ def _expand_class(program: ClassProgram, template_start: np.ndarray, base: int, 
 
 def template_table(programs: list[ClassProgram]) -> tuple[TemplateTable, list[np.ndarray]]:
     cols: dict[str, list] = {k: [] for k in ("cls", "template", "kind", "compute_s", "fixed_s", "first_op",
-                                             "last_op", "phase", "chunk")}
+                                             "last_op", "host_ops", "phase", "chunk")}
     sync_key: list = []
     starts, position = [], 0
     for p in programs:
@@ -196,7 +197,7 @@ def template_table(programs: list[ClassProgram]) -> tuple[TemplateTable, list[np
             cols["template"].append(np.full(n, ti))
             cols["phase"].append(np.full(n, t.phase, dtype=object))
             cols["chunk"].append(np.full(n, t.chunk))
-            for name in ("kind", "compute_s", "fixed_s", "first_op", "last_op"):
+            for name in ("kind", "compute_s", "fixed_s", "first_op", "last_op", "host_ops"):
                 cols[name].append(getattr(t, name))
             sync_key += t.sync_key
         starts.append(np.asarray(class_starts, dtype=np.int64))
