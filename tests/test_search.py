@@ -172,3 +172,23 @@ def test_search_command_writes_the_artifact(tmp_path, monkeypatch, capsys):
         p.name for p in out.iterdir()}
     assert "layouts/s" in capsys.readouterr().out
     assert main([*args[:-6], "--schedules", "zigzag"]) == 2  # a bad search space is an error, not a crash
+
+
+def test_fast_path_bounds_each_pass_by_host_dispatch():
+    import dataclasses
+
+    from trainsim.comm.model import CommModel
+    from trainsim.search.slices import PartCost, SliceCosts
+
+    run = compose_run(["hardware=a100-80g-dgx", "model=gpt-tiny", "parallelism=single"], check="layout")
+    model, par = run.model, run.parallelism
+    layer = PartCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.1,
+                     host_ops={"forward": 10, "backward": 20, "optimizer": 5})
+    costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0, largest_temporary_bytes=0)
+    hw = dataclasses.replace(run.hardware, memory_capacity_bytes=0)
+    m, layers = par.num_microbatches, model.num_layers
+    device_bound = estimate_layout(costs, model, par, hw, CommModel.from_hardware(hw))
+    assert device_bound.step_time_s == pytest.approx(m * layers * 3.0 + layers * 0.1)
+    host = dataclasses.replace(hw, host_dispatch_s=1.0)  # every pass and the optimizer wait for the host
+    host_bound = estimate_layout(costs, model, par, host, CommModel.from_hardware(host))
+    assert host_bound.step_time_s == pytest.approx(m * layers * 30.0 + layers * 5.0)

@@ -9,6 +9,9 @@ stage's backward. Data-parallel gradients are all-reduced in buckets that become
 stage's last backward and run back to back on the communication stream; the optimizer follows.
 Memory: model states plus activations of the forwards in flight, as the trace stage computes them.
 
+Host dispatch (hardware.host_dispatch_s): a pass takes at least its ops times the dispatch time (the
+composer lets the host run ahead across passes; here each pass is bounded on its own).
+
 What the full composer adds and this does not: overlap slowdown of compute that runs beside the
 gradient all-reduce, op-level dependencies inside a pass, stragglers. benchmarks/sweep_speed.py prints
 the agreement of the two on full traces.
@@ -150,20 +153,22 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     dpn = hw.devices_per_node
     tp_nodes = _nodes_spanned(layout.group_ranks(0, "tp"), dpn)
 
-    def pass_seconds(part: PartCost, phase: str) -> tuple[float, float]:
+    def pass_seconds(part: PartCost, phase: str) -> tuple[float, float, float]:
         compute = part.forward_s if phase == "F" else part.backward_s
         counts = part.forward_collectives if phase == "F" else part.backward_collectives
-        return compute, _collective_seconds(counts, comm, par.tp, tp_nodes) if par.tp > 1 else 0.0
+        host = part.host_ops.get("forward" if phase == "F" else "backward", 0) * hw.host_dispatch_s
+        return compute, _collective_seconds(counts, comm, par.tp, tp_nodes) if par.tp > 1 else 0.0, host
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in ("layer", "first",
                                                                                                 "last")}
     forward, backward, tp_comm = {}, {}, [0.0] * pp
     for (s, c), extra in parts.items():
         for phase, table in (("F", forward), ("B", backward)):
-            compute, collectives = (layers_per_chunk * x for x in per_part["layer"][phase])
+            compute, collectives, host = (layers_per_chunk * x for x in per_part["layer"][phase])
             compute += sum(per_part[p][phase][0] for p in extra)
             collectives += sum(per_part[p][phase][1] for p in extra)
-            table[(s, c)] = compute + collectives
+            host += sum(per_part[p][phase][2] for p in extra)
+            table[(s, c)] = max(compute + collectives, host)
             tp_comm[s] += collectives * m
     next_stage = layout.rank_of(0, 0, 1) if pp > 1 else 0
     p2p_s = comm.p2p_seconds(costs.p2p_message_bytes, same_node=next_stage // dpn == 0) if pp > 1 else 0.0
@@ -171,8 +176,9 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
 
     step = exposed_max = optimizer_max = 0.0
     for s in range(pp):
-        grads = sum(layers_per_chunk * costs.layer.gradient_bytes
-                    + sum(getattr(costs, p).gradient_bytes for p in parts[(s, c)]) for c in range(v))
+        stage_parts = [costs.layer] * (layers_per_chunk * v) + [getattr(costs, p) for c in range(v)
+                                                                 for p in parts[(s, c)]]
+        grads = sum(part.gradient_bytes for part in stage_parts)
         end = ends[s]
         if par.dp > 1 and grads > 0:
             buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
@@ -183,8 +189,9 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
                 clock = max(clock, backward_start[s] + backward_len[s] * (i + 1) / buckets) + bucket_s
             exposed_max = max(exposed_max, max(clock - ends[s], 0.0))
             end = max(end, clock)
-        optimizer = sum(layers_per_chunk * costs.layer.optimizer_s + sum(getattr(costs, p).optimizer_s
-                                                                       for p in parts[(s, c)]) for c in range(v))
+        optimizer = sum(part.optimizer_s for part in stage_parts)
+        optimizer_ops = sum(part.host_ops.get("optimizer", 0) for part in stage_parts)
+        optimizer = max(optimizer, optimizer_ops * hw.host_dispatch_s)
         optimizer_max = max(optimizer_max, optimizer)
         step = max(step, end + optimizer)
     return LayoutEstimate(step_time_s=step, pipeline_s=max(ends), exposed_dp_s=exposed_max,

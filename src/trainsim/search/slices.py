@@ -49,6 +49,8 @@ class PartCost:
     optimizer_state_bytes: int = 0
     activation_bytes: int = 0
     """saved for the backward pass, per micro-batch"""
+    host_ops: dict[str, int] = field(default_factory=dict)
+    """phase -> ops the host dispatches (kernels, no-kernel ops, collectives), for hardware.host_dispatch_s"""
 
     def minus(self, other: PartCost) -> PartCost:
         """Difference of two parts; collective counts below zero are dropped (never negative work)."""
@@ -60,6 +62,7 @@ class PartCost:
             optimizer_s=max(self.optimizer_s - other.optimizer_s, 0.0),
             forward_collectives=counts(self.forward_collectives, other.forward_collectives),
             backward_collectives=counts(self.backward_collectives, other.backward_collectives),
+            host_ops=counts(self.host_ops, other.host_ops),
             **{f: max(getattr(self, f) - getattr(other, f), 0) for f in MEMORY_FIELDS})
 
 
@@ -101,7 +104,8 @@ def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series)
         backward_collectives=dict(Counter(labels[tp["phase"] == "backward"])),
         parameter_bytes=int(memory["parameter_bytes"]), gradient_bytes=int(memory["gradient_bytes"]),
         optimizer_state_bytes=int(memory["optimizer_state_bytes"]),
-        activation_bytes=int(memory["activation_bytes_per_microbatch"]))
+        activation_bytes=int(memory["activation_bytes_per_microbatch"]),
+        host_ops={str(k): int(v) for k, v in graph.groupby("phase").size().items()})
 
 
 def _trace_slice(model: ModelConfig, par: ParallelismConfig, layers_per_stage: int):
