@@ -9,13 +9,15 @@ missing). Prints
 `figure e2e_error_pct_local_<layout> <|error|> %`. Target: <= 5 % each.
 
 Part 2, published measurements: vTrain's 1440 Megatron-DeepSpeed iteration times on an 8x A100 node
-(trainsim/validation/vtrain.py). The analytical kernel model's hardware-level parameters are fitted on
-every 5th row (file order), the other 80 % are held out. Prints `figure vtrain_single_mape_pct` and
-`figure vtrain_single_max_error_pct` on the held-out rows next to vTrain's own 8.37 %.
+(trainsim/validation/vtrain.py). The analytical kernel model's hardware-level parameters and the host
+dispatch time per op are fitted on every 5th row (file order), the other 80 % are held out. Prints
+`figure vtrain_single_mape_pct` and `figure vtrain_single_max_error_pct` on the held-out rows next to
+vTrain's own 8.37 %.
 
     python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--reuse-ground-truth]
 First run traces 576 distinct vTrain shapes (~25 min on 2 cores, cached under
-artifacts/validation/vtrain/traces); later runs take ~8 min. Calibrate the A100 NCCL model first:
+artifacts/validation/vtrain/traces); later runs take ~11-17 min (five fits, one per
+host dispatch time of the grid). Calibrate the A100 NCCL model first:
     python stages/calibration_stage.py --output artifacts/calibration/a100-80g-dgx hardware=a100-80g-dgx
 """
 

@@ -48,6 +48,8 @@ FITTED = ("matmul_efficiency", "matmul_half_flops", "memory_efficiency", "memory
 kind_efficiency.<kind>: bandwidth of a kind relative to plain elementwise kernels, above 1 where the
 framework fuses what the eager trace records as separate kernels, as Megatron does for bias-GeLU,
 scale-mask-softmax, layer norm and Adam)."""
+FIT_ROUNDS = 3
+"""Linearise-and-fit rounds (each from the previous round's parameters)."""
 SENSITIVITY_STEP = 0.05
 """Relative change of all kernel times used to measure each fit row's sensitivity to them."""
 HOST_DISPATCH_GRID_S = (0.0, 10e-6, 15e-6, 20e-6, 25e-6)
@@ -210,7 +212,7 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
     step times: predict once at the datasheet defaults, linearise each row's step time in its busiest
     stage's kernel times (step(θ) ≈ step(θ0) + a Σ_sig n_sig (t_sig(θ) − t_sig(θ0)), with a the row's
     measured sensitivity to a uniform change of kernel times: below 1 where the step waits for the host
-    or for communication), least-squares the log error, repeat once from the fitted point."""
+    or for communication), least-squares the log error, repeat from the fitted point (FIT_ROUNDS rounds)."""
     from scipy.optimize import least_squares
 
     from trainsim.profile.analytical import predict_rows as analytical
@@ -224,7 +226,7 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
     params = kernel_model_params(hw)
     measured = rows["measured_ms"].to_numpy() / 1e3
     stage_counts = None
-    for _ in range(2):
+    for _ in range(FIT_ROUNDS):
         hw0 = hw_with(hw, params)
         base = predict_rows(rows, hw0, model, par, trace_dirs, comm, counts=stage_counts is None)
         if stage_counts is None:
