@@ -361,6 +361,8 @@ def test_host_dispatch_bounds_the_step_when_kernels_are_short(collapse):
                           collapse=collapse)
     # B leaves the host at 4 x 2 s and runs 1 s
     assert host_bound.step_time_s == pytest.approx(9.0)
+    parts = _assert_breakdown_adds_up(host_bound).iloc[0]  # waiting for the host is idle time, not slowdown
+    assert parts["compute_s"] == pytest.approx(3.0) and parts["slowdown_added_s"] == pytest.approx(0.0)
     path = summary(host_bound, class_table(host_bound, None, 1e9), world_size=1, num_microbatches=1)["critical_path"]
     assert path["by_category"]["host"] > 0
     assert sum(path["by_category"].values()) == pytest.approx(9.0)

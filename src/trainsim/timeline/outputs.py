@@ -6,7 +6,8 @@ Breakdown of the step time T for each rank class (the parts add up to T exactly)
   exposed_comm_s     per group kind (tp, dp, pp, ...): time the compute stream is idle, or blocked inside
                      a collapsed run, while that kind of communication runs (split evenly where kinds overlap)
   pipeline_bubble_s  compute idle with no communication running, until the pipeline flushes (the last
-                     backward of any class ends); waiting for a neighbour stage, or for a straggler
+                     backward of any class ends); waiting for a neighbour stage, a straggler, or the host
+                     to issue kernels (hardware.host_dispatch_s)
   idle_s             compute idle with no communication running after the flush (optimizer waits, end of step)
 """
 
@@ -68,7 +69,8 @@ def pipeline_flush_s(t: StepTimeline) -> float:
 def breakdown(t: StepTimeline) -> pd.DataFrame:
     """One row per class: the parts of the step time (module docstring)."""
     kind, cls = _node_kind(t), t.graph.cls
-    start, end, step = t.replay.start_s, t.replay.end_s, t.step_time_s
+    start, step = t.replay.start_s, t.step_time_s
+    end = np.minimum(t.replay.end_s, start + t.duration_s)  # a run waiting for its last issue is idle, not busy
     flush = pipeline_flush_s(t)
     group_kind = np.asarray(t.info.group_kind, dtype=object)[t.graph.tnode]
     on_compute = (kind == COMPUTE) | (kind == BLOCK)
@@ -101,7 +103,7 @@ def breakdown(t: StepTimeline) -> pd.DataFrame:
             **{f"exposed_{k}_s": v for k, v in exposed.items()},
             "pipeline_bubble_s": max(flush - in_flush, 0.0),
             "idle_s": max((step - flush) - (float((u1 - u0).sum()) - in_flush), 0.0),
-            "end_s": float(end[mine].max()) if mine.any() else 0.0,
+            "end_s": float(t.replay.end_s[mine].max()) if mine.any() else 0.0,
         })
     return pd.DataFrame(rows)
 
