@@ -3,10 +3,9 @@
 Two ranks on this machine (gloo over loopback; NCCL on two GPUs). Rank 0 measures, rank 1 is the
 collective's peer. For every window (compute op x collective x message size x repeat):
 
-1. solo: rank 0 calls the op `solo_calls` times after one warm-up call (rank 1 idles at a barrier,
-   or, when the ranks are co-located CPU cores, calls the op too); the median is the op's solo time.
-2. overlapped: both ranks start the collective (co-located CPU ranks: both also compute, as SPMD
-   training does). On rank 0 it is issued from a background thread
+1. solo: rank 0 calls the op `solo_calls` times after one warm-up call (rank 1 idles at a barrier);
+   the median is the op's solo time.
+2. overlapped: both ranks start the collective. On rank 0 it is issued from a background thread
    (CPU; gloo does the work in its own threads, the calling thread only waits) or on a separate CUDA
    stream (GPU), while the main thread/stream calls the op back to back until the collective ends
    (at most `max_calls_per_window` calls). Every call is one instance.
@@ -191,15 +190,9 @@ def _comm_solo(comm: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def measure_windows(ops: list[ComputeOp], cfg: SlowdownConfig, device: torch.device, colocated: bool = False,
+def measure_windows(ops: list[ComputeOp], cfg: SlowdownConfig, device: torch.device,
                     progress: Callable[[int, int], None] | None = None) -> list[dict] | None:
-    """Run every window inside an initialised 2+-rank group; rank 0 returns its instances, others None.
-
-    `colocated` (CPU ranks sharing a node's cores): every rank runs the op, solo and during the
-    collective, as SPMD training does, so the solo time matches the co-located profile database and the
-    slowdown is what communication adds on top of the peers' compute. Only rank 0's calls are kept.
-    """
-    colocated = colocated and device.type == "cpu"
+    """Run every window inside an initialised 2+-rank group; rank 0 returns its instances, others None."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for collective in cfg.collectives:  # warm-up: lazy initialisation of each collective stays out of the data
@@ -210,9 +203,9 @@ def measure_windows(ops: list[ComputeOp], cfg: SlowdownConfig, device: torch.dev
     for w, (i, collective, message_bytes, repeat) in enumerate(windows):
         comm = _comm_call(collective, message_bytes, device)
         dist.barrier()
-        solo = _time_solo(ops[i], cfg.solo_calls, device) if rank == 0 or colocated else 0.0
+        solo = _time_solo(ops[i], cfg.solo_calls, device) if rank == 0 else 0.0
         dist.barrier()
-        if rank != 0 and not colocated:
+        if rank != 0:
             for _ in range(2 if device.type == "cuda" else 1):  # on a GPU, rank 0 first times one call alone
                 comm()
             continue
@@ -221,8 +214,6 @@ def measure_windows(ops: list[ComputeOp], cfg: SlowdownConfig, device: torch.dev
             calls, start, end = _window_cuda(ops[i], comm, cfg.max_calls_per_window, solo, comm_solo)
         else:
             calls, start, end = _window_cpu(ops[i], comm, cfg.max_calls_per_window)
-        if rank != 0:
-            continue
         for j, (c0, c1) in enumerate(calls):
             rows.append({"instance_id": f"w{w}-c{j}", "op": ops[i].op, "flops": ops[i].flops,
                          "bytes_moved": ops[i].bytes_moved, "collective": collective, "message_bytes": message_bytes,
@@ -233,8 +224,7 @@ def measure_windows(ops: list[ComputeOp], cfg: SlowdownConfig, device: torch.dev
     return rows if rank == 0 else None
 
 
-def _worker(rank: int, world: int, port: int, cfg: SlowdownConfig, threads: int, colocated: bool, profile_rows,
-            out: str) -> None:
+def _worker(rank: int, world: int, port: int, cfg: SlowdownConfig, threads: int, profile_rows, out: str) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     torch.set_num_threads(threads)
     cuda = torch.cuda.device_count() >= world
@@ -249,7 +239,7 @@ def _worker(rank: int, world: int, port: int, cfg: SlowdownConfig, threads: int,
         if profile_rows is not None and len(profile_rows):
             extra, skipped = profile_ops(profile_rows, device)
             ops += extra
-        rows = measure_windows(ops, cfg, device, colocated)
+        rows = measure_windows(ops, cfg, device)
         if rows is not None:
             frame = pd.DataFrame(rows).assign(source=f"measured-{device.type}", channels=np.nan, algorithm="",
                                               protocol="")
@@ -260,10 +250,8 @@ def _worker(rank: int, world: int, port: int, cfg: SlowdownConfig, threads: int,
 
 
 def collect_local(cfg: SlowdownConfig, hardware: str, device_type: str, threads_per_device: int = 1,
-                  profile_rows: pd.DataFrame | None = None, colocated: bool = False
-                  ) -> tuple[pd.DataFrame, dict[str, int], list[dict]]:
-    """Measure on this machine with 2 ranks; (valid instances, invalid counts, skipped profile ops).
-    `colocated`: CPU ranks share the cores, so the peer computes too (see `measure_windows`)."""
+                  profile_rows: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict[str, int], list[dict]]:
+    """Measure on this machine with 2 ranks; (valid instances, invalid counts, skipped profile ops)."""
     if cfg.repeats < 1 or cfg.solo_calls < 1 or cfg.max_calls_per_window < 1:
         raise ConfigError(f"hardware.slowdown: repeats={cfg.repeats}, solo_calls={cfg.solo_calls} and "
                           f"max_calls_per_window={cfg.max_calls_per_window} must be at least 1")
@@ -276,7 +264,7 @@ def collect_local(cfg: SlowdownConfig, hardware: str, device_type: str, threads_
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="trainsim-slowdown-") as tmp:
         out = str(Path(tmp) / "instances.parquet")
-        mp.spawn(_worker, nprocs=2, join=True, args=(2, port, cfg, threads_per_device, colocated, profile_rows, out))
+        mp.spawn(_worker, nprocs=2, join=True, args=(2, port, cfg, threads_per_device, profile_rows, out))
         raw, skipped = pd.read_parquet(out), pd.read_parquet(out + ".skipped").to_dict("records")
     raw = raw.assign(hardware=hardware, device_type=device_type, kernel_name="", op_kind=raw["op"].map(op_kind))
     valid, invalid_counts, _ = check_instances(raw)

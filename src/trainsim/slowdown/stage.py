@@ -79,8 +79,7 @@ def _measured(hw: HardwareConfig, hardware_key: str, device_type: str) -> tuple[
         raise ConfigError(f"hardware '{hw.name}': slowdown.source='measure' needs a {hw.device_kind} device, but this "
                           f"machine has {local} only; set slowdown.source=import with slowdown.import_files")
     profile = _profile_rows(hw, hardware_key)
-    rows, invalid, skipped = collect_local(hw.slowdown, hardware_key, device_type, hw.threads_per_device, profile,
-                                           colocated=hw.colocated_profiling)
+    rows, invalid, skipped = collect_local(hw.slowdown, hardware_key, device_type, hw.threads_per_device, profile)
     return rows, {"invalid": invalid, "profile_signatures": 0 if profile is None else len(profile),
                   "skipped_profile_ops": skipped}
 
