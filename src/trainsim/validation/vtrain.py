@@ -19,6 +19,7 @@ Method (docs/validation.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -167,20 +168,27 @@ def kernel_model_params(hw: HardwareConfig) -> dict[str, float]:
             else getattr(km, name) for name in FITTED}
 
 
+@functools.lru_cache(maxsize=256)
+def _trace_tables(directory: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(graph, rank classes, distinct ops) of one cached trace, read once for all the fit's predictions
+    (the fit covers ~115 traces; callers must not modify the frames)."""
+    from trainsim.profile.stage import distinct_ops
+
+    graph = pq.read_table(directory / "graph.parquet").to_pandas()
+    return graph, pq.read_table(directory / "rank_classes.parquet").to_pandas(), distinct_ops(graph)
+
+
 def predict_rows(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig,
                  trace_dirs: dict[tuple, Path], comm, counts: bool = False, time_scale: float = 1.0) -> pd.DataFrame:
     """Compose every row's step on `hw`; with `counts`, also the per-signature kernel counts of the
     busiest pipeline stage (for the linearised fit); `time_scale` multiplies every kernel time."""
     from trainsim.profile.analytical import predict_rows as analytical
-    from trainsim.profile.stage import distinct_ops
     from trainsim.timeline.compose import compose_step
     from trainsim.timeline.costs import NoSlowdown
 
     out = []
     for key, group in rows.groupby(TRACE_KEY, sort=False):
-        graph = pq.read_table(trace_dirs[key] / "graph.parquet").to_pandas()
-        rank_classes = pq.read_table(trace_dirs[key] / "rank_classes.parquet").to_pandas()
-        ops = distinct_ops(graph)
+        graph, rank_classes, ops = _trace_tables(trace_dirs[key])
         times = dict(zip(ops["signature"], time_scale * analytical(ops, hw)))
         for index, row in group.iterrows():
             m, p = row_configs(model, par, row)
@@ -216,12 +224,10 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
     from scipy.optimize import least_squares
 
     from trainsim.profile.analytical import predict_rows as analytical
-    from trainsim.profile.stage import distinct_ops
 
     ops_by_key = {}
     for key in rows.groupby(TRACE_KEY, sort=False).groups:
-        graph = pq.read_table(trace_dirs[key] / "graph.parquet").to_pandas()
-        ops_by_key[key] = distinct_ops(graph)
+        ops_by_key[key] = _trace_tables(trace_dirs[key])[2]
     all_ops = pd.concat(ops_by_key.values()).drop_duplicates("signature").reset_index(drop=True)
     params = kernel_model_params(hw)
     measured = rows["measured_ms"].to_numpy() / 1e3
