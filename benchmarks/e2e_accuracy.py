@@ -1,9 +1,11 @@
 """End-to-end accuracy: predicted vs measured step time.
 
 Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2,
-tp2, pp2 with 1F1B over 4 micro-batches) the real step is measured first (trainsim/validation/
-ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as spread; the artifact is
-published at artifacts/ground_truth/local-cpu/...), then predicted by the pipeline (`trainsim compose`:
+tp2, pp2 with 1F1B over 4 micro-batches) the layout's ops are profiled again (`--remeasure`: a shared
+VM's speed drifts, so profile and real steps are timed minutes apart, not hours), the real step is
+measured (trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps,
+IQR as spread; the artifact is published at artifacts/ground_truth/local-cpu/...), then predicted by
+the pipeline (`trainsim compose`:
 trace, profile on this CPU, calibrated gloo model, slowdown model: every stage's artifact is built when
 missing). Prints
 `figure e2e_error_pct_local_<layout> <|error|> %`. Target: <= 5 % each.
@@ -42,6 +44,19 @@ LOCAL = {
 }
 
 
+def remeasure_profile(run) -> None:
+    """Time the layout's ops again right before its real steps: a shared VM's speed drifts by 10-20 %
+    over an hour, so a profile taken earlier would compare the model with a different machine."""
+    from trainsim.profile.stage import write_profile_artifact
+    from trainsim.trace.stage import write_trace_artifact
+
+    paths = {name: Path(STAGES[name].path(run.keys)) for name in ("trace", "profile")}
+    if not (paths["trace"] / "manifest.json").is_file():
+        write_trace_artifact(run.model, run.parallelism, run.keys, paths["trace"])
+    write_profile_artifact(run.hardware, run.keys, paths["trace"], Path(STAGES["profile"].database_path(run.keys)),
+                           paths["profile"], remeasure=True)
+
+
 def local_part(reuse: bool) -> list[tuple[str, float, str]]:
     figures = []
     print(f"{'layout':>7} {'predicted s':>11} {'measured s':>10} {'IQR s':>7} {'error %':>8}  prediction breakdown "
@@ -52,6 +67,7 @@ def local_part(reuse: bool) -> list[tuple[str, float, str]]:
         if reuse and (truth_dir / "manifest.json").is_file():
             truth = read_ground_truth(truth_dir)
         else:
+            remeasure_profile(run)
             truth = write_ground_truth_artifact(run.hardware, run.model, run.parallelism, run.keys, truth_dir)
         predicted, _ = compose_run_artifacts(run, all_inputs=True)
         error = error_pct(predicted["step_time_s"], truth)

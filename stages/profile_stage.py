@@ -17,7 +17,10 @@ from trainsim.stage_cli import resolve_groups, stage_inputs, stage_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = stage_parser(__doc__).parse_args(argv)
+    parser = stage_parser(__doc__)
+    parser.add_argument("--remeasure", action="store_true",
+                        help="time every op of the trace again, even those the database has (newer rows win)")
+    args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
         config, keys = resolve_groups(args, ("hardware", "model", "parallelism"))
@@ -28,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
             task = bar.add_task(f"profiling on {keys['hardware']}", total=None)
             summary = write_profile_artifact(config["hardware"], keys, trace_dir, args.database, args.output,
                                              progress=lambda done, total: bar.update(task, completed=done,
-                                                                                     total=total))
+                                                                                     total=total),
+                                             remeasure=args.remeasure)
     except (ConfigError, ArtifactError, KeyError) as exc:
         console.print(f"[red]profile failed:[/red] {exc}")
         return 2

@@ -82,6 +82,19 @@ def test_profile_measures_once_then_reuses(tmp_path, tiny_ops):
     assert third.measured == len(new) > 0 and third.reused == len(other) - len(new)
 
 
+
+def test_remeasure_times_every_op_again_and_newer_rows_win(tmp_path, tiny_ops):
+    hw = compose_run([]).hardware
+    db = ProfileDatabase(tmp_path / "kernels.parquet")
+    some = tiny_ops.head(4)
+    before, _ = profile_ops(some, hw, "local-cpu", db)
+    again, summary = profile_ops(some, hw, "local-cpu", db, remeasure=True)
+    assert summary.measured == len(some) and summary.reused == 0
+    assert len(again) == len(some)  # one row per signature, the new one
+    assert (again.set_index("signature")["measured_at"] >= before.set_index("signature")["measured_at"]).all()
+    stored = db.read().set_index("signature").loc[again["signature"]]
+    assert (stored["median_s"].to_numpy() == again["median_s"].to_numpy()).all()
+    assert len(db.parts()) == 2  # the old rows are kept (append-only), only superseded
 def test_caches_are_flushed_before_every_timed_call():
     flushes, calls = [], []
     timings = time_cpu([lambda: calls.append(1), lambda: calls.append(2)], min_samples=4, warmup=2,

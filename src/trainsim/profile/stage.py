@@ -1,7 +1,9 @@
 """The kernel-profile stage: every distinct compute op of the traces gets a solo time on the hardware.
 
 Only signatures the database lacks for this hardware are measured (or computed analytically);
-everything else is reused. Ops that cannot be replayed fall back to the analytical model, and the
+everything else is reused, unless `remeasure` asks for every signature to be timed again (the machine
+changed: a driver or clock update, or a shared VM whose speed drifts and must be timed in the state the
+prediction is compared in); the new rows supersede the old ones in the database. Ops that cannot be replayed fall back to the analytical model, and the
 reason is kept in the row. New rows are appended in batches, so an interrupted run keeps its work.
 """
 
@@ -125,11 +127,14 @@ def _analytical_times(ops: pd.DataFrame, hw: HardwareConfig, measured: pd.DataFr
 
 
 def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: ProfileDatabase,
-                progress=None) -> tuple[pd.DataFrame, ProfileSummary]:
-    """Fill `db` for the signatures of `ops` it lacks; return the rows of all of them and a summary."""
+                progress=None, remeasure: bool = False) -> tuple[pd.DataFrame, ProfileSummary]:
+    """Fill `db` for the signatures of `ops` it lacks (all of them with `remeasure`); return the rows
+    of all of them and a summary."""
     backend = choose_backend(hw)
     known = db.read()
     known = known[known["hardware"] == hardware_key]
+    if remeasure:
+        known = known[~known["signature"].isin(set(ops["signature"]))]
     missing = ops[~ops["signature"].isin(set(known["signature"]))].reset_index(drop=True)
     summary = ProfileSummary(backend=backend, distinct=len(ops), reused=len(ops) - len(missing))
 
@@ -164,12 +169,13 @@ def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: Pr
 
 
 def write_profile_artifact(hw: HardwareConfig, keys: dict[str, str], trace_dir: Path, database: Path,
-                           output: Path, progress=None) -> ProfileSummary:
+                           output: Path, progress=None, remeasure: bool = False) -> ProfileSummary:
     """Profile the ops of one trace artifact into `database` and publish this run's rows."""
     graph = read_table(trace_dir, GRAPH_FILE).to_pandas()
     config = {"hardware": dataclasses.asdict(hw)}
     with atomic_artifact(output, stage="profile", config=config, config_keys=keys, inputs=[trace_dir]) as tmp:
-        rows, summary = profile_ops(distinct_ops(graph), hw, keys["hardware"], ProfileDatabase(database), progress)
+        rows, summary = profile_ops(distinct_ops(graph), hw, keys["hardware"], ProfileDatabase(database), progress,
+                                    remeasure)
         pq.write_table(pa.Table.from_pandas(rows, schema=PROFILE_SCHEMA, preserve_index=False), tmp / PROFILE_FILE)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
     return summary
