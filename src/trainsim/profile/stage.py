@@ -3,8 +3,9 @@
 Only signatures the database lacks for this hardware are measured (or computed analytically);
 everything else is reused, unless `remeasure` asks for every signature to be timed again (the machine
 changed: a driver or clock update, or a shared VM whose speed drifts and must be timed in the state the
-prediction is compared in); the new rows supersede the old ones in the database. Ops that cannot be replayed fall back to the analytical model, and the
-reason is kept in the row. New rows are appended in batches, so an interrupted run keeps its work.
+prediction is compared in); the new rows supersede the old ones in the database. Ops that cannot be
+replayed fall back to the analytical model, and the reason is kept in the row. New rows are appended
+in batches, so an interrupted run keeps its work.
 """
 
 from __future__ import annotations
