@@ -1,8 +1,9 @@
 """End-to-end accuracy: predicted vs measured step time.
 
 Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2,
-tp2, pp2 with 1F1B over 4 micro-batches) the layout's ops are profiled again (`--remeasure`: a shared
-VM's speed drifts, so profile and real steps are timed minutes apart, not hours), the real step is
+tp2, pp2 with 1F1B over 4 micro-batches) the layout's ops are profiled again (`--remeasure`) and its
+hardware's gloo model and system noise calibrated again (once per run): a shared VM's speed drifts, so
+inputs and real steps are timed minutes apart, not hours. Then the real step is
 measured (trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps,
 IQR as spread; the artifact is published at artifacts/ground_truth/local-cpu/...), then predicted by
 the pipeline (`trainsim compose`:
@@ -44,21 +45,26 @@ LOCAL = {
 }
 
 
-def remeasure_profile(run) -> None:
-    """Time the layout's ops again right before its real steps: a shared VM's speed drifts by 10-20 %
-    over an hour, so a profile taken earlier would compare the model with a different machine."""
+def remeasure_inputs(run, calibrated: set[str]) -> None:
+    """Time the layout's ops again right before its real steps, and calibrate its hardware's gloo model
+    and system noise once per run: a shared VM's speed drifts by 10-20 % over an hour, so inputs
+    measured earlier would compare the model with a different machine."""
+    from trainsim.comm.calibration import write_calibration_artifact
     from trainsim.profile.stage import write_profile_artifact
     from trainsim.trace.stage import write_trace_artifact
 
-    paths = {name: Path(STAGES[name].path(run.keys)) for name in ("trace", "profile")}
+    paths = {name: Path(STAGES[name].path(run.keys)) for name in ("trace", "profile", "calibration")}
     if not (paths["trace"] / "manifest.json").is_file():
         write_trace_artifact(run.model, run.parallelism, run.keys, paths["trace"])
     write_profile_artifact(run.hardware, run.keys, paths["trace"], Path(STAGES["profile"].database_path(run.keys)),
                            paths["profile"], remeasure=True)
+    if run.keys["hardware"] not in calibrated:
+        write_calibration_artifact(run.hardware, run.keys, paths["calibration"])
+        calibrated.add(run.keys["hardware"])
 
 
 def local_part(reuse: bool) -> list[tuple[str, float, str]]:
-    figures = []
+    figures, calibrated = [], set()
     print(f"{'layout':>7} {'predicted s':>11} {'measured s':>10} {'IQR s':>7} {'error %':>8}  prediction breakdown "
           "(critical path)")
     for name, overrides in LOCAL.items():
@@ -67,7 +73,7 @@ def local_part(reuse: bool) -> list[tuple[str, float, str]]:
         if reuse and (truth_dir / "manifest.json").is_file():
             truth = read_ground_truth(truth_dir)
         else:
-            remeasure_profile(run)
+            remeasure_inputs(run, calibrated)
             truth = write_ground_truth_artifact(run.hardware, run.model, run.parallelism, run.keys, truth_dir)
         predicted, _ = compose_run_artifacts(run, all_inputs=True)
         error = error_pct(predicted["step_time_s"], truth)

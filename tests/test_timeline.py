@@ -122,6 +122,16 @@ def test_pure_data_parallel_step_is_compute_plus_the_exposed_all_reduce_tail():
     assert parts["pipeline_bubble_s"] == pytest.approx(0.0) and parts["idle_s"] == pytest.approx(0.0)
 
 
+def test_identical_ranks_wait_for_the_noise_of_the_compute_since_their_last_synchronisation():
+    comm = TableComm({"all_reduce": 0.5}, wait_per_compute_s=0.2)
+    t = _compose(_data_parallel_events(dp=2), _par(dp=2, microbatches=2), comm=comm)
+    # each bucket follows 1 s of backward compute since the pass began or since the previous bucket:
+    # 0.5 + 0.2 s each; bucket 2 ends at 6 + 0.7, then the optimizer
+    assert t.step_time_s == pytest.approx(6.0 + 0.7 + 0.1)
+    assert _compose(_data_parallel_events(dp=1), _par(dp=1, microbatches=2), comm=comm).step_time_s == \
+        pytest.approx(6.1)  # one rank waits for nobody
+
+
 def test_overlap_slowdown_stretches_only_the_overlapped_fraction_and_converges():
     t = _compose(_data_parallel_events(dp=2), _par(dp=2, microbatches=2), slowdown=ConstantSlowdown(0.5))
     # B2 of the last backward (t0 = 1 s) overlaps bucket 1's 0.5 s all-reduce: r = 0.5 / (1 * 1.5) = 1/3 of

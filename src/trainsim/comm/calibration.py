@@ -11,7 +11,8 @@ Artifact (artifacts/calibration/{hardware}/):
   fit.json              per collective: parameters (model.py), channels, training error, and the error
                         on held-out sizes (fit on every other size, predict the rest; >= 1 MiB and
                         below) next to the alpha-beta baseline fitted the same way; the source files
-                        with their SHA-256
+                        with their SHA-256; with the local sweep on a CPU, the system noise model
+                        (noise.py) and its measurements
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from trainsim.artifacts.store import atomic_artifact, file_sha256
 from trainsim.comm.fit import CHANNEL_CHOICES, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import FIT_FILE, prior_params
 from trainsim.comm.nccl_tests import NcclTestsFormatError, normalize_collective, parse_nccl_tests
+from trainsim.comm.noise import fit_noise, measure_local
 from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile, HardwareConfig
 from trainsim.errors import ConfigError
@@ -165,7 +167,17 @@ def _finite(obj):
     return obj
 
 
-def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output: Path, sweep=local_sweep) -> dict:
+def measures_system_noise(hw: HardwareConfig) -> bool:
+    """Noise is measured between CPU ranks of this machine, so only for a CPU hardware swept here."""
+    return hw.calibration.local_sweep and hw.calibration.system_noise and hw.device_kind == "cpu"
+
+
+def system_noise_entry(table: pd.DataFrame) -> dict:
+    return {"model": fit_noise(table).as_dict(), "measurements": table.to_dict("records")}
+
+
+def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output: Path, sweep=local_sweep,
+                               noise=measure_local) -> dict:
     """Collect, fit and publish the calibration of one hardware; returns fit.json's content."""
     config = {"hardware": dataclasses.asdict(hw)}
     with atomic_artifact(output, stage="calibration", config=config, config_keys=keys) as tmp:
@@ -176,5 +188,7 @@ def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output:
         fit = {"hardware": hw.name, "nccl_version": hw.nccl.version, "sources": sources,
                "skipped_wrong_results": measurements.attrs.get("skipped_wrong", {}),
                "collectives": calibrate(measurements, hw) if len(measurements) else {}}
+        if measures_system_noise(hw):
+            fit["system_noise"] = system_noise_entry(noise())
         (tmp / FIT_FILE).write_text(json.dumps(_finite(fit), indent=2) + "\n")
     return fit

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from trainsim.comm.noise import SystemNoise
 from trainsim.config.schema import HardwareConfig
 from trainsim.what_if import is_identity, scale_comm_values
 
@@ -221,10 +222,14 @@ class CommModel:
     chunking); with nothing calibrated the priors of `prior_params` are used.
     """
 
-    def __init__(self, hardware: HardwareConfig, fits: dict[str, CollectiveParams], source: str):
+    def __init__(self, hardware: HardwareConfig, fits: dict[str, CollectiveParams], source: str,
+                 noise: SystemNoise | None = None):
         self.hardware = hardware
         self.fits = fits
-        self.source = source + ("" if is_identity(hardware.what_if) else f"; what-if {hardware.what_if}")
+        self.noise = noise
+        """Measured system noise (noise.py); None: ranks arrive together."""
+        self.source = (source + ("" if is_identity(hardware.what_if) else f"; what-if {hardware.what_if}")
+                       + (f"; system noise sigma(T) = {noise.scale:.3g} T^{noise.exponent:.2f}" if noise else ""))
         self._scaled: dict[str, CollectiveParams] = {}
 
     @classmethod
@@ -236,7 +241,8 @@ class CommModel:
         path = Path(calibration_dir) / FIT_FILE
         data = json.loads(path.read_text())
         fits = {name: CollectiveParams.from_dict(entry["params"]) for name, entry in data["collectives"].items()}
-        return cls(hw, fits, source=f"calibrated: {path}")
+        noise = SystemNoise.from_dict(data["system_noise"]["model"]) if "system_noise" in data else None
+        return cls(hw, fits, source=f"calibrated: {path}", noise=noise)
 
     def params(self, collective: str) -> CollectiveParams:
         """The parameters used for `collective`, with hardware.what_if applied."""
@@ -275,3 +281,7 @@ class CommModel:
     def p2p_seconds(self, message_bytes: int, same_node: bool) -> float:
         """One send/recv pair (pipeline-parallel activations)."""
         return float(predict_seconds(self.params("send_recv"), np.array([message_bytes]), 2, 1 if same_node else 2)[0])
+
+    def sync_wait_s(self, segment_s: float, num_ranks: int) -> float:
+        """Expected wait at a blocking collective of identical ranks after `segment_s` of compute each."""
+        return self.noise.sync_wait_s(segment_s, num_ranks) if self.noise else 0.0

@@ -63,6 +63,9 @@ class CalibrationConfig:
     """Calls per timed batch."""
     sweep_repeats: int = 3
     """Timed batches per size; the median is kept."""
+    system_noise: bool = True
+    """With the local sweep on a CPU: also measure how far two ranks running the same work drift apart
+    (trainsim/comm/noise.py), which every blocking collective waits for."""
     files: list[CalibrationFile] = field(default_factory=list)
     """Measurements made elsewhere (nccl-tests logs, cluster sweeps) on this hardware."""
 

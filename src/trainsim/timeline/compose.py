@@ -201,7 +201,7 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
         templates = []
         for i, p in enumerate(passes):
             costs = op_costs(p, c, classes.class_of_rank, rep, float(classes.compute_factor[c]), hw.devices_per_node,
-                             lookup, comm_s)
+                             lookup, comm_s, comm.sync_wait_s)
             key = (shape, i, costs.kind.tobytes(), costs.internal.tobytes(), collapse)
             nodes = pass_nodes(p, costs, collapse, runs_cache.get(key))
             runs_cache[key] = nodes.node_of_op

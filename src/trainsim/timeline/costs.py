@@ -26,6 +26,10 @@ class CommCost(Protocol):
     def p2p_seconds(self, message_bytes: int, same_node: bool) -> float:
         """One send/recv pair."""
 
+    def sync_wait_s(self, segment_s: float, num_ranks: int) -> float:
+        """Expected wait for the last of `num_ranks` identical ranks at a blocking collective after
+        `segment_s` of compute each (system noise, trainsim/comm/noise.py); 0 when not measured."""
+
 
 @runtime_checkable
 class SlowdownEstimate(Protocol):
@@ -78,12 +82,17 @@ class TableComm:
     collective_s: Mapping[str, float]
     p2p_s: float = 0.0
     name: str = "table"
+    wait_per_compute_s: float = 0.0
+    """Sync wait per second of compute before a collective of two or more identical ranks."""
 
     def collective_seconds(self, collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:
         return float(self.collective_s.get(collective, 0.0)) if num_ranks > 1 else 0.0
 
     def p2p_seconds(self, message_bytes: int, same_node: bool) -> float:
         return float(self.p2p_s)
+
+    def sync_wait_s(self, segment_s: float, num_ranks: int) -> float:
+        return self.wait_per_compute_s * segment_s if num_ranks > 1 else 0.0
 
 
 def model_name(model: object) -> str:

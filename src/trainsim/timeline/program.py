@@ -102,8 +102,8 @@ class OpCosts:
 
     kind: np.ndarray          # COMPUTE / COLLECTIVE / SEND / RECV / MEMCPY
     compute_s: np.ndarray     # solo compute time (straggler factor applied); 0 for communication
-    fixed_s: np.ndarray       # communication time once every member has arrived
-    internal: np.ndarray      # collective whose members are all in this class (symmetric: no waiting)
+    fixed_s: np.ndarray       # communication time once every member has arrived (internal: + noise wait)
+    internal: np.ndarray      # collective whose members are all in this class (symmetric: only noise waits)
     sync_key: list            # cross-class matching key, None when internal / compute
 
 
@@ -197,8 +197,12 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
 
 def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representative: int, factor: float,
              devices_per_node: int, compute_seconds: Callable[[pd.DataFrame, np.ndarray], np.ndarray],
-             comm_seconds: Callable[..., float]) -> OpCosts:
-    """Durations and synchronisation of a pass's kernels as run by `class_id` (groups already renamed)."""
+             comm_seconds: Callable[..., float], sync_wait: Callable[[float, int], float]) -> OpCosts:
+    """Durations and synchronisation of a pass's kernels as run by `class_id` (groups already renamed).
+
+    Members of an internal collective run the same program, so the replay has them arrive together;
+    really the last one is late by the system noise of the compute since their previous
+    synchronisation (`sync_wait`), which is added to the collective's time."""
     ops = p.ops
     kind_col = ops["kind"].to_numpy()
     collective = ops["collective"].to_numpy()
@@ -234,4 +238,11 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
         fixed_s[i] = comm_seconds("p2p", int(message[i]), 2, 1 if same_node else 2)
         src, dst = (class_id, peer_class) if kind[i] == SEND else (peer_class, class_id)
         sync_key[i] = ("p2p", src, dst, p.phase)
+    communication = np.flatnonzero((kind == COLLECTIVE) | (kind == SEND) | (kind == RECV))
+    compute_before = np.concatenate([[0.0], np.cumsum(compute_s)])
+    previous = 0
+    for i in communication.tolist():
+        if internal[i]:
+            fixed_s[i] += sync_wait(float(compute_before[i] - compute_before[previous]), len(group_ranks[i]))
+        previous = i
     return OpCosts(kind, compute_s, fixed_s, internal, sync_key)
