@@ -101,6 +101,15 @@ def test_collectives_depend_on_their_producers():
         assert len(consumers) > 0, f"nothing reads the result of collective {event_id}"
 
 
+def test_optimizer_is_one_fused_adam_kernel_not_per_parameter_host_reads():
+    _, result = _trace("parallelism.precision=bf16")
+    optimizer = result.graph.to_pandas().query("phase == 'optimizer'")
+    ops = optimizer["op"].value_counts()
+    assert ops.get("aten::_fused_adamw_") == 1 and "aten::_local_scalar_dense" not in ops
+    params = len(optimizer[optimizer["op"] == "aten::_to_copy"])  # Megatron copies each bf16 grad to fp32
+    assert params > 10 and len(optimizer[~optimizer["no_kernel"]]) <= params + 4
+
+
 def test_memory_accounts_mixed_precision_and_schedule():
     run, result = _trace("model=gpt-small", "parallelism=pp2", "parallelism.precision=bf16",
                          "parallelism.schedule=gpipe")

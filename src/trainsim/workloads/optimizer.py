@@ -1,5 +1,10 @@
 """AdamW with optional mixed precision: low-precision model weights, fp32 master weights and states.
 
+The update is torch's fused AdamW (one multi-tensor kernel for all parameters, step counters on the
+device), as Megatron-LM and DeepSpeed run apex's / their own FusedAdam: the unfused foreach AdamW
+keeps step counters on the host and reads each with `.item()`, two host ops per parameter that no
+Megatron run has.
+
 The mixed-precision recipe of Micikevicius et al. 2018 as Megatron-LM's Float16OptimizerWithFloat16Params
 applies it: gradients are copied to fp32, Adam updates the fp32 master weights, and the result is
 copied back into the bf16/fp16 model weights. Memory per parameter: 2 (weight) + 2 (grad) + 4 (master)
@@ -20,12 +25,12 @@ class MixedPrecisionAdamW:
             self.master = [nn.Parameter(p.detach().float()) for p in self.params]
         else:
             self.master = self.params
-        self.inner = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, foreach=True)
+        self.inner = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, fused=True)
         # Create Adam's state now rather than lazily in the first step, so every traced or timed step
         # is a steady-state step (and the state's memory is there from the start, as in Megatron-LM).
         for m in self.master:
             self.inner.state[m] = {
-                "step": torch.tensor(0.0),
+                "step": torch.zeros((), dtype=torch.float32, device=m.device),  # fused: on the device
                 "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
             }
