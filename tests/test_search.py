@@ -192,3 +192,18 @@ def test_fast_path_bounds_each_pass_by_host_dispatch():
     host = dataclasses.replace(hw, host_dispatch_s=1.0)  # every pass and the optimizer wait for the host
     host_bound = estimate_layout(costs, model, par, host, CommModel.from_hardware(host))
     assert host_bound.step_time_s == pytest.approx(m * layers * 30.0 + layers * 5.0)
+
+
+def test_fast_path_adds_the_noise_wait_before_each_tensor_parallel_collective():
+    from trainsim.search.estimate import _collective_seconds
+
+    class Comm:  # 1 ms per collective; the last rank arrives 10 % of a segment late
+        def collective_seconds(self, collective, message_bytes, num_ranks, num_nodes):
+            return 1e-3
+
+        def sync_wait_s(self, segment_s, num_ranks):
+            return 0.1 * segment_s
+
+    # 4 collectives after 0.5 s of compute each
+    assert _collective_seconds({"all_reduce:1024": 3, "all_gather:64": 1}, Comm(), 2, 1, 2.0) == \
+        pytest.approx(4e-3 + 4 * 0.05)

@@ -47,12 +47,14 @@ def _nodes_spanned(ranks: list[int], devices_per_node: int) -> int:
     return len({r // devices_per_node for r in ranks})
 
 
-def _collective_seconds(counts: dict[str, int], comm: CommModel, tp: int, tp_nodes: int) -> float:
-    total = 0.0
+def _collective_seconds(counts: dict[str, int], comm: CommModel, tp: int, tp_nodes: int, compute_s: float) -> float:
+    """A pass's tensor-parallel collectives, each after an equal share of its compute (the system noise
+    wait of trainsim/comm/noise.py, as the composer adds it)."""
+    total, calls = 0.0, sum(counts.values())
     for label, count in counts.items():
         collective, message_bytes = label.split(":")
         total += count * comm.collective_seconds(collective, int(message_bytes), tp, tp_nodes)
-    return total
+    return total + (calls * comm.sync_wait_s(compute_s / calls, tp) if calls else 0.0)
 
 
 def _chunk_parts(pp: int, v: int) -> dict[tuple[int, int], list[str]]:
@@ -157,7 +159,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         compute = part.forward_s if phase == "F" else part.backward_s
         counts = part.forward_collectives if phase == "F" else part.backward_collectives
         host = part.host_ops.get("forward" if phase == "F" else "backward", 0) * hw.host_dispatch_s
-        return compute, _collective_seconds(counts, comm, par.tp, tp_nodes) if par.tp > 1 else 0.0, host
+        return compute, _collective_seconds(counts, comm, par.tp, tp_nodes, compute) if par.tp > 1 else 0.0, host
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in ("layer", "first",
                                                                                                 "last")}
