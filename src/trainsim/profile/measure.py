@@ -5,7 +5,8 @@ interleaved rounds (every op of a batch a few times, then again, ...): a shared 
 neighbours) over seconds, and interleaving spreads that drift over all ops instead of biasing
 whichever op was timed during a slow spell. Median and inter-quartile spread are kept.
 On a CPU whose cores are the devices, ops are timed while the node's other devices run the same
-ops (co-located timing), since in SPMD training they all do.
+ops (co-located timing), since in SPMD training they all do. Timing processes keep freed memory
+(`workloads/allocator.py`), as the real ranks do.
 CUDA: CUDA events around each call, plus the kernels the op launches from torch.profiler.
 Both: the caches are evicted before every timed call (`CacheFlush`), as nvbench and triton's do_bench
 flush L2: inside a training step the layers between two uses of a weight push it out of the cache,
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainsim.workloads.allocator import use_steady_state_allocator
 
 BARRIER_TIMEOUT_S = 600.0
 
@@ -115,6 +118,7 @@ def _colocated_worker(rows: list[dict], barrier, threads: int, flush_caches: boo
     from trainsim.profile.replay import build_call
 
     torch.set_num_threads(threads)
+    use_steady_state_allocator()
     time_cpu([build_call(row) for row in rows], sync=lambda: barrier.wait(BARRIER_TIMEOUT_S),
              flush=CacheFlush("cpu", flush_caches))
 
@@ -126,6 +130,7 @@ def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices
     CPU "devices" are cores that share caches and memory bandwidth; in SPMD training every rank of a
     node runs the same op at the same time, so an op timed alone on an idle machine is too fast.
     """
+    use_steady_state_allocator()  # as the real ranks run (workloads/allocator.py)
     flush = CacheFlush("cpu", flush_caches)
     if devices <= 1:
         return time_cpu(calls, flush=flush)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
+from trainsim.workloads.allocator import use_steady_state_allocator
 from trainsim.workloads.observe import StepTimer, observing
 from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import (
@@ -89,6 +90,7 @@ class RankFailure(RuntimeError):
 def _rank_main(rank: int, body, par: ParallelismConfig, port: int, threads: int, out_dir: str, args: tuple) -> None:
     try:
         torch.set_num_threads(threads)
+        use_steady_state_allocator()
         layout = layout_of(par)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=layout.world_size)
