@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -135,9 +134,9 @@ def measure_local(segments: tuple[float, ...] = SEGMENTS_S, seconds_per_segment:
     relative_sd, repeats, num_ranks)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trainsim.workloads.launch import free_port
+
+    port = free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="trainsim-noise-") as tmp:
         out = str(Path(tmp) / "noise.parquet")

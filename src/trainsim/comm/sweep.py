@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainsim.comm.nccl_tests import COLUMNS, bus_bandwidth_factor
+from trainsim.workloads.launch import free_port
 
 SWEEP_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPE = torch.float32
@@ -140,9 +141,7 @@ def run_local_sweep(world: int, collectives: list[str] = SWEEP_COLLECTIVES, size
     unknown = set(collectives) - set(SWEEP_COLLECTIVES)
     if unknown:
         raise ValueError(f"unknown collective(s) {sorted(unknown)}; accepted: {', '.join(SWEEP_COLLECTIVES)}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="trainsim-sweep-") as tmp:
         out = str(Path(tmp) / "sweep.parquet")
         mp.spawn(_local_worker, nprocs=world, join=True,

@@ -20,7 +20,6 @@ peer share the machine's cores, caches and memory bandwidth, which is the conten
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import threading
 import time
@@ -42,6 +41,7 @@ from trainsim.errors import ConfigError, ReplayError
 from trainsim.profile.analytical import op_kind
 from trainsim.profile.replay import build_call
 from trainsim.slowdown.dataset import check_instances
+from trainsim.workloads.launch import free_port
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 FP32 = 4
@@ -259,9 +259,7 @@ def collect_local(cfg: SlowdownConfig, hardware: str, device_type: str, threads_
     if bad or not cfg.collectives or not cfg.message_bytes:
         raise ConfigError(f"hardware.slowdown.collectives={list(cfg.collectives)} / message_bytes="
                           f"{list(cfg.message_bytes)}: need at least one of each, collectives among {COLLECTIVES}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="trainsim-slowdown-") as tmp:
         out = str(Path(tmp) / "instances.parquet")
         mp.spawn(_worker, nprocs=2, join=True, args=(2, port, cfg, threads_per_device, profile_rows, out))

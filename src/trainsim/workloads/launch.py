@@ -77,7 +77,8 @@ def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: in
     return rm, actions, batches, result
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now, for a gloo rendezvous of spawned processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -113,7 +114,7 @@ def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1) -> list:
     with tempfile.TemporaryDirectory(prefix="trainsim-ranks-") as out_dir:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         try:
-            mp.spawn(_rank_main, nprocs=world, join=True, args=(body, par, _free_port(), threads, out_dir, args))
+            mp.spawn(_rank_main, nprocs=world, join=True, args=(body, par, free_port(), threads, out_dir, args))
         except Exception as exc:
             errors = [f"rank {r}:\n{Path(out_dir, f'rank{r}.err').read_text()}" for r in range(world)
                       if Path(out_dir, f"rank{r}.err").is_file()]
