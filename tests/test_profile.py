@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import multiprocessing as mp
+import threading
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -15,7 +18,7 @@ from trainsim.config import compose_run
 from trainsim.errors import ArtifactError, ConfigError, ReplayError
 from trainsim.profile.analytical import fit_rates, is_matmul, op_kind, predict, predict_rows
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase
-from trainsim.profile.measure import CacheFlush, last_level_cache_bytes, time_cpu
+from trainsim.profile.measure import CacheFlush, Lockstep, last_level_cache_bytes, time_cpu
 from trainsim.profile.replay import build_call
 from trainsim.profile.stage import choose_backend, distinct_ops, profile_ops
 from trainsim.trace import trace_layout
@@ -95,6 +98,34 @@ def test_remeasure_times_every_op_again_and_newer_rows_win(tmp_path, tiny_ops):
     stored = db.read().set_index("signature").loc[again["signature"]]
     assert (stored["median_s"].to_numpy() == again["median_s"].to_numpy()).all()
     assert len(db.parts()) == 2  # the old rows are kept (append-only), only superseded
+def test_lockstep_processes_take_the_same_samples_together():
+    """Co-located timing: every process times each op the same number of times, each sample started
+    after all have flushed (threads stand in for the processes; the lockstep is the same)."""
+    lockstep = Lockstep(mp.get_context("spawn"), 2)  # each process has its own copy (its block counter)
+    events: list[tuple[str, str]] = []
+    results: dict[str, list] = {}
+
+    def run(name: str, leader: bool, op_seconds: float) -> None:
+        own = copy.copy(lockstep)
+
+        def op():
+            events.append((name, "call"))
+            time.sleep(op_seconds)
+        results[name] = time_cpu([op, op], min_samples=2, min_seconds=0.02, warmup=0, rounds=2,
+                                 flush=lambda: events.append((name, "flush")), lockstep=own, leader=leader)
+
+    follower = threading.Thread(target=run, args=("follower", False, 0.001))
+    follower.start()
+    run("leader", True, 0.004)
+    follower.join()
+    assert [t.repeats for t in results["leader"]] == [t.repeats for t in results["follower"]]
+    assert all(t.repeats >= 5 for t in results["leader"])  # 20 ms of the leader's 4 ms op
+    # the j-th call (both threads) starts after both have flushed for its sample, j // 2
+    kinds = [kind for _, kind in events]
+    calls = [i for i, kind in enumerate(kinds) if kind == "call"]
+    assert all(kinds[:i].count("flush") >= 2 * (j // 2 + 1) for j, i in enumerate(calls))
+
+
 def test_caches_are_flushed_before_every_timed_call():
     flushes, calls = [], []
     timings = time_cpu([lambda: calls.append(1), lambda: calls.append(2)], min_samples=4, warmup=2,

@@ -5,8 +5,8 @@ interleaved rounds (every op of a batch a few times, then again, ...): a shared 
 neighbours) over seconds, and interleaving spreads that drift over all ops instead of biasing
 whichever op was timed during a slow spell. Median and inter-quartile spread are kept.
 On a CPU whose cores are the devices, ops are timed while the node's other devices run the same
-ops (co-located timing), since in SPMD training they all do. Timing processes keep freed memory
-(`workloads/allocator.py`), as the real ranks do.
+ops (co-located timing, each sample started together), since in SPMD training they all do. Timing
+processes keep freed memory (`workloads/allocator.py`), as the real ranks do.
 CUDA: CUDA events around each call, plus the kernels the op launches from torch.profiler.
 Both: the caches are evicted before every timed call (`CacheFlush`), as nvbench and triton's do_bench
 flush L2: inside a training step the layers between two uses of a weight push it out of the cache,
@@ -81,32 +81,74 @@ def _summary(samples: list[float]) -> tuple[float, float]:
     return median, (q[2] - q[0]) / median if median > 0 else 0.0
 
 
+class Lockstep:
+    """Keeps co-located timing processes on the same op and the same sample.
+
+    Each sample starts once every process has flushed its caches: with only the op in step, a peer
+    writes its flush buffer (twice the last-level cache) while this process times its op, memory
+    traffic that training never has. The first process (the leader) decides when a block of samples
+    is long enough and the others follow, so all take the same number of samples.
+    """
+
+    def __init__(self, ctx, parties: int):
+        self.barrier = ctx.Barrier(parties)
+        self.finished_block = ctx.Value("i", 0, lock=False)
+        self.block = 0
+
+    def wait(self) -> None:
+        try:
+            self.barrier.wait(BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError as exc:
+            raise RuntimeError("a co-located timing process died or hung; see its traceback above") from exc
+
+    def start_block(self) -> None:
+        self.block += 1
+        self.wait()
+
+    def take_sample(self) -> bool:
+        """Wait for the others; False once the leader has finished the block (read after the wait,
+        and the leader writes before it, so every process sees the same answer)."""
+        self.wait()
+        return self.finished_block.value < self.block
+
+    def finish_block(self) -> None:
+        self.finished_block.value = self.block
+
+
 def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: int = 3,
              min_seconds: float = 0.005, max_samples: int = 100, warmup: int = 1,
-             sync: Callable[[], Any] = lambda: None, flush: Callable[[], Any] = lambda: None) -> list[Timing]:
+             flush: Callable[[], Any] = lambda: None, lockstep: Lockstep | None = None,
+             leader: bool = True) -> list[Timing]:
     """Time each call: `rounds` passes over all calls, each taking at least `min_samples` samples
     and `min_seconds` of wall time (at most `max_samples`) before moving to the next.
 
-    `sync` is called before the warm-up and before each op's block of samples; co-located timing
-    passes a barrier shared with processes running the same calls, so all run the same op together.
-    `flush` runs before every sample, untimed (a `CacheFlush`).
+    `flush` runs before every sample, untimed (a `CacheFlush`). With a `lockstep` shared by
+    co-located processes running the same calls, every sample of an op starts in all of them at once;
+    the `leader` decides how many samples a block takes.
     """
-    sync()
+    if lockstep:
+        lockstep.start_block()
     for call in calls:
         for _ in range(warmup):
             call()
     samples: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
         for call, taken in zip(calls, samples):
-            sync()
+            if lockstep:
+                lockstep.start_block()
             begin = time.perf_counter()
             for n in range(max_samples):
                 flush()
+                if lockstep and not lockstep.take_sample():
+                    break
                 start = time.perf_counter()
                 call()
                 taken.append(time.perf_counter() - start)
                 if n + 1 >= min_samples and time.perf_counter() - begin >= min_seconds:
-                    break
+                    if lockstep is None:
+                        break
+                    if leader:
+                        lockstep.finish_block()
     timings = []
     for taken in samples:
         median, spread = _summary(taken)
@@ -114,36 +156,34 @@ def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: in
     return timings
 
 
-def _colocated_worker(rows: list[dict], barrier, threads: int, flush_caches: bool) -> None:
+def _colocated_worker(rows: list[dict], lockstep: Lockstep, threads: int, flush_caches: bool) -> None:
     from trainsim.profile.replay import build_call
 
     torch.set_num_threads(threads)
     use_steady_state_allocator()
-    time_cpu([build_call(row) for row in rows], sync=lambda: barrier.wait(BARRIER_TIMEOUT_S),
-             flush=CacheFlush("cpu", flush_caches))
+    time_cpu([build_call(row) for row in rows], flush=CacheFlush("cpu", flush_caches), lockstep=lockstep,
+             leader=False)
 
 
 def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices: int, threads: int,
                        flush_caches: bool = True) -> list[Timing]:
-    """Time `calls` (built from `rows`) while `devices - 1` other processes run the same ops in step.
+    """Time `calls` (built from `rows`) while `devices - 1` other processes run the same ops in lockstep.
 
     CPU "devices" are cores that share caches and memory bandwidth; in SPMD training every rank of a
-    node runs the same op at the same time, so an op timed alone on an idle machine is too fast.
+    node runs the same op at about the same time, so an op timed alone on an idle machine is too fast.
     """
     use_steady_state_allocator()  # as the real ranks run (workloads/allocator.py)
     flush = CacheFlush("cpu", flush_caches)
     if devices <= 1:
         return time_cpu(calls, flush=flush)
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(devices)
-    workers = [ctx.Process(target=_colocated_worker, args=(rows, barrier, threads, flush_caches), daemon=True)
+    lockstep = Lockstep(ctx, devices)
+    workers = [ctx.Process(target=_colocated_worker, args=(rows, lockstep, threads, flush_caches), daemon=True)
                for _ in range(devices - 1)]
     for worker in workers:
         worker.start()
     try:
-        return time_cpu(calls, sync=lambda: barrier.wait(BARRIER_TIMEOUT_S), flush=flush)
-    except threading.BrokenBarrierError as exc:
-        raise RuntimeError("a co-located timing process died; see its traceback above") from exc
+        return time_cpu(calls, flush=flush, lockstep=lockstep)
     finally:
         for worker in workers:
             worker.join(BARRIER_TIMEOUT_S)
