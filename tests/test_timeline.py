@@ -283,10 +283,13 @@ def test_collapsing_serial_runs_does_not_change_the_step(tiny_traces, parallelis
     from trainsim.comm.model import CommModel
 
     run, graph, rank_classes = tiny_traces[parallelism]
-    steps = [compose_step(graph, rank_classes, run.parallelism, run.hardware, _flop_times,
-                          CommModel.from_hardware(run.hardware), collapse=collapse) for collapse in (True, False)]
-    assert steps[0].step_time_s == pytest.approx(steps[1].step_time_s, rel=1e-12)
-    assert steps[0].graph.num_nodes < steps[1].graph.num_nodes
+    assert run.hardware.host_dispatch_s > 0  # a100-80g-dgx models the host (fitted to vTrain)
+    # exact without a host model; with one, a collapsed run's last kernel counts as of average length
+    for hw, rel in ((dataclasses.replace(run.hardware, host_dispatch_s=0.0), 1e-12), (run.hardware, 1e-4)):
+        steps = [compose_step(graph, rank_classes, run.parallelism, hw, _flop_times, CommModel.from_hardware(hw),
+                              collapse=collapse) for collapse in (True, False)]
+        assert steps[0].step_time_s == pytest.approx(steps[1].step_time_s, rel=rel)
+        assert steps[0].graph.num_nodes < steps[1].graph.num_nodes
 
 
 def test_step_expansion_runs_the_ops_expand_step_gives(tiny_traces):

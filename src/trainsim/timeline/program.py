@@ -10,6 +10,8 @@ among ranks of the same class that compute waits for, e.g. tensor-parallel all-r
 into one node whose duration is their sum. The collapse is exact: a run never swallows an op that
 something outside it waits for, nor one that waits for anything but its predecessor in the run
 (checked from the edges, so custom rules are respected); `collapse=False` keeps one node per kernel.
+With host dispatch modelled the collapse is exact up to the spread of kernel lengths in a run (a run's
+last kernel counts as of average length, engine.HostIssue): 1e-5 of the step on gpt-tiny.
 """
 
 from __future__ import annotations
