@@ -67,10 +67,10 @@ def recalibrate(run, calibrated: set[str]) -> None:
         calibrated.add(run.keys["hardware"])
 
 
-def bracketed_prediction(run, calibrated: set[str], truth_dir: Path) -> tuple[dict, dict, float, dict]:
+def bracketed_prediction(run, calibrated: set[str], truth_dir: Path) -> tuple[dict, dict, float, float]:
     """Measure the layout's ground truth between two timings of its ops and predict with each.
 
-    A shared VM's speed drifts by 10-20 % over an hour and by up to 9 % within minutes, so the inputs
+    A shared VM's speed drifts by 10-20 % over an hour and by up to 12 % within minutes, so the inputs
     are timed right before and right after the real steps and the two predictions averaged: a linear
     drift over the measurement cancels. Returns (truth, prediction before, step time after, drift %)."""
     remeasure_profile(run)
