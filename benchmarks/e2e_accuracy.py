@@ -90,8 +90,9 @@ def local_part(reuse: bool) -> list[tuple[str, float, str]]:
         run = compose_run(["model=gpt-small", *overrides])
         truth_dir = Path(STAGES["ground_truth"].path(run.keys))
         if reuse and (truth_dir / "manifest.json").is_file():
-            truth, (predicted, _) = read_ground_truth(truth_dir), compose_run_artifacts(run, all_inputs=True)
-            after_s = predicted["step_time_s"]
+            truth = read_ground_truth(truth_dir)
+            predicted, _ = compose_run_artifacts(run, all_inputs=True)
+            after_s = predicted["step_time_s"]  # one prediction: the mean below is that prediction
         else:
             truth, predicted, after_s, drift = bracketed_prediction(run, calibrated, truth_dir)
             figures.append((f"e2e_input_drift_pct_local_{name}", drift, "%"))
