@@ -126,6 +126,29 @@ def test_lockstep_processes_take_the_same_samples_together():
     assert all(kinds[:i].count("flush") >= 2 * (j // 2 + 1) for j, i in enumerate(calls))
 
 
+def test_lockstep_survives_a_follower_descheduled_after_each_barrier(monkeypatch):
+    """A follower that reads the leader's decision late (descheduled right after the barrier, as on a
+    busy 2-core machine) must not see the decision meant for the next sample: it would stop a sample
+    early and leave the leader waiting at a barrier alone (CI hung here for the barrier timeout)."""
+    monkeypatch.setattr("trainsim.profile.measure.BARRIER_TIMEOUT_S", 5.0)
+    lockstep = Lockstep(mp.get_context("spawn"), 2)
+    results: dict[str, list] = {}
+
+    def run(name: str, leader: bool) -> None:
+        own = copy.copy(lockstep)
+        if not leader:
+            barrier_wait = own.wait
+            own.wait = lambda: (barrier_wait(), time.sleep(0.003))
+        results[name] = time_cpu([lambda: time.sleep(0.001)] * 3, min_samples=1, min_seconds=0.0, warmup=0,
+                                 rounds=2, lockstep=own, leader=leader)
+
+    follower = threading.Thread(target=run, args=("follower", False))
+    follower.start()
+    run("leader", True)
+    follower.join()
+    assert [t.repeats for t in results["leader"]] == [t.repeats for t in results["follower"]] == [2] * 3
+
+
 def test_caches_are_flushed_before_every_timed_call():
     flushes, calls = [], []
     timings = time_cpu([lambda: calls.append(1), lambda: calls.append(2)], min_samples=4, warmup=2,

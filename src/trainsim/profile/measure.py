@@ -92,8 +92,9 @@ class Lockstep:
 
     def __init__(self, ctx, parties: int):
         self.barrier = ctx.Barrier(parties)
-        self.finished_block = ctx.Value("i", 0, lock=False)
+        self.decision = ctx.Array("q", 2)  # (block, samples): the leader ends `block` after `samples`
         self.block = 0
+        self.taken = 0
 
     def wait(self) -> None:
         try:
@@ -103,16 +104,24 @@ class Lockstep:
 
     def start_block(self) -> None:
         self.block += 1
+        self.taken = 0
         self.wait()
 
     def take_sample(self) -> bool:
-        """Wait for the others; False once the leader has finished the block (read after the wait,
-        and the leader writes before it, so every process sees the same answer)."""
+        """Wait for the others; False once the leader has ended the block after as many samples as
+        this process has taken. The decision names its sample count because a process descheduled
+        after the barrier may read it only after the leader has timed the next sample and decided."""
         self.wait()
-        return self.finished_block.value < self.block
+        with self.decision.get_lock():
+            block, samples = self.decision[:]
+        if block == self.block and samples == self.taken:
+            return False
+        self.taken += 1
+        return True
 
     def finish_block(self) -> None:
-        self.finished_block.value = self.block
+        with self.decision.get_lock():
+            self.decision[:] = [self.block, self.taken]
 
 
 def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: int = 3,
