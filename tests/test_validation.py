@@ -87,6 +87,16 @@ def test_vtrain_fit_split_is_fixed():
     assert first.loc[first["fit"], "measured_ms"].iloc[0] == pytest.approx(372.160408)
 
 
+def test_vtrain_trace_cache_is_keyed_by_the_tracer_code(tmp_path, monkeypatch):
+    """A trace cached by older workload or tracer code is not reused: the key includes their source."""
+    run = vtrain.base_run()
+    model, par = vtrain.row_configs(run.model, run.parallelism, vtrain.read_rows().iloc[0])
+    before = vtrain._trace_file(model, par, tmp_path)
+    assert vtrain._trace_file(model, dataclasses.replace(par, global_batch_size=64), tmp_path) == before
+    monkeypatch.setattr(vtrain, "tracer_digest", lambda: "edited-workload")
+    assert vtrain._trace_file(model, par, tmp_path) != before
+
+
 # the kernel-model parameters and host dispatch time `benchmarks/e2e_accuracy.py` fitted on the fit rows,
 # which conf/hardware/a100-80g-dgx.yaml holds (docs/validation.md)
 FITTED = {"matmul_efficiency": 0.818, "matmul_half_flops": 1.0e6, "memory_efficiency": 0.669,
