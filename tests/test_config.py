@@ -17,7 +17,7 @@ def test_default_run_is_local_cpu_gpt_tiny_dp2():
     assert run.parallelism.num_microbatches == 2
 
 
-@pytest.mark.parametrize("hardware", ["a100-80g-dgx", "h100-sxm-dgx", "h800-dgx"])
+@pytest.mark.parametrize("hardware", ["a100-80g-dgx", "a100-80g-p4de", "h100-sxm-dgx", "h800-dgx"])
 def test_gpu_clusters_have_published_specs(hardware):
     hw = compose_run([f"hardware={hardware}"]).hardware
     assert hw.device_kind == "cuda" and hw.devices_per_node == 8
@@ -25,6 +25,20 @@ def test_gpu_clusters_have_published_specs(hardware):
     assert hw.memory_capacity_bytes == 80 * 1024**3
     assert hw.intra_node_bandwidth_bytes_per_s > hw.inter_node_bandwidth_bytes_per_s / 8
     assert hw.nccl.version
+
+
+def test_a100_on_efa_extends_the_dgx_with_its_own_network_measurements():
+    """Calibration files describe the configured network: the 2-node EFA sweep calibrates p4de only, the
+    DGX (InfiniBand) keeps its inter-node hop at the priors; everything else is inherited."""
+    dgx = compose_run(["hardware=a100-80g-dgx"]).hardware
+    p4de = compose_run(["hardware=a100-80g-p4de"]).hardware
+    assert p4de.name == "a100-80g-p4de" and p4de.inter_node_bandwidth_bytes_per_s == 50e9
+    assert (p4de.kernel_model, p4de.host_dispatch_s, p4de.peak_flops_per_s) == (
+        dgx.kernel_model, dgx.host_dispatch_s, dgx.peak_flops_per_s)
+    two_node = [f.path for f in p4de.calibration.files if "2node" in f.path]
+    assert len(two_node) == 1 and "efa" in two_node[0]
+    assert not [f.path for f in dgx.calibration.files if "node" in f.path]
+    assert {f.path for f in dgx.calibration.files} == {f.path for f in p4de.calibration.files} - set(two_node)
 
 
 def test_echo_models_match_the_paper():

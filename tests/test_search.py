@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pandas as pd
@@ -147,6 +148,22 @@ def test_oom_layouts_are_screened_before_timing(tmp_path, monkeypatch):
 
 
 
+def test_slice_cache_is_not_reused_after_the_hardware_or_tracer_changes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = compose_run(["hardware=a100-80g-dgx", "model=gpt-tiny", "parallelism=single"], check="layout")
+    cache = tmp_path / "slices"
+
+    def cached_after(hw) -> int:
+        load_slice_costs(run.model, [run.parallelism], hw, run.keys, cache=cache)
+        return len(list(cache.rglob("*.json")))
+
+    assert cached_after(run.hardware) == 1
+    assert cached_after(cluster_for(run.hardware, 64)) == 1  # the node count does not change a slice
+    assert cached_after(dataclasses.replace(run.hardware, host_dispatch_s=1e-5)) == 2  # an edited config file
+    monkeypatch.setattr("trainsim.search.run.tracer_code_digest", lambda: "edited workload")
+    assert cached_after(run.hardware) == 3
+
+
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved-1f1b", 2)])
 def test_in_flight_activations_peak_within_four_rounds(schedule, v):
     from trainsim.trace.memory import peak_inflight_activation_bytes
@@ -175,8 +192,6 @@ def test_search_command_writes_the_artifact(tmp_path, monkeypatch, capsys):
 
 
 def test_fast_path_bounds_each_pass_by_host_dispatch():
-    import dataclasses
-
     from trainsim.comm.model import CommModel
     from trainsim.search.slices import PartCost, SliceCosts
 

@@ -8,6 +8,11 @@ Notation: N ranks on M nodes (K = N / M per node), S the message size in nccl-te
   chunk           chunk_p = buffer_p / NCCL_STEPS * chunk_steps_p * payload_p   device.h, init.cc
   step cost       step_h(b) = l_{h,p} + b / B_{h,p}: per-step latency l and per-channel bandwidth B of
                   hop kind h (Echo's beta for intra-node, gamma for inter-node)
+  NIC share       B_inter is the node's network bandwidth over the channels, as measured with all D
+                  devices of a node in the collective; a group with K < D ranks per node gets K / D of it.
+                  Each GPU reaches the network through its own NIC (rail-optimised DGX) or its share of
+                  the node's, and in 3D parallelism the other ranks of the node run their own groups'
+                  collectives at the same time (the D / K data-parallel groups of a tensor-parallel node)
 
 Ring family (all-reduce "ring", reduce-scatter, all-gather, all-to-all): every loop moves one chunk
 per rank through s steps and all links work in every step, so loops do not overlap:
@@ -98,16 +103,26 @@ class CollectiveParams:
     channels: int
     simple_buffer_bytes: int
     values: dict[str, float] = field(default_factory=dict)
+    devices_per_node: int = 0
+    """Devices sharing a node's inter-node bandwidth (the NIC share above); 0: no sharing."""
 
     def as_dict(self) -> dict:
         return {"collective": self.collective, "algorithms": list(self.algorithms),
                 "protocols": list(self.protocols), "channels": self.channels,
-                "simple_buffer_bytes": self.simple_buffer_bytes, "values": dict(self.values)}
+                "simple_buffer_bytes": self.simple_buffer_bytes, "values": dict(self.values),
+                "devices_per_node": self.devices_per_node}
 
     @classmethod
     def from_dict(cls, data: dict) -> CollectiveParams:
         return cls(data["collective"], tuple(data["algorithms"]), tuple(data["protocols"]), int(data["channels"]),
-                   int(data["simple_buffer_bytes"]), {k: float(v) for k, v in data["values"].items()})
+                   int(data["simple_buffer_bytes"]), {k: float(v) for k, v in data["values"].items()},
+                   int(data.get("devices_per_node", 0)))
+
+    def nic_share(self, num_ranks: int, num_nodes: int) -> float:
+        """Share of the node's inter-node bandwidth a group with num_ranks / num_nodes ranks per node gets."""
+        if not self.devices_per_node:
+            return 1.0
+        return min(1.0, num_ranks / num_nodes / self.devices_per_node)
 
 
 def _channels_used(size: np.ndarray, protocol: str, channels: int, num_ranks: int, ring: bool) -> np.ndarray:
@@ -117,8 +132,8 @@ def _channels_used(size: np.ndarray, protocol: str, channels: int, num_ranks: in
     return np.clip(np.floor(size / per_channel), 1, channels)
 
 
-def _step(values: dict[str, float], hop: str, protocol: str, chunk: np.ndarray) -> np.ndarray:
-    return values[f"latency.{hop}.{protocol}"] + chunk / values[f"bandwidth.{hop}.{protocol}"]
+def _step(values: dict[str, float], hop: str, protocol: str, chunk: np.ndarray, share: float = 1.0) -> np.ndarray:
+    return values[f"latency.{hop}.{protocol}"] + chunk / (share * values[f"bandwidth.{hop}.{protocol}"])
 
 
 def _stages(collective: str, algorithm: str, num_ranks: int, num_nodes: int) -> tuple[int, int]:
@@ -139,6 +154,7 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
     ring = algorithm == "ring" and name in RING_COLLECTIVES
     used = _channels_used(size, protocol, params.channels, num_ranks, ring)
     chunk = chunk_bytes(protocol, params.simple_buffer_bytes, ring)
+    share = params.nic_share(num_ranks, num_nodes)
     if num_ranks == 1:
         return np.full_like(size, v[f"alpha.{algorithm}"])
     if ring:
@@ -147,13 +163,14 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
         per_step = size / (num_ranks * used * loops)
         step = _step(v, "intra", protocol, per_step)
         if num_nodes > 1:
-            step = np.maximum(step, _step(v, "inter", protocol, per_step))
+            step = np.maximum(step, _step(v, "inter", protocol, per_step, share))
         transfer = loops * steps * step
     else:
         intra, inter = _stages(name, algorithm, num_ranks, num_nodes)
         loops = np.maximum(1.0, np.ceil(size / (used * chunk)))
         per_step = size / (used * loops)
-        costs = [(n, _step(v, hop, protocol, per_step)) for n, hop in ((intra, "intra"), (inter, "inter")) if n]
+        costs = [(n, _step(v, hop, protocol, per_step, share if hop == "inter" else 1.0))
+                 for n, hop in ((intra, "intra"), (inter, "inter")) if n]
         fill = sum(n * cost for n, cost in costs)
         slowest = np.max([cost for _, cost in costs], axis=0)
         transfer = fill + (loops - 1) * slowest
@@ -211,7 +228,8 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     if hw.comm_backend != "nccl" and hw.intra_node_latency_s:
         for p in protocols:
             values[f"latency.intra.{p}"] = hw.intra_node_latency_s
-    return CollectiveParams(collective, algorithms, protocols, channels, nccl.buffer_size_bytes, values)
+    return CollectiveParams(collective, algorithms, protocols, channels, nccl.buffer_size_bytes, values,
+                            hw.devices_per_node)
 
 
 class CommModel:
@@ -247,7 +265,8 @@ class CommModel:
     def params(self, collective: str) -> CollectiveParams:
         """The parameters used for `collective`, with hardware.what_if applied."""
         if collective not in self._scaled:
-            params = self._params(collective)
+            # the NIC share is the configured node's, whatever a stored fit says
+            params = dataclasses.replace(self._params(collective), devices_per_node=self.hardware.devices_per_node)
             what_if = self.hardware.what_if
             if not is_identity(what_if):
                 params = dataclasses.replace(params, values=scale_comm_values(params.values, what_if))
@@ -264,7 +283,7 @@ class CommModel:
             borrowed.update({f"alpha.{a}": donor.values.get(f"alpha.{a}", donor.values[f"alpha.{donor.algorithms[0]}"])
                              for a in prior.algorithms})
             prior = CollectiveParams(collective, prior.algorithms, donor.protocols, donor.channels,
-                                     donor.simple_buffer_bytes, {**prior.values, **borrowed})
+                                     donor.simple_buffer_bytes, {**prior.values, **borrowed}, prior.devices_per_node)
         return prior
 
     def collective_seconds(self, collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:

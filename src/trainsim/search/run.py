@@ -23,7 +23,7 @@ import pandas as pd
 import yaml
 
 from trainsim.comm.model import CommModel
-from trainsim.config.compose import Run
+from trainsim.config.compose import Run, stable_hash
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.errors import ArtifactError, ConfigError
 from trainsim.registry import STAGES
@@ -32,6 +32,7 @@ from trainsim.search.estimate import estimate_layout
 from trainsim.search.layouts import SearchSpace, enumerate_layouts
 from trainsim.search.slices import SliceCosts, measure_slice_costs, slice_key
 from trainsim.timeline.stage import comm_model
+from trainsim.trace.tracer import tracer_code_digest
 
 SLICE_CACHE = Path("artifacts/search/slices")
 STATUS_OK, STATUS_OOM = "ok", "oom"
@@ -55,9 +56,14 @@ def cluster_for(hw: HardwareConfig, budget: int) -> HardwareConfig:
 
 def load_slice_costs(model: ModelConfig, layouts: list[ParallelismConfig], hw: HardwareConfig, keys: dict[str, str],
                      cache: Path = SLICE_CACHE) -> tuple[dict[str, SliceCosts], float]:
-    """Slice costs for every distinct slice key of `layouts`: from the cache, else traced and profiled."""
+    """Slice costs for every distinct slice key of `layouts`: from the cache, else traced and profiled.
+
+    The cache is per hardware key and model, and per content: the hardware's fields but the node count
+    (an edited config file keeps its key) and the tracer's code; slices made under others are not reused."""
     started, costs = time.perf_counter(), {}
-    directory = Path(cache) / keys["hardware"] / keys["model"]
+    node = dataclasses.asdict(dataclasses.replace(hw, num_nodes=1))
+    content = stable_hash([node, dataclasses.asdict(model), tracer_code_digest()])
+    directory = Path(cache) / keys["hardware"] / keys["model"] / content
     database = Path(STAGES["profile"].database_path(keys))  # the profile stage's: nothing is timed twice
     for par in layouts:
         key = slice_key(par)

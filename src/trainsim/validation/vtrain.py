@@ -31,6 +31,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.trace.tracer import tracer_code_digest
 
 CSV = (Path(__file__).resolve().parents[4]
        / "shared/data/published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv")
@@ -98,20 +99,9 @@ def base_run():
     return compose_run(row_overrides(first))
 
 
-@functools.lru_cache(maxsize=1)
-def tracer_digest() -> str:
-    """Hash of the code a trace depends on (the reference workload and the tracer): a cached trace made
-    by other code is traced again rather than reused."""
-    package = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha1()
-    for source in sorted([*(package / "workloads").glob("*.py"), *(package / "trace").glob("*.py")]):
-        digest.update(source.name.encode() + source.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def _trace_file(model: ModelConfig, par: ParallelismConfig, cache: Path) -> Path:
     key = json.dumps([dataclasses.asdict(model), dataclasses.asdict(dataclasses.replace(par, global_batch_size=0)),
-                      tracer_digest()], sort_keys=True)
+                      tracer_code_digest()], sort_keys=True)
     return cache / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 
 
