@@ -326,7 +326,10 @@ class ParallelismConfig:
     recompute: str = "none"
     """Activation recomputation: 'none', 'full' (every block) or 'selective' (core attention only)."""
     dp_bucket_size_bytes: int = 25 * 1024 * 1024
-    """Gradient bucket size of the data-parallel all-reduce (PyTorch DDP default 25 MiB)."""
+    """Gradient bucket size of the data-parallel all-reduce (PyTorch DDP default 25 MiB). Each bucket is
+    all-reduced as soon as its gradients are ready, during the last backward; a size above the stage's
+    gradients gives one all-reduce after the backward, without overlap (Megatron without gradient
+    buckets, e.g. vTrain's `use_gradient_bucket: false`)."""
     precision: str = "bf16"
     """'fp32', or 'bf16' / 'fp16' mixed precision with fp32 master weights and Adam states."""
 
