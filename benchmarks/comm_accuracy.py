@@ -26,7 +26,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from trainsim.comm.calibration import LARGE_BYTES, channel_choices, local_sweep, read_calibration_file
+from trainsim.comm.calibration import (
+    LARGE_BYTES,
+    channel_choices,
+    collect_measurements,
+    local_sweep,
+    read_calibration_file,
+)
 from trainsim.comm.fit import every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import prior_params
 from trainsim.comm.nccl_tests import bus_bandwidth_factor
@@ -110,10 +116,10 @@ def mscclpp_nccl_all_reduce(path: Path, section: str = "2 nodes, 8 gpus/node", r
 
 
 def inter_node_from_one_node(data: Path) -> pd.DataFrame:
-    """Fit all single-node A100 all-reduce files, predict 2-node all-reduce with the inter-node hop at
-    its priors; the p4de sweep also with the model fitted to it (every other size), for reference."""
-    single = pd.concat([read_calibration_file(CalibrationFile(path=str(p))) for p in sorted(data.glob("a100-*"))
-                        if "node" not in p.name and "allreduce" in p.name], ignore_index=True)
+    """Fit a100-80g-dgx's all-reduce files (single-node), predict 2-node all-reduce with the inter-node
+    hop at its priors; the p4de sweep also with the model fitted to it (every other size), for reference."""
+    single = collect_measurements(hardware_for("a100"))  # a100-80g-dgx's files: all single-node
+    single = single[single["collective"] == "all_reduce"].reset_index(drop=True)
     p4de = read_calibration_file(CalibrationFile(path=str(data / P4DE_FILE)))
     ndmv4 = mscclpp_nccl_all_reduce(data / NDMV4_FILE)
     rows = []

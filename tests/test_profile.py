@@ -98,6 +98,8 @@ def test_remeasure_times_every_op_again_and_newer_rows_win(tmp_path, tiny_ops):
     stored = db.read().set_index("signature").loc[again["signature"]]
     assert (stored["median_s"].to_numpy() == again["median_s"].to_numpy()).all()
     assert len(db.parts()) == 2  # the old rows are kept (append-only), only superseded
+
+
 def test_lockstep_processes_take_the_same_samples_together():
     """Co-located timing: every process times each op the same number of times, each sample started
     after all have flushed (threads stand in for the processes; the lockstep is the same)."""

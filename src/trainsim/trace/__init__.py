@@ -1,5 +1,5 @@
 """Stage 1: ex-situ per-rank tracing into execution graphs (see schema.py for the contract)."""
 
-from trainsim.trace.tracer import TraceResult, rank_class_table, trace_layout, tracer_code_digest
+from trainsim.trace.tracer import TraceResult, rank_class_table, trace_layout
 
-__all__ = ["TraceResult", "rank_class_table", "trace_layout", "tracer_code_digest"]
+__all__ = ["TraceResult", "rank_class_table", "trace_layout"]
