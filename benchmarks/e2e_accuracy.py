@@ -18,7 +18,7 @@ dispatch time per op are fitted on every 5th row (file order), the other 80 % ar
 `figure vtrain_single_mape_pct` and `figure vtrain_single_max_error_pct` on the held-out rows next to
 vTrain's own 8.37 %.
 
-    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--reuse-ground-truth]
+    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--reuse-ground-truth] [--layouts dp2 ...]
 First run traces 576 distinct vTrain shapes (~25 min on 2 cores, cached under
 artifacts/validation/vtrain/traces); later runs take ~11-17 min (five fits, one per
 host dispatch time of the grid). Calibrate the A100 NCCL model first:
@@ -82,12 +82,12 @@ def bracketed_prediction(run, calibrated: set[str], truth_dir: Path) -> tuple[di
     return truth, before, after["step_time_s"], 100 * (after["step_time_s"] / before["step_time_s"] - 1)
 
 
-def local_part(reuse: bool) -> list[tuple[str, float, str]]:
+def local_part(reuse: bool, layouts: list[str]) -> list[tuple[str, float, str]]:
     figures, calibrated = [], set()
     print(f"{'layout':>7} {'predicted s':>11} {'measured s':>10} {'IQR s':>7} {'error %':>8} {'before %':>8} "
           f"{'after %':>8} {'drift %':>8}  prediction before (critical path)")
-    for name, overrides in LOCAL.items():
-        run = compose_run(["model=gpt-small", *overrides])
+    for name in layouts:
+        run = compose_run(["model=gpt-small", *LOCAL[name]])
         truth_dir = Path(STAGES["ground_truth"].path(run.keys))
         if reuse and (truth_dir / "manifest.json").is_file():
             truth = read_ground_truth(truth_dir)
@@ -147,13 +147,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-local", action="store_true")
     parser.add_argument("--skip-vtrain", action="store_true")
+    parser.add_argument("--layouts", nargs="+", choices=list(LOCAL), default=list(LOCAL),
+                        help="local layouts to measure and predict (default: all)")
     parser.add_argument("--reuse-ground-truth", action="store_true",
                         help="predict against ground-truth artifacts already measured instead of measuring anew")
     args = parser.parse_args()
     start = time.perf_counter()
     figures = []
     if not args.skip_local:  # first: the real runs need a quiet machine
-        figures += local_part(args.reuse_ground_truth)
+        figures += local_part(args.reuse_ground_truth, args.layouts)
     if not args.skip_vtrain:
         figures += vtrain_part()
     for name, value, unit in figures:
