@@ -15,10 +15,13 @@ from trainsim.validation.ground_truth import (
     NOT_MEASURED,
     GroundTruthError,
     error_pct,
+    measurable,
     read_ground_truth,
     run_ranks,
     write_ground_truth_artifact,
 )
+from trainsim.workloads.launch import spawn_ranks
+from trainsim.workloads.train_step import synthetic_batch
 
 
 @pytest.mark.slow
@@ -33,6 +36,7 @@ def test_ground_truth_measures_gpt_tiny_dp2(tmp_path):
     assert json.loads((tmp_path / "gt/summary.json").read_text()) == summary
     ops = pd.read_parquet(tmp_path / "gt/ops.parquet")
     assert set(ops["rank"]) == {0, 1} and (ops["kind"] == "compute").any()
+    assert summary["backend"] == "gloo" and (ops["device_s"] == 0).all()  # no GPU kernels on a CPU run
     collectives = pd.read_parquet(tmp_path / "gt/collectives.parquet")
     assert collectives["name"].str.contains("allreduce|all_reduce").any()
     assert error_pct(summary["step_time_median_s"] * 1.1, summary) == pytest.approx(10.0)
@@ -46,6 +50,30 @@ def test_gpu_hardware_is_not_measured(tmp_path):
     assert error_pct(0.5, summary) is None  # not measured is never an error of zero
     assert error_pct(0.5, read_ground_truth(tmp_path / "absent"))is None
     assert read_ground_truth(tmp_path / "absent")["status"] == NOT_MEASURED
+
+
+def test_gpu_ground_truth_needs_a_gpu_per_rank(monkeypatch):
+    import torch
+
+    run = compose_run(["hardware=a100-80g-dgx", "model=gpt-tiny", "parallelism=dp2"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "needs 2 GPUs" in measurable(run.hardware, run.parallelism)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert measurable(run.hardware, run.parallelism) is None  # NCCL, one GPU per rank
+    with pytest.raises(ValueError, match="accepted: cpu, cuda"):
+        spawn_ranks(print, run.parallelism, device_kind="tpu")
+
+
+def test_real_batches_land_on_the_default_device():
+    """A GPU rank sets its GPU as the default device; the tokens (drawn on the CPU) must follow it."""
+    import torch
+
+    run = compose_run(["model=gpt-tiny", "parallelism=single"])
+    on_cpu = synthetic_batch(run.model, run.parallelism)(0)
+    with torch.device("meta"):
+        tokens, targets = synthetic_batch(run.model, run.parallelism)(0)
+    assert tokens.device.type == targets.device.type == "meta" and tokens.shape == on_cpu[0].shape
 
 
 def test_ground_truth_is_on_demand_only():

@@ -1,20 +1,23 @@
 """Ground truth: run the reference training step for real and keep robust step-time statistics.
 
 One process per rank (gloo over loopback on CPU, one thread per process from
-`hardware.threads_per_device`), `warmup` steps discarded, `steps` steps timed (Echo starts measuring
+`hardware.threads_per_device`; NCCL with one GPU per rank for cuda hardware, each step synchronised
+with the device at its start and end), `warmup` steps discarded, `steps` steps timed (Echo starts measuring
 after warm-up and averages 5 steps; we keep the median and the spread), then one extra step under
 torch.profiler for the per-op and per-collective tables (its overhead does not touch the timed steps).
 The step time of a measured step is the slowest rank's wall time (every rank starts after a barrier).
 
-Only hardware this machine is can be measured: device_kind cpu here. Anything else (a GPU cluster
-config, or cuda without a NCCL launcher) gets a "not measured" artifact with the reason, never a number.
+Only hardware this machine is can be measured: device_kind cpu, or cuda when this machine has a GPU
+per rank. Anything else (a GPU cluster config on a CPU machine, a layout wider than the GPUs here) gets a
+"not measured" artifact with the reason, never a number. On a GPU the per-phase times are host-side
+(kernels run asynchronously); the step time is the device's.
 
 Artifact (artifacts/ground_truth/{hardware}/{model}/{parallelism}/):
   summary.json     status ("measured" / "not measured"), reason, step_time_median_s, step_time_spread_s
                    (interquartile range over measured steps), min/max, steps, warmup, step_times_s,
                    per-rank medians (step, compute, communication, phases); `field_meanings` inside
-  ops.parquet      per rank and op name from the profiled step: calls, self CPU time, total CPU time, kind
-                   (compute / collective)
+  ops.parquet      per rank and op name from the profiled step: calls, self CPU time, total CPU time,
+                   self device time (GPU kernels; 0 on a CPU), kind (compute / collective)
   collectives.parquet   the collective rows of ops.parquet
 """
 
@@ -35,6 +38,7 @@ SUMMARY_FILE = "summary.json"
 OPS_FILE = "ops.parquet"
 COLLECTIVES_FILE = "collectives.parquet"
 NOT_MEASURED = "not measured"
+OPS_COLUMNS = ["rank", "name", "kind", "calls", "self_s", "total_s", "device_s"]
 FIELD_MEANINGS = {
     "status": "'measured', or 'not measured' (see reason); a not-measured artifact has no step time",
     "step_time_median_s": "median over measured steps of the slowest rank's step wall time",
@@ -51,16 +55,18 @@ class GroundTruthError(RuntimeError):
     """A real run failed; the message carries the failing ranks' error output."""
 
 
-def measurable(hw: HardwareConfig) -> str | None:
-    """None when `hw` is this machine and can be measured, else the reason it cannot."""
+def measurable(hw: HardwareConfig, par: ParallelismConfig) -> str | None:
+    """None when `hw` is this machine and `par` fits on it, else the reason it cannot be measured."""
     if hw.device_kind == "cpu":
         return None
     if hw.device_kind == "cuda":
         import torch
         if not torch.cuda.is_available():
             return f"hardware '{hw.name}' is {hw.device_kind} ({hw.device_name}); no such device on this machine"
-        return (f"hardware '{hw.name}': ground truth on GPUs needs a NCCL launcher, which is not implemented "
-                "(the real-run launcher runs gloo on CPU)")
+        if torch.cuda.device_count() < par.world_size:
+            return (f"layout {par.name} needs {par.world_size} GPUs (one per rank); this machine has "
+                    f"{torch.cuda.device_count()}")
+        return None
     return f"hardware '{hw.name}' has device kind {hw.device_kind!r}, which cannot be run here"
 
 
@@ -71,7 +77,8 @@ def _profile_tables(prof, rank: int) -> list[dict]:
         collective = name.startswith(("c10d::", "gloo:", "nccl:")) or "record_param_comms" in name
         rows.append({"rank": rank, "name": name, "kind": "collective" if collective else "compute",
                      "calls": int(event.count), "self_s": event.self_cpu_time_total / 1e6,
-                     "total_s": event.cpu_time_total / 1e6})
+                     "total_s": event.cpu_time_total / 1e6,
+                     "device_s": getattr(event, "self_device_time_total", 0.0) / 1e6})
     return rows
 
 
@@ -80,46 +87,52 @@ def _measured_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismCo
     """Timed steps, then (when `profile`) one extra step under torch.profiler; returns (RankRun, op rows)."""
     import torch.distributed as dist
 
-    from trainsim.workloads.launch import timed_steps
+    from trainsim.workloads.launch import synchronize, timed_steps
     from trainsim.workloads.train_step import train_step
 
     rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
     ops: list[dict] = []
     if profile:
+        import torch
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
+        on_gpu = torch.get_default_device().type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         dist.barrier()
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch_profile(activities=activities) as prof:
             train_step(rm, actions, batches.__getitem__)
+            synchronize()
         ops = _profile_tables(prof, rank)
     return result, ops
 
 
 def run_ranks(model: ModelConfig, par: ParallelismConfig, *, steps: int = STEPS, warmup: int = WARMUP,
-              threads: int = 1, profile: bool = True) -> tuple[list, pd.DataFrame]:
+              threads: int = 1, profile: bool = True, device_kind: str = "cpu") -> tuple[list, pd.DataFrame]:
     """Run the real steps; returns per-rank RankRun and the profiled-step op table. Raises
     GroundTruthError with each failing rank's traceback when a rank fails."""
     from trainsim.workloads.launch import RankFailure, spawn_ranks
 
     try:
-        results = spawn_ranks(_measured_rank, par, model, par, steps, warmup, profile, threads=threads)
+        results = spawn_ranks(_measured_rank, par, model, par, steps, warmup, profile, threads=threads,
+                              device_kind=device_kind)
     except RankFailure as exc:
         raise GroundTruthError(f"real run of {model.name} / {par.name} failed:\n{exc}") from exc
     runs = [r for r, _ in results]
-    ops = pd.DataFrame([row for _, rows in results for row in rows],
-                       columns=["rank", "name", "kind", "calls", "self_s", "total_s"])
+    ops = pd.DataFrame([row for _, rows in results for row in rows], columns=OPS_COLUMNS)
     return runs, ops
 
 
 def measure(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig, *, steps: int = STEPS,
             warmup: int = WARMUP, profile: bool = True) -> tuple[dict, pd.DataFrame]:
     """The summary (see FIELD_MEANINGS) and op table of a real run, or a not-measured summary."""
-    reason = measurable(hw)
+    from trainsim.workloads.launch import BACKENDS
+
+    reason = measurable(hw, par)
     base = {"hardware": hw.name, "model": model.name, "parallelism": par.name, "field_meanings": FIELD_MEANINGS}
     if reason:
-        return {"status": NOT_MEASURED, "reason": reason, **base}, pd.DataFrame(
-            columns=["rank", "name", "kind", "calls", "self_s", "total_s"])
-    runs, ops = run_ranks(model, par, steps=steps, warmup=warmup, threads=hw.threads_per_device, profile=profile)
+        return {"status": NOT_MEASURED, "reason": reason, **base}, pd.DataFrame(columns=OPS_COLUMNS)
+    runs, ops = run_ranks(model, par, steps=steps, warmup=warmup, threads=hw.threads_per_device, profile=profile,
+                          device_kind=hw.device_kind)
     step_times = [max(run.step_seconds[i] for run in runs) for i in range(steps)]
     q25, q75 = np.percentile(step_times, [25, 75])
     ranks = []
@@ -138,7 +151,7 @@ def measure(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig, *, s
         "step_time_min_s": min(step_times), "step_time_max_s": max(step_times),
         "steps": steps, "warmup": warmup, "step_times_s": step_times,
         "world_size": par.world_size, "threads_per_rank": hw.threads_per_device,
-        "backend": "gloo", "ranks": ranks,
+        "backend": BACKENDS[hw.device_kind], "ranks": ranks,
     }
     return summary, ops
 
@@ -154,7 +167,8 @@ def write_ground_truth_artifact(hw: HardwareConfig, model: ModelConfig, par: Par
     summary, ops = measure(hw, model, par, **kwargs)
     with atomic_artifact(Path(output), stage="ground_truth", config=config, config_keys=keys) as tmp:
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        ops = ops.astype({"rank": "int32", "calls": "int64", "self_s": "float64", "total_s": "float64"})
+        ops = ops.astype({"rank": "int32", "calls": "int64", "self_s": "float64", "total_s": "float64",
+                          "device_s": "float64"})
         pq.write_table(pa.Table.from_pandas(ops, preserve_index=False), tmp / OPS_FILE)
         pq.write_table(pa.Table.from_pandas(ops[ops["kind"] == "collective"], preserve_index=False),
                        tmp / COLLECTIVES_FILE)

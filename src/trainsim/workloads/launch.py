@@ -1,4 +1,5 @@
-"""Run the reference training step for real: one process per rank, gloo over loopback.
+"""Run the reference training step for real: one process per rank, gloo over loopback on the CPU,
+or NCCL with one GPU per rank when the hardware is a GPU and this machine has enough of them.
 
 This is the ground truth the simulator is judged against on this machine, and the check that
 the ex-situ trace is faithful (the same recorder can be switched on here).
@@ -30,6 +31,15 @@ from trainsim.workloads.train_step import (
     synthetic_batch,
     train_step,
 )
+
+# device kind of the hardware -> process-group backend of the real run
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def synchronize() -> None:
+    """Wait for the device's queued kernels (CUDA runs asynchronously; a step ends when they are done)."""
+    if torch.get_default_device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 @dataclasses.dataclass
@@ -67,9 +77,11 @@ def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: in
     for step in range(warmup + steps):
         timer = StepTimer()
         dist.barrier()
+        synchronize()
         start = time.perf_counter()
         with observing(timer):
             train_step(rm, actions, batches.__getitem__)
+        synchronize()
         if step >= warmup:
             result.step_seconds.append(time.perf_counter() - start)
             result.phase_seconds.append(timer.phase_seconds)
@@ -88,12 +100,16 @@ class RankFailure(RuntimeError):
     """A spawned rank failed; the message carries every failing rank's traceback."""
 
 
-def _rank_main(rank: int, body, par: ParallelismConfig, port: int, threads: int, out_dir: str, args: tuple) -> None:
+def _rank_main(rank: int, body, par: ParallelismConfig, port: int, threads: int, device_kind: str, out_dir: str,
+               args: tuple) -> None:
     try:
         torch.set_num_threads(threads)
         use_steady_state_allocator()
+        if device_kind == "cuda":  # one GPU per rank; every tensor the step creates lands on it
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.set_default_device(f"cuda:{torch.cuda.current_device()}")
         layout = layout_of(par)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group(BACKENDS[device_kind], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=layout.world_size)
         try:
             result = body(rank, layout, *args)
@@ -106,15 +122,22 @@ def _rank_main(rank: int, body, par: ParallelismConfig, port: int, threads: int,
         raise
 
 
-def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1) -> list:
-    """Run `body(rank, layout, *args)` in one process per rank of `par` (gloo over loopback, `threads`
-    torch threads each) and return each rank's result. `body` must be a module-level function (it is
-    pickled to the processes). RankFailure carries the failing ranks' tracebacks."""
+def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1, device_kind: str = "cpu") -> list:
+    """Run `body(rank, layout, *args)` in one process per rank of `par` (`threads` torch threads each;
+    gloo over loopback on the CPU, NCCL with one GPU per rank for 'cuda') and return each rank's result.
+    `body` must be a module-level function (it is pickled to the processes). RankFailure carries the
+    failing ranks' tracebacks."""
     world = par.dp * par.tp * par.pp
+    if device_kind not in BACKENDS:
+        raise ValueError(f"device kind {device_kind!r} cannot run real steps; accepted: {', '.join(BACKENDS)}")
+    if device_kind == "cuda" and torch.cuda.device_count() < world:
+        raise RankFailure(f"{par.name} needs {world} GPUs (one per rank); this machine has "
+                          f"{torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="trainsim-ranks-") as out_dir:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         try:
-            mp.spawn(_rank_main, nprocs=world, join=True, args=(body, par, free_port(), threads, out_dir, args))
+            mp.spawn(_rank_main, nprocs=world, join=True,
+                     args=(body, par, free_port(), threads, device_kind, out_dir, args))
         except Exception as exc:
             errors = [f"rank {r}:\n{Path(out_dir, f'rank{r}.err').read_text()}" for r in range(world)
                       if Path(out_dir, f"rank{r}.err").is_file()]

@@ -188,7 +188,8 @@ def synthetic_batch(model_cfg: ModelConfig, par: ParallelismConfig, seed: int = 
     def batch(microbatch: int):
         gen = torch.Generator().manual_seed(seed * 100003 + microbatch)
         shape = (par.micro_batch_size, model_cfg.seq_length + 1)
-        ids = torch.randint(model_cfg.vocab_size, shape, generator=gen)
+        # drawn on the CPU (the same tokens on any device), then moved to the default device
+        ids = torch.randint(model_cfg.vocab_size, shape, generator=gen, device="cpu").to(torch.get_default_device())
         # clone: .contiguous() keeps the (seq + 1) row stride when micro_batch_size is 1, and the ops
         # would then differ from the traced ones (the tracer's tokens are fresh tensors)
         dense = torch.contiguous_format
