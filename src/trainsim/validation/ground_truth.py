@@ -61,12 +61,11 @@ def measurable(hw: HardwareConfig, par: ParallelismConfig) -> str | None:
         return None
     if hw.device_kind == "cuda":
         import torch
+
+        from trainsim.workloads.launch import missing_gpus
         if not torch.cuda.is_available():
             return f"hardware '{hw.name}' is {hw.device_kind} ({hw.device_name}); no such device on this machine"
-        if torch.cuda.device_count() < par.world_size:
-            return (f"layout {par.name} needs {par.world_size} GPUs (one per rank); this machine has "
-                    f"{torch.cuda.device_count()}")
-        return None
+        return missing_gpus(par)
     return f"hardware '{hw.name}' has device kind {hw.device_kind!r}, which cannot be run here"
 
 

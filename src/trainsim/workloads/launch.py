@@ -36,6 +36,14 @@ from trainsim.workloads.train_step import (
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
+def missing_gpus(par: ParallelismConfig) -> str | None:
+    """Why `par` cannot run with one GPU per rank on this machine, or None when it can."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < par.world_size:
+        return f"layout {par.name} needs {par.world_size} GPUs (one per rank); this machine has {have}"
+    return None
+
+
 def synchronize() -> None:
     """Wait for the device's queued kernels (CUDA runs asynchronously; a step ends when they are done)."""
     if torch.get_default_device().type == "cuda":
@@ -106,8 +114,8 @@ def _rank_main(rank: int, body, par: ParallelismConfig, port: int, threads: int,
         torch.set_num_threads(threads)
         use_steady_state_allocator()
         if device_kind == "cuda":  # one GPU per rank; every tensor the step creates lands on it
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            torch.set_default_device(f"cuda:{torch.cuda.current_device()}")
+            torch.cuda.set_device(rank)
+            torch.set_default_device(f"cuda:{rank}")
         layout = layout_of(par)
         dist.init_process_group(BACKENDS[device_kind], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=layout.world_size)
@@ -130,9 +138,8 @@ def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1, device_ki
     world = par.dp * par.tp * par.pp
     if device_kind not in BACKENDS:
         raise ValueError(f"device kind {device_kind!r} cannot run real steps; accepted: {', '.join(BACKENDS)}")
-    if device_kind == "cuda" and torch.cuda.device_count() < world:
-        raise RankFailure(f"{par.name} needs {world} GPUs (one per rank); this machine has "
-                          f"{torch.cuda.device_count()}")
+    if device_kind == "cuda" and (shortfall := missing_gpus(par)):
+        raise RankFailure(shortfall)
     with tempfile.TemporaryDirectory(prefix="trainsim-ranks-") as out_dir:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         try:
