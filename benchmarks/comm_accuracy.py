@@ -1,6 +1,6 @@
 """Accuracy of the collective model against measured collectives, next to the alpha-beta baseline.
 
-  1. Every nccl-tests file in ../shared/data/nccl-tests: fit on every other message size, predict the
+  1. Every nccl-tests file in data/nccl-tests: fit on every other message size, predict the
      rest; MAPE for messages >= 1 MiB and < 1 MiB, model and baseline.
      Baselines: alpha-beta (latency + busfactor * size / busbw, both fitted) and NCCL's own tuner
      model (its constants, bus bandwidth fitted; comm/nccl_tuner.py).
@@ -13,7 +13,7 @@
 The `_all` figures are means over files (each file counts once, whatever its number of sizes).
 Priors come from the hardware config matching the file (a100-80g-dgx, a100-80g-p4de, h100-sxm-dgx).
 
-    python benchmarks/comm_accuracy.py [--data ../shared/data/nccl-tests] [--skip-gloo]
+    python benchmarks/comm_accuracy.py [--data data/nccl-tests] [--skip-gloo]
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def gloo_scale() -> pd.DataFrame:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/nccl-tests")
+    parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / "data/nccl-tests")
     parser.add_argument("--skip-gloo", action="store_true", help="skip the local gloo sweep (about a minute)")
     args = parser.parse_args()
     pd.set_option("display.width", 200)

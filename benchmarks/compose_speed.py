@@ -1,6 +1,6 @@
 """Compose speed: one GPT-175B training step replayed for 128, 1,024 and 8,192 GPUs on this machine.
 
-Echo (arXiv 2412.12487; shared/reference/method.md sec. 3) needs 83 s for 128 GPUs, 719 s for 1,024 and
+Echo (arXiv 2412.12487) needs 83 s for 128 GPUs, 719 s for 1,024 and
 4,977 s for 8,192 (GPT 3D parallel). Each figure here is the wall time, in a fresh process, of reading the
 trace and profile tables from Parquet and `compose_step` (classes, templates, step graph, replays until the
 overlap slowdown is stable), i.e. "including loading the inputs"; writing the outputs is printed apart.

@@ -1,6 +1,6 @@
 """Overlap-slowdown accuracy: the XGBoost model against the constant-factor baseline (method.md 1.3).
 
-A100: Echo's published GPT-2 DDP dataset (shared/data/overlap-slowdown), imported as the
+A100: Echo's published GPT-2 DDP dataset (data/overlap-slowdown), imported as the
 a100-80g-dgx hardware does, trained with that hardware's `slowdown.model` settings. Figures are on
 held-out kernels: the pooled out-of-fold predictions of the 5-fold cross-validation on the 80 % part
 (`_a100`), and the final model on the 20 % hold-out (`_holdout_a100`). A kernel is "within 10 %" when

@@ -27,10 +27,11 @@ from trainsim.comm.model import (
     prior_params,
 )
 from trainsim.config import compose_run
+from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import CalibrationFile
 from trainsim.errors import ConfigError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nccl-tests"
+DATA = DATA_DIR / "nccl-tests"
 MIB = 1 << 20
 
 

@@ -1,4 +1,4 @@
-"""nccl-tests parser: the published tables in shared/data/nccl-tests, and synthetic quirks and bad input."""
+"""nccl-tests parser: the published tables in data/nccl-tests, and synthetic quirks and bad input."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from trainsim.config.data_path import DATA_DIR
 from trainsim.comm.nccl_tests import (
     COLUMNS,
     NcclTestsFormatError,
@@ -14,7 +15,7 @@ from trainsim.comm.nccl_tests import (
     parse_nccl_tests,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data/nccl-tests"
+DATA = DATA_DIR / "nccl-tests"
 P4DE = "a100-16gpu-2node-aws-p4de-efa400_allreduce.txt"
 P5 = "h100-16gpu-2node-aws-p5-efa3200_allreduce.txt"
 TRIMMED = "a100-8gpu-nvlink_allreduce_mlengineering.txt"

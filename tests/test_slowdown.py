@@ -12,6 +12,7 @@ import pytest
 
 from trainsim.artifacts import atomic_artifact
 from trainsim.config import compose_run
+from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import SlowdownConfig, SlowdownModelConfig
 from trainsim.errors import ConfigError
 from trainsim.slowdown.a100_import import import_echo_csv
@@ -27,15 +28,11 @@ from trainsim.slowdown.predictor import (
 from trainsim.slowdown.stage import build_dataset, write_dataset_artifact, write_model_artifact
 from trainsim.slowdown.train import train_slowdown_model
 
-A100_CSV = Path(__file__).resolve().parents[2] / "shared/data/overlap-slowdown/" \
-    "echo_gpt2_ddp_2gpu_a100_kernel_overlap_slowdown.csv"
-needs_a100 = pytest.mark.skipif(not A100_CSV.is_file(), reason="shared/ data beside the checkout is missing")
+A100_CSV = DATA_DIR / "overlap-slowdown/echo_gpt2_ddp_2gpu_a100_kernel_overlap_slowdown.csv"
 
 
 @pytest.fixture(scope="module")
 def a100() -> pd.DataFrame:
-    if not A100_CSV.is_file():
-        pytest.skip("shared/ data beside the checkout is missing")
     return import_echo_csv(A100_CSV, "a100-80g-dgx").rows
 
 
@@ -65,7 +62,6 @@ def _csv_with(tmp_path: Path, edits: dict[int, dict[str, str]], rows: int = 12) 
     return path
 
 
-@needs_a100
 def test_importer_maps_every_row_of_the_a100_csv():
     result = import_echo_csv(A100_CSV, "a100-80g-dgx")
     rows = result.rows
@@ -81,7 +77,6 @@ def test_importer_maps_every_row_of_the_a100_csv():
     assert to_table(rows).schema == SLOWDOWN_SCHEMA
 
 
-@needs_a100
 def test_importer_counts_bad_rows_instead_of_dropping_or_propagating_nan(tmp_path):
     path = _csv_with(tmp_path, {0: {"ground_truth": ""}, 1: {"duration": "-5"}, 2: {"overlap_ratio": "1.5"},
                                 3: {"ground_truth": "0"}})
@@ -92,7 +87,6 @@ def test_importer_counts_bad_rows_instead_of_dropping_or_propagating_nan(tmp_pat
     assert result.rows[["solo_duration_s", "overlapped_duration_s", "slowdown"]].notna().all().all()
 
 
-@needs_a100
 def test_importer_names_file_line_field_and_value_of_a_malformed_number(tmp_path):
     path = _csv_with(tmp_path, {4: {"duration": "fast"}})
     with pytest.raises(ValueError, match=r"edited\.csv:\d+: field 'duration' has value 'fast'"):
@@ -112,7 +106,6 @@ def test_zero_overlap_is_counted_and_never_a_target():
     assert list(valid["slowdown"]) == [1.0, 0.0, 0.0]  # (1.5 - 1) / (0.5 * 1); zero overlap: 0, not NaN
 
 
-@needs_a100
 def test_model_beats_the_constant_factor_baseline_on_held_out_a100_kernels(a100_result):
     metrics = a100_result.metrics
     assert metrics["rows"] == {"ok": 404, "zero_overlap": 215, "targets": 404, "train": 323, "holdout": 81}
@@ -129,7 +122,6 @@ def test_model_beats_the_constant_factor_baseline_on_held_out_a100_kernels(a100_
     assert set(importances["feature"]) == set(FEATURES) and importances["gain_share"].sum() == pytest.approx(1.0)
 
 
-@needs_a100
 def test_predictor_reproduces_the_holdout_and_refuses_a_missing_feature(model_dir, a100, a100_result):
     predictor = SlowdownPredictor.load(model_dir)
     assert predictor.feature_names == list(FEATURES)
@@ -145,7 +137,6 @@ def test_predictor_reproduces_the_holdout_and_refuses_a_missing_feature(model_di
         predictor.predict(bad)
 
 
-@needs_a100
 def test_composer_api_counts_unknown_categories(model_dir):
     predictor = SlowdownPredictor.load(model_dir)
     compute = pd.DataFrame({"op": ["aten::mm", "aten::add.Tensor", "aten::my_custom_op"],
@@ -168,7 +159,6 @@ def test_composer_api_counts_unknown_categories(model_dir):
         overlap_features(compute, comm.head(2), "A100")
 
 
-@needs_a100
 def test_constant_baseline_has_the_same_predict_signature(model_dir, a100_result):
     baseline = ConstantSlowdownPredictor.load(model_dir)
     factor = a100_result.metrics["baseline_factors"]["A100"]
@@ -184,7 +174,6 @@ def test_device_type_feature():
     assert device_type_of("cuda", "NVIDIA A100", configured="A800") == "A800"
 
 
-@needs_a100
 def test_gpu_hardware_trains_on_the_imported_csv(tmp_path, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the YAML path is relative to the project root
     hw = compose_run(["hardware=h100-sxm-dgx"]).hardware

@@ -17,7 +17,7 @@ Supported formats
     the time unit comes from the header.
   `N/A` in algbw/busbw/#wrong becomes NaN; a missing algbw column gives NaN (message_bytes / time_s
   is nccl-tests' algbw if needed).
-Files in shared/data/nccl-tests: the two AWS all_reduce tables, the three vTrain CSVs, the
+Files in data/nccl-tests: the two AWS all_reduce tables, the three vTrain CSVs, the
 ml-engineering A100 table and the li-plus sendrecv table parse. The h200 nvls-vs-ring and mscclpp files
 are markdown summaries (busbw at one size against GPU count, latency and busbw at different sizes,
 a torch benchmark); they hold no (size, time) sweep, so parsing them raises NcclTestsFormatError.

@@ -1,7 +1,7 @@
 """Where a data file named in a config lives.
 
 Configs name measured data (nccl-tests logs, Echo's overlap CSV) relative to the project, e.g.
-`../shared/data/...`. A stage runs in the project root (Snakemake, DVC), but a copy of the project (a sweep
+`data/nccl-tests/...` (the repository's data/, indexed in data/SOURCES.md). A stage runs in the project root (Snakemake, DVC), but a copy of the project (a sweep
 directory, a test's temporary project) keeps finding the data through the trainsim checkout.
 """
 
@@ -13,6 +13,8 @@ import trainsim
 from trainsim.errors import ConfigError
 
 CHECKOUT = Path(trainsim.__file__).resolve().parents[2]
+DATA_DIR = CHECKOUT / "data"
+"""The measured public data shipped with the repository (each file names its source in its header)."""
 
 
 def resolve_data_path(value: str, field: str) -> Path:

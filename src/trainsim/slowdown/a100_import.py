@@ -1,6 +1,6 @@
 """Import Echo's published slowdown dataset (merged_features.csv of NetX-lab/Echo-slowdown) into SLOWDOWN_SCHEMA.
 
-The file (shared/data/overlap-slowdown/echo_gpt2_ddp_2gpu_a100_kernel_overlap_slowdown.csv) has '#'
+The file (data/overlap-slowdown/echo_gpt2_ddp_2gpu_a100_kernel_overlap_slowdown.csv) has '#'
 comment lines describing the run, then one row per kernel instance of GPT-2 trained with PyTorch DDP
 on 2 A100s:
 

@@ -1,6 +1,6 @@
 """Predict vTrain's published single-node Megatron-DeepSpeed iteration times (8x A100, fp16).
 
-Rows: ../shared/data/published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv (1440 measured
+Rows: data/published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv (1440 measured
 iteration times; GPT models with vocab 50257, seq 1024, full activation checkpointing, 1F1B).
 
 Method (docs/validation.md):
@@ -30,11 +30,11 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.trace.tracer import tracer_code_digest
 
-CSV = (Path(__file__).resolve().parents[4]
-       / "shared/data/published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv")
+CSV = DATA_DIR / "published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv"
 COLUMNS = ["gpus", "global_batch", "micro_batch", "hidden", "heads", "layers", "seq", "tp", "dp", "pp", "measured_ms"]
 TRACE_KEY = ["hidden", "heads", "layers", "seq", "tp", "pp", "micro_batch", "dp"]
 FIT_EVERY = 5
