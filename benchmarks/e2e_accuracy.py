@@ -76,9 +76,9 @@ def bracketed_prediction(run, calibrated: set[str], truth_dir: Path) -> tuple[di
     remeasure_profile(run)
     recalibrate(run, calibrated)
     truth = write_ground_truth_artifact(run.hardware, run.model, run.parallelism, run.keys, truth_dir)
-    before, _ = compose_run_artifacts(run, all_inputs=True)
+    before, _ = compose_run_artifacts(run)
     remeasure_profile(run)
-    after, _ = compose_run_artifacts(run, all_inputs=True)
+    after, _ = compose_run_artifacts(run)
     return truth, before, after["step_time_s"], 100 * (after["step_time_s"] / before["step_time_s"] - 1)
 
 
@@ -91,7 +91,7 @@ def local_part(reuse: bool, layouts: list[str]) -> list[tuple[str, float, str]]:
         truth_dir = Path(STAGES["ground_truth"].path(run.keys))
         if reuse and (truth_dir / "manifest.json").is_file():
             truth = read_ground_truth(truth_dir)
-            predicted, _ = compose_run_artifacts(run, all_inputs=True)
+            predicted, _ = compose_run_artifacts(run)
             after_s = predicted["step_time_s"]  # one prediction: the mean below is that prediction
         else:
             truth, predicted, after_s, drift = bracketed_prediction(run, calibrated, truth_dir)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from trainsim.config.data_path import DATA_DIR
 from trainsim.comm.nccl_tests import (
     COLUMNS,
     NcclTestsFormatError,
     bus_bandwidth_factor,
     parse_nccl_tests,
 )
+from trainsim.config.data_path import DATA_DIR
 
 DATA = DATA_DIR / "nccl-tests"
 P4DE = "a100-16gpu-2node-aws-p4de-efa400_allreduce.txt"

@@ -62,6 +62,8 @@ def test_page_renders_whole_in_chromium(a100_project, tmp_path):
     assert tables["comm-table"] == len(json.loads((_artifact(a100_project, "calibration") / "fit.json")
                                                   .read_text())["collectives"])
     assert tables["provenance-table"] == 5  # trace, profile, calibration, slowdown model, compose
+    # calibration, one row per calibrated collective, kernel model, slowdown model
+    assert tables["inputs-table"] == 3 + tables["comm-table"]
     assert (tmp_path / "page.png").stat().st_size > 10_000
 
 

@@ -187,7 +187,10 @@ def test_search_command_writes_the_artifact(tmp_path, monkeypatch, capsys):
     out = tmp_path / "artifacts/search/a100-80g-dgx/gpt-tiny/8gpu"
     assert {"layouts.parquet", "layouts.csv", "search.html", "sweep.yaml", "summary.json", "manifest.json"} <= {
         p.name for p in out.iterdir()}
-    assert "layouts/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "layouts/s" in printed and "calibration: data/nccl-tests/" in printed  # built, used and named
+    inputs = json.loads((out / "summary.json").read_text())["inputs"]
+    assert inputs["calibration"]["calibrated"] and not inputs["slowdown"]["modelled"]
     assert main([*args[:-6], "--schedules", "zigzag"]) == 2  # a bad search space is an error, not a crash
 
 

@@ -340,24 +340,41 @@ def test_compose_stage_end_to_end_on_real_traces(tmp_path, tiny_traces):
 
 
 @pytest.mark.slow
-def test_compose_all_inputs_builds_calibration_and_slowdown_model(tmp_path, monkeypatch):
-    """`trainsim compose --all-inputs`: the whole pipeline's prediction from an empty artifact tree."""
-    from trainsim.config import compose_run
-    from trainsim.timeline.stage import compose_run_artifacts
+def test_predict_builds_every_input_by_default_and_says_what_it_used(tmp_path, monkeypatch):
+    """`trainsim.predict` (and `trainsim compose`): the whole pipeline's prediction from an empty artifact
+    tree; `build_missing=False` leaves calibration and slowdown out and warns about both."""
+    import trainsim
 
     monkeypatch.chdir(tmp_path)
-    run = compose_run(["parallelism=dp2", "hardware.calibration.sweep_ranks=[2]",
-                       "hardware.calibration.sweep_collectives=[all_reduce]",
-                       "hardware.calibration.sweep_max_bytes=8192", "hardware.slowdown.collectives=[all_reduce]",
-                       "hardware.slowdown.message_bytes=[262144]", "hardware.slowdown.matmul_sizes=[64,96]",
-                       "hardware.slowdown.memory_bound_ops=[add]", "hardware.slowdown.memory_bound_elements=[16384]",
-                       "hardware.slowdown.solo_calls=3", "hardware.slowdown.max_calls_per_window=8"])
-    plain, _ = compose_run_artifacts(run)
-    assert plain["models"]["slowdown"] == "none" and "uncalibrated" in plain["models"]["comm"]
-    full, _ = compose_run_artifacts(run, tmp_path / "full", all_inputs=True)
-    assert "calibrated: artifacts/calibration/" in full["models"]["comm"] and full["models"]["slowdown"] == "xgboost"
+    overrides = ["parallelism=dp2", "hardware.calibration.sweep_ranks=[2]",
+                 "hardware.calibration.sweep_collectives=[all_reduce]",
+                 "hardware.calibration.sweep_max_bytes=8192", "hardware.slowdown.collectives=[all_reduce]",
+                 "hardware.slowdown.message_bytes=[262144]", "hardware.slowdown.matmul_sizes=[64,96]",
+                 "hardware.slowdown.memory_bound_ops=[add]", "hardware.slowdown.memory_bound_elements=[16384]",
+                 "hardware.slowdown.solo_calls=3", "hardware.slowdown.max_calls_per_window=8"]
+    quick = trainsim.predict(*overrides, build_missing=False, output=tmp_path / "quick")
+    assert quick.summary["models"]["slowdown"] == "none" and "uncalibrated" in quick.summary["models"]["comm"]
+    assert not quick.inputs["calibration"]["calibrated"] and not quick.inputs["slowdown"]["modelled"]
+    assert any(w.startswith("collectives: no calibration") for w in quick.warnings)
+    assert any(w.startswith("slowdown: no overlap-slowdown model") for w in quick.warnings)
+
+    full = trainsim.predict(*overrides)
+    assert "calibrated: artifacts/calibration/" in full.summary["models"]["comm"]
+    assert full.summary["models"]["slowdown"] == "xgboost"
+    assert full.warnings == [] and full.inputs == full.summary["inputs"]
+    assert full.inputs["calibration"]["sources"] == ["local gloo sweep on this machine"]
+    assert full.inputs["calibration"]["collectives"]["all_reduce"]["rows"] > 0
+    assert full.inputs["kernels"]["backends"] == {"cpu": full.inputs["kernels"]["measured_ops"]}
+    assert full.inputs["slowdown"]["rows"] > 0 and full.inputs["slowdown"]["cv_duration_mape_pct"] is not None
     for stage in ("calibration", "slowdown", "models"):
         assert list((tmp_path / "artifacts" / stage).glob("*/manifest.json")), stage
+    # the typed result: breakdown and memory per rank class, critical path, the Chrome trace
+    assert full.step_time_s == pytest.approx(full.breakdown["end_s"].max())
+    assert list(full.memory["rank_class"]) == [0] and not full.oom
+    assert (full.memory["peak_bytes"] > full.memory["parameter_bytes"]).all()
+    assert full.critical_path["segments"]
+    trace = json.loads(full.write_chrome_trace(tmp_path / "out" / "step.json").read_text())
+    assert any(e["ph"] == "X" for e in trace["traceEvents"])
 
 
 @pytest.mark.parametrize("collapse", [True, False])

@@ -124,27 +124,43 @@ def _cmd_profile_import(args, console: Console) -> int:
     return 0
 
 
-def _cmd_compose(args, console: Console) -> int:
-    from trainsim.config import compose_run
-    from trainsim.timeline.stage import compose_run_artifacts
+def _inputs_lines(inputs: dict) -> list[str]:
+    """What the prediction used, one line per input, then the warnings."""
+    cal, kernels, slowdown = inputs["calibration"], inputs["kernels"], inputs["slowdown"]
+    lines = []
+    if cal["calibrated"]:
+        errors = ", ".join(f"{name} {e['heldout_mape_pct_large']} %" for name, e in cal["collectives"].items())
+        lines.append(f"calibration: {'; '.join(cal['sources'])} (held-out error, messages >= 1 MiB: {errors})")
+    counts = ", ".join(f"{n} {backend}" for backend, n in kernels.get("backends", {}).items())
+    model = f"kernel model: {kernels['kernel_model']}" if "kernel_model" in kernels else ""
+    lines.append("kernels: " + "; ".join(part for part in (counts, model) if part))
+    if slowdown["modelled"]:
+        lines.append(f"slowdown: trained on {', '.join(slowdown['files']) or slowdown['source']} "
+                     f"({slowdown['rows']} kernels; CV duration error {slowdown['cv_duration_mape_pct']} %)")
+    return lines + [f"[yellow]warning:[/yellow] {w}" for w in inputs["warnings"]]
 
-    run = compose_run(args.overrides, check="layout")
-    with console.status(f"composing {run.model.name} / {run.parallelism.name} on {run.hardware.name}"):
-        result, output = compose_run_artifacts(run, args.output, all_inputs=args.all_inputs)
-    table = Table(title=f"step {result['step_time_s']:.4f} s: breakdown per rank class (seconds)")
+
+def _cmd_compose(args, console: Console) -> int:
+    from trainsim.api import predict
+
+    with console.status("composing (building missing traces, profiles, calibration, slowdown model first)"):
+        result = predict(*args.overrides, build_missing=not args.quick, output=args.output)
+    summary = result.summary
+    table = Table(title=f"step {result.step_time_s:.4f} s: breakdown per rank class (seconds)")
     for column in ("class", "ranks", "stage", "compute", "slowdown", "exposed tp", "exposed dp", "exposed pp",
                    "bubble", "idle", "memory"):
         table.add_column(column, justify="right")
-    for row in result["classes"]:
+    for row in summary["classes"]:
         exposed = row["exposed_comm_s"]
         table.add_row(str(row["rank_class"]), str(row["ranks"]), str(row["pp_rank"]),
                       *(f"{v:.4f}" for v in (row["compute_s"], row["slowdown_added_s"], exposed["tp"], exposed["dp"],
                                              exposed["pp"], row["pipeline_bubble_s"], row["idle_s"])),
                       "[red]OOM[/red]" if row["oom"] else "fits")
     console.print(table)
-    console.print(f"comm: {result['models']['comm']}; slowdown: {result['models']['slowdown']}; "
-                  f"{result['num_nodes']} nodes in {result['simulate_s']:.2f} s -> {output} "
-                  f"(open {output}/trace.json in https://ui.perfetto.dev)")
+    for line in _inputs_lines(result.inputs):
+        console.print(line, highlight=False)
+    console.print(f"{summary['num_nodes']} nodes in {summary['simulate_s']:.2f} s -> {result.artifact_dir} "
+                  f"(open {result.artifact_dir}/trace.json in https://ui.perfetto.dev)", highlight=False)
     return 0
 
 
@@ -161,6 +177,11 @@ def _cmd_search(args, console: Console) -> int:
     space = SearchSpace(micro_batch_sizes=tuple(args.micro_batch_sizes), schedules=tuple(args.schedules),
                         recompute=tuple(args.recompute), min_world_size=args.min_gpus)
     calibration = Path(STAGES["calibration"].path(run.keys))
+    if not args.quick and not (calibration / "manifest.json").is_file():
+        from trainsim.comm.calibration import write_calibration_artifact
+
+        with console.status(f"calibrating the collectives of {run.hardware.name} (cached in {calibration})"):
+            write_calibration_artifact(run.hardware, run.keys, calibration)
     with console.status(f"searching layouts of {run.model.name} on {args.gpus} x {run.hardware.name}"):
         result = search_layouts(run, args.gpus, space, jobs=args.jobs or os.cpu_count() or 1,
                                 calibration_dir=calibration)
@@ -177,6 +198,8 @@ def _cmd_search(args, console: Console) -> int:
     for _, row in shown.iterrows():
         view.add_row(*(f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in columns))
     console.print(view)
+    for line in _inputs_lines(result.inputs):
+        console.print(line, highlight=False)
     console.print(f"estimates: {len(table) / result.estimate_s:.0f} layouts/s on {result.jobs} process(es); "
                   f"slices traced and profiled in {result.slices_s:.1f} s -> {output} "
                   f"(search.html; simulate the chosen ones fully: snakemake --config sweep_file={output}/sweep.yaml)")
@@ -224,11 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="selects the hardware whose rows are imported")
     p.add_argument("--all-hardware", action="store_true", help="import rows of every hardware in the source")
     p.set_defaults(func=_cmd_profile_import)
-    p = sub.add_parser("compose", help="compose the step timeline (traces and profiles first if missing)")
+    p = sub.add_parser("compose", help="predict one step: compose its timeline (missing inputs built first)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b parallelism=pp12-tp8-dp1")
     p.add_argument("--output", help="artifact directory (default: the registry path under artifacts/)")
-    p.add_argument("--all-inputs", action="store_true",
-                   help="also build a missing calibration and slowdown model (they take a minute or two here)")
+    p.add_argument("--quick", action="store_true",
+                   help="do not build a missing calibration or slowdown model (a minute or two each); the output "
+                        "warns about what stood in")
     p.set_defaults(func=_cmd_compose)
     p = sub.add_parser("search", help="search the parallel layouts of a model on a GPU budget")
     p.add_argument("overrides", nargs="*", help="Hydra overrides: model, hardware, parallelism.global_batch_size ...")
@@ -240,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
     p.add_argument("--top", type=int, default=5, help="fastest layouts shown and written to sweep.yaml")
     p.add_argument("--output", help="artifact directory (default artifacts/search/{hardware}/{model}/{gpus}gpu)")
+    p.add_argument("--quick", action="store_true",
+                   help="do not build a missing calibration (the output warns that datasheet rates stood in)")
     p.set_defaults(func=_cmd_search)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")

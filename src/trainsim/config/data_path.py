@@ -1,8 +1,9 @@
 """Where a data file named in a config lives.
 
 Configs name measured data (nccl-tests logs, Echo's overlap CSV) relative to the project, e.g.
-`data/nccl-tests/...` (the repository's data/, indexed in data/SOURCES.md). A stage runs in the project root (Snakemake, DVC), but a copy of the project (a sweep
-directory, a test's temporary project) keeps finding the data through the trainsim checkout.
+`data/nccl-tests/...` (the repository's data/, indexed in data/SOURCES.md). A stage runs in the project
+root (Snakemake, DVC), but a copy of the project (a sweep directory, a test's temporary project) keeps
+finding the data through the trainsim checkout.
 """
 
 from __future__ import annotations

@@ -96,6 +96,9 @@ class KernelModelConfig:
     kind_efficiency: dict[str, float] = field(default_factory=dict)
     """Bandwidth efficiency per op kind (normalization, softmax_loss, optimizer, ...) relative to
     elementwise kernels; kinds not listed have 1."""
+    fitted_on: str = ""
+    """What these parameters were fitted to (data, split, held-out error), stated with every prediction;
+    empty = the defaults above, not fitted to this hardware (predictions then carry a warning)."""
 
 
 @dataclass

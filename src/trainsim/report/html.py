@@ -71,9 +71,30 @@ def setup_section(data: dict[str, Any]) -> str:
                 "communication": summary.get("models", {}).get("comm"),
                 "overlap slowdown": summary.get("models", {}).get("slowdown"),
                 "measured step time": data["end_to_end"]["measured"] and data["ground_truth_dir"] or NOT_MEASURED}
+    inputs = summary.get("inputs", {})
+    warnings = "".join(f"<li>{html.escape(w)}</li>" for w in inputs.get("warnings", []))
     return ("<h3>Configuration</h3>" + _kv_table(setup, "setup-table")
             + "<h3>Backends that produced each number</h3>" + _kv_table(backends, "backends-table")
+            + _inputs_used(inputs)
+            + (f'<ul id="input-warnings" class="missing">{warnings}</ul>' if warnings else "")
             + "<h3>Software versions</h3>" + _kv_table(data["tool_versions"], "versions-table"))
+
+
+def _inputs_used(inputs: dict[str, Any]) -> str:
+    """What the prediction was made from (timeline/provenance.py): calibration files and their held-out
+    error, what the kernel model was fitted on, what the slowdown model was trained on."""
+    if not inputs:
+        return ""
+    cal, kernels, slowdown = inputs["calibration"], inputs["kernels"], inputs["slowdown"]
+    rows = {"calibration": "; ".join(cal.get("sources", [])) or "none (datasheet rates, NCCL constants)"}
+    for name, entry in cal.get("collectives", {}).items():
+        rows[f"{name} held-out error (>= 1 MiB / smaller)"] = (f"{entry['heldout_mape_pct_large']} % / "
+                                                               f"{entry['heldout_mape_pct_small']} %")
+    rows["kernel model"] = kernels.get("kernel_model", "not used (all kernels measured)")
+    rows["slowdown model"] = (f"trained on {', '.join(slowdown['files']) or slowdown['source']} ({slowdown['rows']} "
+                              f"kernels), CV duration error {slowdown['cv_duration_mape_pct']} %"
+                              if slowdown["modelled"] else "none")
+    return "<h3>Inputs of this prediction</h3>" + _kv_table(rows, "inputs-table")
 
 
 def end_to_end_section(data: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from trainsim.report.efficiency import efficiency
 from trainsim.search.estimate import estimate_layout
 from trainsim.search.layouts import SearchSpace, enumerate_layouts
 from trainsim.search.slices import SliceCosts, measure_slice_costs, slice_key
+from trainsim.timeline.provenance import search_inputs
 from trainsim.timeline.stage import comm_model
 from trainsim.trace.tracer import tracer_code_digest
 
@@ -47,6 +48,8 @@ class SearchResult:
     estimate_s: float
     """wall time of the memory screen and the estimates"""
     jobs: int
+    inputs: dict = dataclasses.field(default_factory=dict)
+    """what the estimates were made from, with warnings (timeline/provenance.py)"""
 
 
 def cluster_for(hw: HardwareConfig, budget: int) -> HardwareConfig:
@@ -159,7 +162,8 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
     table["pareto"] = False
     if ok.any():
         table.loc[ok, "pareto"] = pareto_front(table[ok], "step_time_s", cost_column(table))
-    return SearchResult(table=table, slices_s=slices_s, estimate_s=estimate_s, jobs=jobs)
+    return SearchResult(table=table, slices_s=slices_s, estimate_s=estimate_s, jobs=jobs,
+                        inputs=search_inputs(hw, calibration_dir if calibrated else None, budget))
 
 
 def layout_overrides(row: pd.Series, num_nodes: int) -> list[str]:
@@ -191,4 +195,5 @@ def summary_json(result: SearchResult, budget: int) -> str:
     counts = t["status"].value_counts().to_dict()
     return json.dumps({"budget_gpus": budget, "layouts": len(t), "status_counts": counts, "jobs": result.jobs,
                        "slices_s": result.slices_s, "estimate_s": result.estimate_s,
-                       "layouts_per_s": len(t) / result.estimate_s if result.estimate_s else None}, indent=2)
+                       "layouts_per_s": len(t) / result.estimate_s if result.estimate_s else None,
+                       "inputs": result.inputs}, indent=2)

@@ -34,6 +34,9 @@ SUMMARY_FIELDS = {
     "slowdown_converged": "false when the iteration limit was reached first",
     "models": "communication model, slowdown model, schedule and dependency rules used",
     "compute_backends": "how the kernel times were obtained (profile backends and their op counts)",
+    "inputs": "what the prediction was made from: calibration (files, held-out error), kernels (backends, "
+              "what the kernel model was fitted on), slowdown model (training data, CV error), and warnings "
+              "where a fallback stood in (timeline/provenance.py)",
     "pipeline_flush_s": "time the last backward pass of any class ends",
     "classes": "per rank class: ranks, stage, straggler factor, breakdown (see below), memory verdict",
     "critical_path": "chain of nodes that decides the step time: time by category and by class, segments",

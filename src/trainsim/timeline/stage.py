@@ -8,6 +8,9 @@ Files (artifacts/timelines/{hardware}/{model}/{parallelism}/):
                       duration, solo compute time, communication time
   rank_classes.parquet  rank -> timeline class (stragglers split the trace's classes)
   trace.json          Chrome / Perfetto trace: one process per class, one thread per stream
+
+summary.json's `inputs` says what the prediction was made from and warns where a fallback stood in
+(timeline/provenance.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from trainsim.timeline.chrome import write_chrome_trace
 from trainsim.timeline.compose import StepTimeline, compose_step
 from trainsim.timeline.costs import CommCost, NoSlowdown, PredictorSlowdown, SlowdownEstimate
 from trainsim.timeline.outputs import class_table, node_kind_names, summary
+from trainsim.timeline.provenance import prediction_inputs
 from trainsim.trace.stage import GRAPH_FILE, MEMORY_FILE, RANK_CLASSES_FILE
 from trainsim.what_if import scaled_compute_times
 
@@ -90,6 +94,8 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     compute = scaled_compute_times(compute, graph[graph["kind"] == "compute"], hw)
     comm = comm_model(hw, inputs.get("calibration"))
     slowdown = slowdown_model(hw, inputs.get("slowdown_model"))
+    used = prediction_inputs(hw, inputs, backends, nodes_used=-(-par.world_size // hw.devices_per_node),
+                             device_type=device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type))
     config = {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}
     with atomic_artifact(output, stage="compose", config=config, config_keys=keys, inputs=list(inputs.values())) as tmp:
         t = compose_step(graph, rank_classes, par, hw, compute, comm, slowdown)
@@ -97,7 +103,8 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
         result = summary(t, classes, world_size=par.world_size, num_microbatches=par.num_microbatches,
                          compute_backends=backends, extra={"hardware": keys.get("hardware"),
                                                            "model": keys.get("model"),
-                                                           "parallelism": keys.get("parallelism")})
+                                                           "parallelism": keys.get("parallelism"),
+                                                           "inputs": used})
         (tmp / SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")
         pq.write_table(pa.Table.from_pandas(classes, preserve_index=False), tmp / CLASSES_FILE)
         pq.write_table(timeline_table(t), tmp / TIMELINE_FILE)
@@ -107,10 +114,11 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     return result
 
 
-def compose_run_artifacts(run, output: Path | None = None, all_inputs: bool = False) -> tuple[dict, Path]:
+def compose_run_artifacts(run, output: Path | None = None, build_missing: bool = True) -> tuple[dict, Path]:
     """What `trainsim compose` does: compose a run from the artifacts at the registry's paths, first
-    writing the trace and kernel profile if they are missing; calibration and slowdown model are used
-    when present, or also built when missing with `all_inputs` (the whole pipeline's prediction).
+    writing those that are missing (cached there for the next run), so that the default is the whole
+    pipeline's prediction. With `build_missing=False` only the trace and kernel profile are built; a
+    missing calibration or slowdown model is then left out, and summary.json's `inputs` warns of it.
     Returns the summary and the timeline directory."""
     from trainsim.comm.calibration import write_calibration_artifact
     from trainsim.profile.stage import write_profile_artifact
@@ -128,9 +136,9 @@ def compose_run_artifacts(run, output: Path | None = None, all_inputs: bool = Fa
         write_trace_artifact(run.model, run.parallelism, keys, paths["trace"])
     if missing("profile"):
         write_profile_artifact(hw, keys, paths["trace"], Path(STAGES["profile"].database_path(keys)), paths["profile"])
-    if all_inputs and missing("calibration"):
+    if build_missing and missing("calibration"):
         write_calibration_artifact(hw, keys, paths["calibration"])
-    if all_inputs and missing("slowdown_model"):
+    if build_missing and missing("slowdown_model"):
         if missing("slowdown_dataset"):
             write_dataset_artifact(hw, keys, paths["slowdown_dataset"])
         write_model_artifact(hw, keys, paths["slowdown_dataset"], paths["slowdown_model"])

@@ -1,0 +1,121 @@
+"""What a prediction was made from: calibration, kernel model, slowdown model, and every fallback.
+
+A step time is only as good as its inputs, and a user acting on it must see when one was weak: no
+collective measurements (datasheet rates and NCCL's constants), measurements of a single node used for a
+multi-node run, a kernel model left at the schema defaults, ops the measuring backend could not time, no
+overlap-slowdown model, or one trained on another device. `prediction_inputs` reads the upstream
+artifacts' own reports (fit.json, the profile summary, the slowdown metrics) and states each of these
+as a warning; the CLI, summary.json, the report and the Python API all show the same dictionary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from trainsim.artifacts.store import MANIFEST
+from trainsim.comm.model import FIT_FILE
+from trainsim.config.schema import HardwareConfig
+from trainsim.slowdown.predictor import METRICS_FILE
+
+# not imported: the profile and slowdown stages pull in torch and xgboost training
+PROFILE_SUMMARY_FILE = "summary.json"  # trainsim.profile.stage.SUMMARY_FILE
+SLOWDOWN_SUMMARY_FILE = "summary.json"  # trainsim.slowdown.stage.SUMMARY_FILE
+MEASURED_BACKENDS = ("cpu", "cuda")  # trainsim.profile.stage.MEASURED_BACKENDS
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _round(value):
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else round(float(value), 2)
+
+
+def calibration_inputs(hw: HardwareConfig, calibration_dir: Path | None, nodes_used: int) -> tuple[dict, list[str]]:
+    """Which measurements fitted the collective model, its held-out error per collective, and warnings."""
+    fit = _read_json(Path(calibration_dir) / FIT_FILE) if calibration_dir else {}
+    collectives = fit.get("collectives", {})
+    if not collectives:
+        reason = ("no calibration artifact" if not calibration_dir else
+                  "the calibration holds no measurements (hardware.calibration.files is empty and there is no "
+                  "local sweep)")
+        return ({"calibrated": False, "artifact": str(calibration_dir) if calibration_dir else None},
+                [f"collectives: {reason}; using datasheet link rates and NCCL's constants (uncalibrated)"])
+    sources = list(fit.get("sources", {}))
+    if hw.calibration.local_sweep:
+        sources.append(f"local {hw.comm_backend} sweep on this machine")
+    errors = {name: {"heldout_mape_pct_large": _round(entry["heldout"].get("model_mape_pct_large")),
+                     "heldout_mape_pct_small": _round(entry["heldout"].get("model_mape_pct_small")),
+                     "rows": entry["rows"], "ranks_nodes": entry["ranks_nodes"]}
+              for name, entry in collectives.items()}
+    max_nodes = max(nodes for entry in collectives.values() for _, nodes in entry["ranks_nodes"])
+    warnings = []
+    if nodes_used > max_nodes:
+        warnings.append(f"collectives: calibrated on at most {max_nodes} node(s), this run spans {nodes_used}; the "
+                        f"inter-node hop uses the datasheet rate ({hw.inter_node_bandwidth_bytes_per_s / 1e9:g} GB/s "
+                        f"per node) and NCCL's network latencies")
+    skipped = {f: n for f, n in fit.get("skipped_wrong_results", {}).items() if n}
+    return ({"calibrated": True, "artifact": str(calibration_dir), "sources": sources,
+             "collectives": errors, "other_collectives": "borrow the link parameters of a calibrated one",
+             "skipped_wrong_results": skipped}, warnings)
+
+
+def kernel_inputs(hw: HardwareConfig, profile_dir: Path | None, backends: dict[str, int]) -> tuple[dict, list[str]]:
+    """How kernel times were obtained (measured here, or the analytical model and what it was fitted on)."""
+    summary = _read_json(Path(profile_dir) / PROFILE_SUMMARY_FILE) if profile_dir else {}
+    analytical = backends.get("analytical", 0)
+    measured = {k: v for k, v in backends.items() if k in MEASURED_BACKENDS}
+    out = {"backends": backends, "measured_ops": sum(measured.values()), "analytical_ops": analytical}
+    warnings = []
+    fallback = summary.get("fallback_count", 0)
+    if fallback:
+        warnings.append(f"kernels: {fallback} op(s) could not be measured and use the analytical model "
+                        f"(listed in {Path(profile_dir) / PROFILE_SUMMARY_FILE})")
+    if analytical:
+        out["kernel_model"] = hw.kernel_model.fitted_on or "schema defaults (not fitted)"
+        if not hw.kernel_model.fitted_on:
+            warnings.append(f"kernels: {analytical} op(s) timed by the analytical model with its default "
+                            f"efficiencies, not fitted to {hw.name} (fit one with `trainsim profile-fit`)")
+    return out, warnings
+
+
+def slowdown_inputs(hw: HardwareConfig, model_dir: Path | None, device_type: str) -> tuple[dict, list[str]]:
+    """Whether compute slowed by overlapping communication was modelled, trained on what, how accurate."""
+    if model_dir is None:
+        return ({"modelled": False},
+                ["slowdown: no overlap-slowdown model; compute overlapped with communication runs at solo speed"])
+    metrics = _read_json(Path(model_dir) / METRICS_FILE)
+    dataset_dirs = list(_read_json(Path(model_dir) / MANIFEST).get("inputs", {}))  # the dataset it was trained on
+    dataset = _read_json(Path(dataset_dirs[0]) / SLOWDOWN_SUMMARY_FILE) if dataset_dirs else {}
+    trained_on = dataset.get("device_types", [])
+    out = {"modelled": True, "artifact": str(model_dir), "source": dataset.get("source", hw.slowdown.source),
+           "files": [f["path"] for f in dataset.get("files", [])], "rows": dataset.get("rows"),
+           "device_types": trained_on,
+           "cv_duration_mape_pct": _round(metrics.get("cv", {}).get("model", {}).get("duration_mape_pct"))}
+    warnings = []
+    if trained_on and device_type not in trained_on:
+        warnings.append(f"slowdown: model trained on {', '.join(trained_on)} kernels, applied to {device_type} "
+                        "(an unseen device type)")
+    return out, warnings
+
+
+def prediction_inputs(hw: HardwareConfig, inputs: dict[str, Path], backends: dict[str, int], nodes_used: int,
+                      device_type: str) -> dict:
+    """The `inputs` entry of summary.json: calibration, kernels, slowdown and the warnings of all three."""
+    calibration, w1 = calibration_inputs(hw, inputs.get("calibration"), nodes_used)
+    kernels, w2 = kernel_inputs(hw, inputs.get("profile"), backends)
+    slowdown, w3 = slowdown_inputs(hw, inputs.get("slowdown_model"), device_type)
+    return {"calibration": calibration, "kernels": kernels, "slowdown": slowdown, "warnings": w1 + w2 + w3}
+
+
+def search_inputs(hw: HardwareConfig, calibration_dir: Path | None, budget_gpus: int) -> dict:
+    """The `inputs` of a layout search: its collective model and kernel model; it never models slowdown."""
+    calibration, w1 = calibration_inputs(hw, calibration_dir, -(-budget_gpus // hw.devices_per_node))
+    kernel_model = hw.kernel_model.fitted_on or "schema defaults (not fitted)"
+    w2 = [] if hw.kernel_model.fitted_on or hw.device_kind == "cpu" else [
+        f"kernels: the analytical model runs with its default efficiencies, not fitted to {hw.name}"]
+    return {"calibration": calibration, "kernels": {"kernel_model": kernel_model}, "slowdown": {"modelled": False},
+            "warnings": w1 + w2 + ["slowdown: not modelled by the search's estimates; the full compose of the "
+                                   "chosen layouts (sweep.yaml) models it"]}
