@@ -177,7 +177,7 @@ def class_table(t: StepTimeline, memory: pd.DataFrame | None, capacity_bytes: fl
 
 
 def summary(t: StepTimeline, classes: pd.DataFrame, *, world_size: int, num_microbatches: int,
-            compute_backends: dict | None = None, extra: dict | None = None) -> dict:
+            compute_backends: dict | None = None, inputs: dict | None = None, extra: dict | None = None) -> dict:
     """The summary JSON (field meanings: SUMMARY_FIELDS, CLASS_FIELDS; docs/timeline.md)."""
     rows = []
     for row in classes.to_dict("records"):
@@ -191,6 +191,7 @@ def summary(t: StepTimeline, classes: pd.DataFrame, *, world_size: int, num_micr
         "schedule": t.models["schedule"], "num_rank_classes": t.classes.count, "num_ops": t.num_ops,
         "num_nodes": t.graph.num_nodes, "slowdown_iterations": t.iterations,
         "slowdown_converged": t.converged, "models": t.models, "compute_backends": compute_backends or {},
+        "inputs": inputs or {},
         "pipeline_flush_s": pipeline_flush_s(t), "classes": rows, "critical_path": critical_path(t),
         "oom": bool(classes["oom"].any()), "simulate_s": t.simulate_s,
     }

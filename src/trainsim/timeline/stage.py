@@ -101,10 +101,9 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
         t = compose_step(graph, rank_classes, par, hw, compute, comm, slowdown)
         classes = class_table(t, memory, hw.memory_capacity_bytes)
         result = summary(t, classes, world_size=par.world_size, num_microbatches=par.num_microbatches,
-                         compute_backends=backends, extra={"hardware": keys.get("hardware"),
-                                                           "model": keys.get("model"),
-                                                           "parallelism": keys.get("parallelism"),
-                                                           "inputs": used})
+                         compute_backends=backends, inputs=used,
+                         extra={"hardware": keys.get("hardware"), "model": keys.get("model"),
+                                "parallelism": keys.get("parallelism")})
         (tmp / SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")
         pq.write_table(pa.Table.from_pandas(classes, preserve_index=False), tmp / CLASSES_FILE)
         pq.write_table(timeline_table(t), tmp / TIMELINE_FILE)
