@@ -33,6 +33,7 @@ def test_every_gpu_config_composes_with_its_calibration_and_slowdown_model(hardw
         assert all(e["rows"] > 0 for e in calibration["collectives"].values())
     else:  # no measurements: the datasheet stands in, and the user is told
         assert any("uncalibrated" in w for w in p.warnings)
+        assert p.summary["models"]["comm"].startswith("CommModel (uncalibrated")
     assert p.inputs["slowdown"]["modelled"] and p.inputs["slowdown"]["files"] == hw.slowdown.import_files
     assert p.inputs["kernels"]["analytical_ops"] > 0
     assert p.inputs["kernels"]["kernel_model"] == (hw.kernel_model.fitted_on or "schema defaults (not fitted)")

@@ -260,7 +260,9 @@ class CommModel:
         data = json.loads(path.read_text())
         fits = {name: CollectiveParams.from_dict(entry["params"]) for name, entry in data["collectives"].items()}
         noise = SystemNoise.from_dict(data["system_noise"]["model"]) if "system_noise" in data else None
-        return cls(hw, fits, source=f"calibrated: {path}", noise=noise)
+        source = f"calibrated: {path}" if fits else f"uncalibrated ({path} holds no measurements): datasheet rates " \
+                                                   "and NCCL constants"
+        return cls(hw, fits, source=source, noise=noise)
 
     def params(self, collective: str) -> CollectiveParams:
         """The parameters used for `collective`, with hardware.what_if applied."""
