@@ -1,28 +1,42 @@
-"""nccl-tests parser: the published tables in data/nccl-tests, and synthetic quirks and bad input."""
+"""nccl-tests parser: the published tables in data/nccl-tests, real-world log shapes built from their rows
+(log records, truncation, several runs, abbreviated rank lists, launcher prefixes, old layouts), bad input."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
+from trainsim.comm.calibration import collect_measurements, read_calibration_file, write_calibration_artifact
 from trainsim.comm.nccl_tests import (
     COLUMNS,
+    SKIP_EXTRA,
+    SKIP_LOG_DAMAGE,
+    SKIP_TRUNCATED,
     NcclTestsFormatError,
     bus_bandwidth_factor,
     parse_nccl_tests,
+    parse_nccl_tests_runs,
 )
+from trainsim.config import compose_run
 from trainsim.config.data_path import DATA_DIR
+from trainsim.config.schema import CalibrationFile
+from trainsim.errors import ConfigError
 
 DATA = DATA_DIR / "nccl-tests"
 P4DE = "a100-16gpu-2node-aws-p4de-efa400_allreduce.txt"
 P5 = "h100-16gpu-2node-aws-p5-efa3200_allreduce.txt"
 TRIMMED = "a100-8gpu-nvlink_allreduce_mlengineering.txt"
 SENDRECV = "a100-8gpu-nvlink_sendrecv_liplus.txt"
+OCI = "a100-16gpu-2node-oci-bmgpu4.8-roce_allreduce.txt"
+COREWEAVE = "h100-64gpu-8node-coreweave-ndr-ib-sharp_allreduce.txt"
 # file -> (collective, nranks, nodes, sizes, placements per size)
 SUPPORTED = {
     P4DE: ("all_reduce", 16, 2, 29, 2),
+    OCI: ("all_reduce", 16, 2, 31, 2),
     P5: ("all_reduce", 16, 2, 32, 2),
     TRIMMED: ("all_reduce", 8, 1, 20, 1),
     SENDRECV: ("send_recv", 8, 1, 4, 2),
@@ -35,6 +49,8 @@ UNSUPPORTED = {
     "h200-8gpu-nvlink_allreduce-nvls-vs-ring_mlengineering.txt": 4,
     "a100-ndmv4-azure-1node-2node_summary_mscclpp.txt": 5,
 }
+# header's rank count contradicted by busbw / algbw -> (stated, implied)
+RANK_CONFLICT = {COREWEAVE: (64, 96)}
 MODERN_HEADER = (
     "#    size       count   type  redop  root    time  algbw  busbw #wrong    time  algbw  busbw #wrong\n"
     "#     (B)  (elements)                        (us) (GB/s) (GB/s)           (us) (GB/s) (GB/s)\n"
@@ -61,7 +77,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def test_every_data_file_is_classified(data: Path) -> None:
-    assert {p.name for p in data.iterdir()} == set(SUPPORTED) | set(UNSUPPORTED)
+    assert {p.name for p in data.iterdir()} == set(SUPPORTED) | set(UNSUPPORTED) | set(RANK_CONFLICT)
 
 
 @pytest.mark.parametrize("name", sorted(SUPPORTED))
@@ -125,7 +141,7 @@ def test_sendrecv_na_error_column(data: Path) -> None:
     assert (table.busbw_gbps == table.algbw_gbps).all()  # send_recv factor is 1
 
 
-@pytest.mark.parametrize("name", [P4DE, P5, TRIMMED, SENDRECV])
+@pytest.mark.parametrize("name", [P4DE, P5, OCI, TRIMMED, SENDRECV])
 def test_busbw_is_algbw_times_factor(data: Path, name: str) -> None:
     result = parse_nccl_tests(data / name)
     factor = bus_bandwidth_factor(result.collective, result.nranks)
@@ -196,10 +212,18 @@ def test_malformed_value_names_file_line_and_column(data: Path, tmp_path: Path) 
         parse_nccl_tests(path)
 
 
-def test_wrong_column_count(tmp_path: Path) -> None:
-    text = MODERN_HEADER + "  1024  256  float  sum  -1  20.5  0.05  0.09  0  20.1  0.05  0.09\n"
-    with pytest.raises(NcclTestsFormatError, match=r"short_allreduce\.txt, line 3: 12 columns.*expected 13 columns"):
-        parse_nccl_tests(write(tmp_path, "short_allreduce.txt", text))
+def test_short_row_is_reported_not_dropped(tmp_path: Path) -> None:
+    short = "  1024  256  float  sum  -1  20.5  0.05  0.09  0  20.1  0.05  0.09\n"
+    text = MODERN_HEADER + "  512  128  float  sum  -1  20.0  0.03  0.05  0  20.1  0.03  0.05  0\n" + short
+    result = parse_nccl_tests(write(tmp_path, "short_allreduce.txt", text), nranks=4)
+    assert result.table.message_bytes.tolist() == [512, 512]
+    [skipped] = result.skipped
+    assert (skipped.line, skipped.reason, skipped.text) == (4, SKIP_TRUNCATED, short.strip())
+    assert skipped.detail.startswith("12 fields, expected 13 (size count type redop root time")
+    assert result.skipped_counts == {SKIP_TRUNCATED: 1}
+    pattern = r"short_allreduce\.txt: no measurements found.*1 truncated row; first: line 3 .*12 fields, expected 13"
+    with pytest.raises(NcclTestsFormatError, match=pattern):
+        parse_nccl_tests(write(tmp_path, "short_allreduce.txt", MODERN_HEADER + short))
 
 
 def test_malformed_csv_row(tmp_path: Path) -> None:
@@ -235,3 +259,209 @@ def test_bus_bandwidth_factor() -> None:
         bus_bandwidth_factor("all_reduce", 0)
     with pytest.raises(ValueError):
         bus_bandwidth_factor("scatter", 4)
+
+
+# --- real-world log shapes, built from the rows of the published tables ---------------------------------
+
+NCCL_LOG = "mpiworker-0:43:43 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC"
+NCCL_LOG_2 = "mpiworker-0:43:43 [0] NCCL INFO Connected all rings"
+SHARP_LOG = ("[mpiworker-0:0:2916721 - context.c:589] INFO job (ID: 2838387367436317) resource request quota: "
+             "( osts:0 user_data_per_ost:0 max_groups:0 max_qps:1 max_group_channels:1, num_trees:1)")
+
+
+def lines_of(name: str) -> list[str]:
+    return (DATA / name).read_text().splitlines()
+
+
+def is_row(line: str) -> bool:
+    return bool(re.match(r"\s*\d", line))
+
+
+def data_rows(name: str) -> list[str]:
+    """The measured rows of a data file, as printed."""
+    return [line for line in lines_of(name) if is_row(line)]
+
+
+def rank_lines(name: str) -> list[str]:
+    return [line for line in lines_of(name) if re.match(r"#\s+Rank\s+\d", line)]
+
+
+def same_table(result, original) -> bool:
+    return result.table.drop(columns="source").equals(original.table.drop(columns="source"))
+
+
+def accounted_sizes(result) -> set[int]:
+    """Sizes that came through, and sizes of the lines reported as left out."""
+    return set(result.table.message_bytes) | {int(s.text.split()[0]) for s in result.skipped}
+
+
+def sizes(name: str) -> set[int]:
+    return {int(row.split()[0].replace("_", "")) for row in data_rows(name)}
+
+
+def test_header_count_contradicted_by_busbw_is_an_error_naming_both(data: Path) -> None:
+    """CoreWeave's README table: its header says 64 ranks, busbw / algbw = 2(n-1)/n = 1.979 says 96."""
+    (stated, implied), = RANK_CONFLICT.values()
+    pattern = rf"{COREWEAVE}: '64 ranks' \(line 3\) says {stated} ranks, but busbw / algbw implies {implied} \("
+    with pytest.raises(NcclTestsFormatError, match=pattern):
+        parse_nccl_tests(data / COREWEAVE)
+    with pytest.raises(NcclTestsFormatError, match=r"nranks=64 \(given\) says 64 ranks, .* implies 96"):
+        parse_nccl_tests(data / COREWEAVE, nranks=64)
+    result = parse_nccl_tests(data / COREWEAVE, nranks=96)
+    assert result.nranks == 96 and len(result.table) == 10
+
+
+def test_old_layout_between_nccl_and_sharp_log_lines(data: Path, tmp_path: Path) -> None:
+    """2019-2022 layout (no root; `error` is a deviation such as 5e-07, not a failure count) in a job log."""
+    def old(row: str, deviation: str) -> str:
+        f = row.split()
+        return "  ".join(f[:4] + f[5:8] + [deviation] + f[9:12] + [deviation])
+
+    lines = ["mpirun -np 16 -map-by ppr:8:node -x NCCL_COLLNET_ENABLE=1 ./build/all_reduce_perf -b 8 -e 8G -f 2 -g 1",
+             "# nThread 1 nGpus 1 minBytes 8 maxBytes 8589934592 step: 2(factor) warmup iters: 5 iters: 20 "
+             "validation: 1", "#", "# Using devices"]
+    lines += [re.sub(r" Group\s+\d+", "", line) for line in rank_lines(OCI)]  # the old rank line had no group
+    lines += [SHARP_LOG, NCCL_LOG, "#",
+              "#     size      count   type  redop   time  algbw  busbw  error   time  algbw  busbw  error",
+              "#      (B) (elements)                 (us) (GB/s) (GB/s)          (us) (GB/s) (GB/s)"]
+    for i, row in enumerate(data_rows(OCI)):
+        lines += [old(row, "0e+00" if i == 0 else "5e-07")] + [NCCL_LOG] * (i % 3 == 0) + [SHARP_LOG] * (i % 7 == 0)
+    lines += ["# Out of bounds values : 0 OK", "# Avg bus bandwidth    : 66.4834"]
+    result = parse_nccl_tests(write(tmp_path, "job.log", "\n".join(lines) + "\n"))
+    assert same_table(result, parse_nccl_tests(data / OCI))  # every row, none taken for a failure
+    assert (result.nranks, result.nodes, result.skipped, result.skipped_wrong) == (16, 2, (), 0)
+
+
+def test_log_records_written_into_rows_are_cut_out(data: Path, tmp_path: Path) -> None:
+    """NCCL writes to the same stdout while nccl-tests prints a row in pieces (here under srun's labels)."""
+    rows = data_rows(P5)
+    cut_at = {3: lambda f: f[4].end(), 10: lambda f: f[5].start() + 2, 20: lambda f: f[-1].end()}
+    lines = [line for line in lines_of(P5) if not is_row(line)]
+    for i, row in enumerate(rows):
+        if i in cut_at:  # after the key columns, inside the out-of-place time, after the last column
+            at = cut_at[i](list(re.finditer(r"\S+", row)))
+            lines += [row[:at] + NCCL_LOG, NCCL_LOG_2, row[at:]]
+        else:
+            lines.append(row)
+    text = "".join(f"0: {line}\n" for line in lines)
+    result = parse_nccl_tests(write(tmp_path, P5, text))
+    assert same_table(result, parse_nccl_tests(data / P5)) and result.skipped == ()
+
+
+def test_truncated_and_damaged_rows_are_reported(data: Path, tmp_path: Path) -> None:
+    lines = lines_of(OCI)
+    first = next(i for i, line in enumerate(lines) if is_row(line))
+    fields = {i: list(re.finditer(r"\S+", lines[i])) for i in range(first, len(lines)) if is_row(lines[i])}
+    lines[first + 4] = lines[first + 4][: fields[first + 4][5].end()]  # cut after the time
+    lines[first + 9] += "   0.00"  # a field too many
+    lines[first + 12] = lines[first + 12][: fields[first + 12][4].end()] + NCCL_LOG  # the rest never came
+    last = max(fields)
+    lines[last] = lines[last][: fields[last][6].start() + 3]  # the log ends inside algbw
+    result = parse_nccl_tests(write(tmp_path, OCI, "\n".join(lines[: last + 1])))
+    reported = [(s.line, s.reason) for s in result.skipped]
+    assert reported == [(first + 5, SKIP_TRUNCATED), (first + 10, SKIP_EXTRA), (first + 13, SKIP_LOG_DAMAGE),
+                        (last + 1, SKIP_TRUNCATED)]
+    assert len(result.table) == 2 * (31 - 4) and accounted_sizes(result) == sizes(OCI)
+    assert result.skipped_counts == {SKIP_TRUNCATED: 2, SKIP_EXTRA: 1, SKIP_LOG_DAMAGE: 1}
+
+
+def test_several_runs_in_one_file(data: Path, tmp_path: Path) -> None:
+    """Each run keeps its own header: OCI (16 ranks on 2 hosts), ml-engineering (-g 8, single node), p4de."""
+    names = (OCI, TRIMMED, P4DE)
+    path = write(tmp_path, "allreduce_sweep.log", "".join((data / n).read_text() for n in names))
+    runs = parse_nccl_tests_runs(path)
+    assert [(r.run, r.nranks, r.nodes, len(r.table)) for r in runs] == [(1, 16, 2, 62), (2, 8, 1, 20),
+                                                                       (3, 16, None, 58)]
+    offset = 0
+    for run, name in zip(runs, names, strict=True):
+        original = parse_nccl_tests(data / name)
+        assert same_table(run, original) and run.lines == tuple(offset + n for n in original.lines)
+        offset += len(lines_of(name))
+    with pytest.raises(NcclTestsFormatError, match=r"sweep\.log: 3 runs \(lines 26-56, .*parse_nccl_tests_runs"):
+        parse_nccl_tests(path)
+    with pytest.raises(ConfigError, match=r"allreduce_sweep\.log \(run 3, lines \d+-\d+\): cannot tell num_nodes"):
+        read_calibration_file(CalibrationFile(path=str(path)))
+    two = write(tmp_path, "two_runs_allreduce.log", "".join((data / n).read_text() for n in names[:2]))
+    table = read_calibration_file(CalibrationFile(path=str(two)))
+    assert table.groupby(["num_ranks", "num_nodes"]).size().to_dict() == {(8, 1): 20, (16, 2): 31}
+
+
+def test_rank_list_is_a_lower_bound_and_busbw_gives_the_count(data: Path, tmp_path: Path) -> None:
+    lines = lines_of(OCI)[3:]  # nccl-tests' own output: no curator line saying '16 ranks' or '2 nodes'
+    ranks = [i for i, line in enumerate(lines) if re.match(r"#\s+Rank", line)]
+    full = parse_nccl_tests(write(tmp_path, "full_allreduce.log", "\n".join(lines)))
+    assert (full.nranks, full.nodes) == (16, 2)
+    abbreviated = lines[: ranks[4]] + lines[ranks[-1] + 1 :]  # ranks 0-3 listed, all on the first host
+    result = parse_nccl_tests(write(tmp_path, "cut_allreduce.log", "\n".join(abbreviated)))
+    assert (result.nranks, result.nodes) == (16, None) and same_table(result, full)
+    elided = lines[: ranks[4]] + ["#  ..."] + lines[ranks[-1] + 1 :]
+    assert parse_nccl_tests(write(tmp_path, "dots_allreduce.log", "\n".join(elided))).nranks == 16
+    nccl_says_4 = ["mpiworker-0:43:43 [0] NCCL INFO comm 0x5581 rank 0 nranks 4 cudaDev 0 busId 101c0 - Init COMPLETE"]
+    pattern = r"NCCL's log \(nranks 4\) says 4 ranks, but busbw / algbw implies 16"
+    with pytest.raises(NcclTestsFormatError, match=pattern):
+        parse_nccl_tests(write(tmp_path, "log4_allreduce.log", "\n".join(nccl_says_4 + abbreviated)))
+    eight_rank_rows = lines_of(TRIMMED)[5:]  # an 8-rank table under OCI's 16 listed ranks
+    mixed = lines[: ranks[-1] + 1] + eight_rank_rows
+    with pytest.raises(NcclTestsFormatError, match=r"lists ranks up to 15 \(16 ranks\), but busbw / algbw implies 8"):
+        parse_nccl_tests(write(tmp_path, "mixed_allreduce.log", "\n".join(mixed)))
+
+
+def test_open_mpi_output_tags_are_stripped(data: Path, tmp_path: Path) -> None:
+    text = "".join(f"[1,0]<stdout>:{line}\n" for line in lines_of(OCI))
+    result = parse_nccl_tests(write(tmp_path, OCI, text))
+    assert same_table(result, parse_nccl_tests(data / OCI)) and (result.nranks, result.nodes) == (16, 2)
+
+
+def test_pre_2019_layout_in_milliseconds(data: Path, tmp_path: Path) -> None:
+    """`bytes N type op time algbw busbw res`, time printed in ms with 3 decimals."""
+    def old(row: str) -> str:
+        f = row.split()
+        return "  ".join(f[:4] + [f"{float(f[5]) / 1e3:.3f}", *f[6:8], "0e+00", f"{float(f[9]) / 1e3:.3f}",
+                                  *f[10:12], "1e-06"])
+
+    header = "#     bytes          N   type    op    time  algbw  busbw    res    time  algbw  busbw    res"
+    comments = [line for line in lines_of(P4DE) if line.startswith("#") and "size" not in line]
+    text = "\n".join(comments[:-1] + [header] + [old(row) for row in data_rows(P4DE)])
+    result = parse_nccl_tests(write(tmp_path, P4DE, text))
+    original = parse_nccl_tests(data / P4DE).table
+    assert len(result.table) == 58 and result.nranks == 16
+    assert result.table.time_s.to_numpy() == pytest.approx(original.time_s.to_numpy(), abs=5.01e-7)
+    assert result.table.busbw_gbps.equals(original.busbw_gbps)
+
+
+def test_header_naming_one_group_and_per_iteration_columns(data: Path, tmp_path: Path) -> None:
+    lines = lines_of(P4DE)
+    header = next(i for i, line in enumerate(lines) if "#wrong" in line)
+    one_group = lines[:header] + ["#  size count type redop root time algbw busbw #wrong"] + lines[header + 1 :]
+    original = parse_nccl_tests(data / P4DE)
+    assert same_table(parse_nccl_tests(write(tmp_path, P4DE, "\n".join(one_group))), original)
+
+    def per_iteration(row: str) -> str:  # nccl-tests -I: min, max, p99 and cv of the iterations per group
+        f = row.split()
+        return "  ".join(f[:9] + [f[5], f[5], f[5], "1.5"] + f[9:13] + [f[9], f[9], f[9], "1.5"])
+
+    names = "time algbw busbw #wrong i_min i_max i_p99 i_cv%"
+    text = "\n".join(lines[:header] + [f"#  size count type redop root {names} {names}"]
+                     + [per_iteration(row) for row in data_rows(P4DE)])
+    assert same_table(parse_nccl_tests(write(tmp_path, P4DE, text)), original)
+
+
+def test_rows_before_any_header_are_reported(tmp_path: Path) -> None:
+    text = "1024 256 float sum 20.5 0.05 0.09\n2048 512 float sum 21.0 0.10 0.17\n"
+    with pytest.raises(NcclTestsFormatError, match=r"no measurements found.*2 data before any column header"):
+        parse_nccl_tests(write(tmp_path, "bare_allreduce.txt", text))
+
+
+def test_calibration_records_skipped_lines(data: Path, tmp_path: Path) -> None:
+    lines = lines_of(P5)
+    last = max(i for i, line in enumerate(lines) if is_row(line))
+    lines[last] = lines[last][:60]  # the log was cut inside the last row
+    path = write(tmp_path, P5, "\n".join(lines))
+    expected = {SKIP_TRUNCATED: {"count": 1, "lines": [last + 1]}}
+    table = read_calibration_file(CalibrationFile(path=str(path)))
+    assert table.attrs["skipped_lines"] == expected and len(table) == 31
+    hw = compose_run(["hardware=h100-sxm-dgx"], check="layout").hardware
+    hw.calibration.files = [CalibrationFile(path=str(path))]
+    assert collect_measurements(hw).attrs["skipped_lines"] == {str(path): expected}
+    write_calibration_artifact(hw, {"hardware": "h100-sxm-dgx"}, tmp_path / "cal")
+    assert json.loads((tmp_path / "cal" / "fit.json").read_text())["skipped_lines"] == {str(path): expected}

@@ -12,7 +12,9 @@ Artifact (artifacts/calibration/{hardware}/):
                         on held-out sizes (fit on every other size, predict the rest; >= 1 MiB and
                         below) next to the alpha-beta baseline fitted the same way; the source files
                         with their SHA-256; with the local sweep on a CPU, the system noise model
-                        (noise.py) and its measurements
+                        (noise.py) and its measurements; per source file, the measurements nccl-tests
+                        flagged wrong (skipped_wrong_results) and the data-like lines the parser left
+                        out, by reason with their line numbers (skipped_lines)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pandas as pd
 from trainsim.artifacts.store import atomic_artifact, file_sha256
 from trainsim.comm.fit import CHANNEL_CHOICES, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import FIT_FILE, prior_params
-from trainsim.comm.nccl_tests import NcclTestsFormatError, normalize_collective, parse_nccl_tests
+from trainsim.comm.nccl_tests import NcclTestsFormatError, normalize_collective, parse_nccl_tests_runs
 from trainsim.comm.noise import fit_noise, measure_local
 from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile, HardwareConfig
@@ -43,9 +45,11 @@ LARGE_BYTES = 1 << 20
 def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibration.files[].path") -> pd.DataFrame:
     """One file's out-of-place measurements as MEASUREMENT_COLUMNS; names the file and field when it cannot.
 
-    `attrs["skipped_wrong"]` counts the rows left out because nccl-tests found wrong results in them.
+    Every run of a multi-run nccl-tests log counts, each with its own rank and node count.
+    `attrs["skipped_wrong"]` counts the rows left out because nccl-tests found wrong results in them;
+    `attrs["skipped_lines"]` the data-like lines the parser left out: {reason: {"count", "lines"}}.
     """
-    skipped_wrong = 0
+    skipped_wrong, skipped_lines = 0, {}
     path = resolve_data_path(entry.path, field)
     if path.suffix == ".parquet":
         table = pd.read_parquet(path)
@@ -59,23 +63,33 @@ def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibra
             table["num_nodes"] = entry.num_nodes
     else:
         try:
-            result = parse_nccl_tests(path, collective=entry.collective or None, nranks=entry.num_ranks or None)
+            runs = parse_nccl_tests_runs(path, collective=entry.collective or None, nranks=entry.num_ranks or None)
         except NcclTestsFormatError as exc:
             raise ConfigError(str(exc)) from None
-        nodes = entry.num_nodes or result.nodes
-        for field, value in (("num_ranks", result.nranks), ("num_nodes", nodes)):
-            if not value:
-                raise ConfigError(f"{path}: cannot tell {field} from the file; set it in its hardware.calibration."
-                                  f"files entry ({{path: {entry.path}, {field}: ...}})")
-        table = result.table.assign(num_ranks=result.nranks, num_nodes=nodes)
-        skipped_wrong = result.skipped_wrong
+        tables = []
+        for run in runs:
+            nodes = entry.num_nodes or run.nodes
+            where = path if len(runs) == 1 else f"{path} (run {run.run}, lines {run.lines[0]}-{run.lines[1]})"
+            for field, value in (("num_ranks", run.nranks), ("num_nodes", nodes)):
+                if not value:
+                    raise ConfigError(f"{where}: cannot tell {field} from the file; set it in its hardware."
+                                      f"calibration.files entry ({{path: {entry.path}, {field}: ...}})")
+            tables.append(run.table.assign(num_ranks=run.nranks, num_nodes=nodes))
+            skipped_wrong += run.skipped_wrong
+            for line in run.skipped:
+                seen = skipped_lines.setdefault(line.reason, {"count": 0, "lines": []})
+                seen["count"] += 1
+                seen["lines"].append(line.line)
+        table = pd.concat(tables, ignore_index=True)
     table = table[table.get("placement", "out_of_place") == "out_of_place"]
-    if (table["num_ranks"] % table["num_nodes"]).any():
-        raise ConfigError(f"{path}: num_ranks={table['num_ranks'].iloc[0]} is not a multiple of "
-                          f"num_nodes={table['num_nodes'].iloc[0]}")
+    uneven = table[(table["num_ranks"] % table["num_nodes"]) != 0]
+    if len(uneven):
+        raise ConfigError(f"{path}: num_ranks={uneven['num_ranks'].iloc[0]} is not a multiple of "
+                          f"num_nodes={uneven['num_nodes'].iloc[0]}")
     table = table.assign(collective=table["collective"].map(normalize_collective), algorithm="auto",
                          protocol="auto", source=str(entry.path))[MEASUREMENT_COLUMNS].reset_index(drop=True)
     table.attrs["skipped_wrong"] = skipped_wrong
+    table.attrs["skipped_lines"] = skipped_lines
     return table
 
 
@@ -97,11 +111,14 @@ def local_sweep(hw: HardwareConfig) -> pd.DataFrame:
 def collect_measurements(hw: HardwareConfig, sweep=local_sweep) -> pd.DataFrame:
     """All measurements of the hardware: its files, then the local sweep if enabled.
 
-    `attrs["skipped_wrong"]`: per file, the rows nccl-tests flagged with wrong results (left out).
+    `attrs["skipped_wrong"]`: per file, the rows nccl-tests flagged with wrong results (left out);
+    `attrs["skipped_lines"]`: per file with any, the data-like lines the parser left out, by reason.
     """
     tables = [read_calibration_file(entry, f"hardware.calibration.files[{i}].path")
               for i, entry in enumerate(hw.calibration.files)]
     skipped = {entry.path: t.attrs["skipped_wrong"] for entry, t in zip(hw.calibration.files, tables, strict=True)}
+    skipped_lines = {entry.path: t.attrs["skipped_lines"]
+                     for entry, t in zip(hw.calibration.files, tables, strict=True) if t.attrs["skipped_lines"]}
     if hw.calibration.local_sweep:
         tables.append(sweep(hw))
     if not tables:
@@ -114,6 +131,7 @@ def collect_measurements(hw: HardwareConfig, sweep=local_sweep) -> pd.DataFrame:
                           f"(first: {row['collective']} {row['message_bytes']} B); times must be positive")
     table = table.astype({"num_ranks": "int64", "num_nodes": "int64", "message_bytes": "int64"})
     table.attrs["skipped_wrong"] = skipped
+    table.attrs["skipped_lines"] = skipped_lines
     return table
 
 
@@ -187,6 +205,7 @@ def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output:
                    for i, e in enumerate(hw.calibration.files)}
         fit = {"hardware": hw.name, "nccl_version": hw.nccl.version, "sources": sources,
                "skipped_wrong_results": measurements.attrs.get("skipped_wrong", {}),
+               "skipped_lines": measurements.attrs.get("skipped_lines", {}),
                "collectives": calibrate(measurements, hw) if len(measurements) else {}}
         if measures_system_noise(hw):
             fit["system_noise"] = system_noise_entry(noise())

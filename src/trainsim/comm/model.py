@@ -203,9 +203,10 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     """Datasheet and NCCL-constant starting values (also the model of a hardware never calibrated).
 
     Per-step latencies are NCCL's hwLatencies (ring row; NVLINK intra-node on GPUs, PCI elsewhere, NET
-    inter-node), launch latency its baseLatencies; per-channel bandwidth is the link's datasheet rate
-    split over the channels times the protocol's payload fraction; local buffer work (delta) reads two
-    operands and writes one at memory bandwidth.
+    inter-node), scaled per hop so that Simple's equals the configured hop latency where one is set (a
+    slower link slows every protocol's step alike); launch latency is NCCL's baseLatencies; per-channel
+    bandwidth is the link's datasheet rate split over the channels times the protocol's payload
+    fraction; local buffer work (delta) reads two operands and writes one at memory bandwidth.
     """
     nccl = hw.nccl
     constants = release_constants(nccl.version)
@@ -220,14 +221,14 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     for algorithm in algorithms:
         base = constants["base_latency_us"].get(algorithm, constants["base_latency_us"]["ring"])
         values[f"alpha.{algorithm}"] = max(max(base.values()), 5.0) * 1e-6
+    link_latency = {"intra": hw.intra_node_latency_s, "inter": hw.inter_node_latency_s}
     for hop, kind in (("intra", intra_kind), ("inter", "NET")):
+        table = constants["hw_latency_us"][kind]["ring"]
+        scale = link_latency[hop] / (table["Simple"] * 1e-6) if link_latency[hop] else 1.0
         for p in protocols:
-            values[f"latency.{hop}.{p}"] = constants["hw_latency_us"][kind]["ring"][p] * 1e-6
+            values[f"latency.{hop}.{p}"] = table[p] * 1e-6 * scale
             payload = nccl_constants()["payload_fraction"][p]
             values[f"bandwidth.{hop}.{p}"] = link_bandwidth[hop] / channels * payload
-    if hw.comm_backend != "nccl" and hw.intra_node_latency_s:
-        for p in protocols:
-            values[f"latency.intra.{p}"] = hw.intra_node_latency_s
     return CollectiveParams(collective, algorithms, protocols, channels, nccl.buffer_size_bytes, values,
                             hw.devices_per_node)
 

@@ -14,18 +14,25 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class NcclConfig:
-    """Collective-library settings that change communication time (NCCL on GPUs, gloo on CPUs)."""
+    """Collective-library settings that change communication time (NCCL on GPUs, gloo on CPUs).
+
+    Values the collective model (trainsim/comm/model.py) does not model are rejected at composition
+    (config/validate_nccl.py) rather than replaced by something else: NVLS, CollNet and PAT are not
+    modelled yet. The channel count sets how many channels a message is split over and the per-channel
+    bandwidth the calibration fits; with max_channels 0 the fit picks the count (1..32) that matches the
+    measurements best and the uncalibrated model uses 16. NCCL_MIN_NCHANNELS has no field: above the
+    topology's count NCCL only duplicates channels over the same links (init.cc copyChannels), which the
+    fitted count already stands for.
+    """
 
     version: str = ""
-    """Library version, e.g. '2.20.5'; selects the tuning constants of that release ('' for gloo)."""
+    """Library version, e.g. '2.20.5' (2.12 or later): selects that release's tuning constants; '' = newest."""
     algorithms: list[str] = field(default_factory=lambda: ["ring", "tree"])
-    """Algorithms NCCL may choose from (NCCL_ALGO)."""
+    """Algorithms NCCL may choose from (NCCL_ALGO): 'ring' and 'tree' (all-reduce only, across nodes)."""
     protocols: list[str] = field(default_factory=lambda: ["LL", "LL128", "Simple"])
-    """Protocols NCCL may choose from (NCCL_PROTO)."""
-    min_channels: int = 0
-    """NCCL_MIN_NCHANNELS; 0 means NCCL's default."""
+    """Protocols NCCL may choose from (NCCL_PROTO): 'LL', 'LL128', 'Simple'."""
     max_channels: int = 0
-    """NCCL_MAX_NCHANNELS; 0 means NCCL's default."""
+    """NCCL_MAX_NCHANNELS of the measured and simulated runs, taken as their channel count; 0 = unknown."""
     buffer_size_bytes: int = 4 * 1024 * 1024
     """NCCL_BUFFSIZE: bytes of the per-channel staging buffer (NCCL default 4 MiB)."""
 
@@ -111,11 +118,17 @@ class SlowdownTuningConfig:
     inner summed-duration error is within `summed_error_limit_pct` (if none is, the smallest such error)."""
 
     learning_rate: list[float] = field(default_factory=list)
+    """Candidate shrinkages per round."""
     n_estimators: list[int] = field(default_factory=list)
+    """Candidate boosting round counts."""
     max_depth: list[int] = field(default_factory=list)
+    """Candidate maximum tree depths."""
     min_child_weight: list[float] = field(default_factory=list)
+    """Candidate minimum summed hessians per leaf."""
     inner_folds: int = 4
+    """Folds of the inner cross-validation."""
     summed_error_limit_pct: float = 2.0
+    """Largest inner summed-duration error (%) a candidate may have to be chosen."""
 
 
 @dataclass
@@ -225,7 +238,7 @@ class HardwareConfig:
     device_name: str = ""
     """Marketing name of the device, e.g. 'NVIDIA A100-SXM4-80GB'."""
     peak_flops_per_s: dict[str, float] = field(default_factory=dict)
-    """Dense peak FLOP/s per dtype ('fp32', 'tf32', 'bf16', 'fp16', 'fp8'); empty = unknown (measured)."""
+    """Dense peak FLOP/s per op dtype ('fp32', 'bf16', 'fp16', 'fp64'); empty = unknown (measured)."""
     memory_bandwidth_bytes_per_s: float = 0.0
     """Device memory bandwidth; 0 = unknown (measured by the profile stage)."""
     memory_capacity_bytes: float = 0.0
@@ -239,11 +252,12 @@ class HardwareConfig:
     intra_node_bandwidth_bytes_per_s: float = 0.0
     """Per-device, per-direction bandwidth between devices of one node (NVLink, or loopback); 0 = measure."""
     intra_node_latency_s: float = 0.0
-    """One-hop latency between devices of one node; 0 = measure."""
+    """Per-step latency of a hop inside a node with NCCL's Simple protocol (the others keep NCCL's ratio to
+    it), the prior the calibration fits from; 0 = NCCL's hwLatencies (NVLink on GPUs, PCI on CPUs)."""
     inter_node_bandwidth_bytes_per_s: float = 0.0
     """Per-node, per-direction network bandwidth (sum of the node's NICs used for compute traffic)."""
     inter_node_latency_s: float = 0.0
-    """One-hop network latency between nodes."""
+    """Per-step latency of a network hop between nodes, as intra_node_latency_s; 0 = NCCL's (NET)."""
     comm_backend: str = "gloo"
     """torch.distributed backend: 'gloo' (CPU) or 'nccl' (CUDA)."""
     nccl: NcclConfig = field(default_factory=NcclConfig)
@@ -350,8 +364,11 @@ class RunConfig:
     """The composed root config: one simulation point."""
 
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    """The cluster (conf/hardware/)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The transformer trained (conf/model/)."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """The layout of one training step on the cluster (conf/parallelism/)."""
 
 
 CONFIG_GROUPS: dict[str, type] = {

@@ -6,6 +6,7 @@ Each message names the field, its value and what would be accepted.
 from __future__ import annotations
 
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.config.validate_nccl import validate_links
 from trainsim.errors import ConfigError
 from trainsim.what_if import validate_what_if
 
@@ -14,6 +15,8 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16", "fp16")
 FAMILIES = ("gpt", "llama")
 DEVICE_KINDS = ("cpu", "cuda")
+PROFILE_BACKENDS = ("auto", "measure", "analytical")
+SLOWDOWN_SOURCES = ("measure", "import")
 
 
 def _divisors(n: int) -> str:
@@ -114,13 +117,34 @@ def validate_hardware(hw: HardwareConfig) -> None:
     _positive("hardware", hw, "devices_per_node", "num_nodes", "threads_per_device")
     if hw.device_kind == "cpu" and hw.comm_backend != "gloo":
         raise ConfigError(f"hardware.comm_backend='{hw.comm_backend}' cannot run on CPU devices; use 'gloo'")
-    for dtype, rate in hw.peak_flops_per_s.items():
-        if rate <= 0:
-            raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate} must be positive (or leave it out)")
+    _one_of("hardware", "profile_backend", hw.profile_backend, PROFILE_BACKENDS)
+    _one_of("hardware", "slowdown.source", hw.slowdown.source, SLOWDOWN_SOURCES)
+    _validate_rates(hw)
     if not 0.0 <= hw.host_dispatch_s < 1.0:
         raise ConfigError(f"hardware.host_dispatch_s={hw.host_dispatch_s} must be seconds per op in [0, 1) "
                           "(0 = the host never limits)")
+    validate_links(hw)
     validate_what_if(hw)
+
+
+def _validate_rates(hw: HardwareConfig) -> None:
+    """Peak rates only for dtypes ops run in, efficiencies only for op kinds the kernel model has."""
+    from trainsim.profile.analytical import FLOAT_DTYPES, MATMUL_KINDS, OP_KIND_PATTERNS  # lazy: scipy
+
+    for dtype, rate in hw.peak_flops_per_s.items():
+        if dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate:g}: no op is timed at a {dtype!r} rate; "
+                              f"supported: {', '.join(FLOAT_DTYPES)}")
+        if rate <= 0:
+            raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate} must be positive (or leave it out)")
+    kinds = (*MATMUL_KINDS, *OP_KIND_PATTERNS, "elementwise")
+    for kind, efficiency in hw.kernel_model.kind_efficiency.items():
+        if kind not in kinds or efficiency <= 0:
+            raise ConfigError(f"hardware.kernel_model.kind_efficiency.{kind}={efficiency}: supported: a positive "
+                              f"efficiency for one of {', '.join(kinds)}")
+    for name in ("memory_bandwidth_bytes_per_s", "memory_capacity_bytes", "price_per_device_hour"):
+        if getattr(hw, name) < 0:
+            raise ConfigError(f"hardware.{name}={getattr(hw, name)} must be >= 0 (0 = unknown)")
 
 
 def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig) -> None:

@@ -55,7 +55,8 @@ def calibration_inputs(hw: HardwareConfig, calibration_dir: Path | None, nodes_u
     if nodes_used > max_nodes:
         warnings.append(f"collectives: calibrated on at most {max_nodes} node(s), this run spans {nodes_used}; the "
                         f"inter-node hop uses the datasheet rate ({hw.inter_node_bandwidth_bytes_per_s / 1e9:g} GB/s "
-                        f"per node) and NCCL's network latencies")
+                        "per node) and " + (f"hardware.inter_node_latency_s ({hw.inter_node_latency_s * 1e6:g} us)"
+                                            if hw.inter_node_latency_s else "NCCL's network latencies"))
     skipped = {f: n for f, n in fit.get("skipped_wrong_results", {}).items() if n}
     return ({"calibrated": True, "artifact": str(calibration_dir), "sources": sources,
              "collectives": errors, "other_collectives": "borrow the link parameters of a calibrated one",
