@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     for source, count in fit["skipped_wrong_results"].items():
         if count:
             console.print(f"[yellow]{source}: {count} measurement(s) with wrong results skipped[/yellow]")
+    for source, reasons in fit.get("skipped_lines", {}).items():
+        for reason, seen in reasons.items():
+            console.print(f"[yellow]{source}: {seen['count']} line(s) left out ({reason}): lines "
+                          f"{seen['lines'][:10]}[/yellow]")
     for name, entry in fit["collectives"].items():
         held = {k: "-" if v is None or math.isnan(v) else f"{v:.1f}%" for k, v in entry["heldout"].items()}
         console.print(f"{name}: {entry['rows']} measurements, fit error {entry['train_mape_pct']:.1f}%; held-out sizes "

@@ -58,9 +58,12 @@ def calibration_inputs(hw: HardwareConfig, calibration_dir: Path | None, nodes_u
                         "per node) and " + (f"hardware.inter_node_latency_s ({hw.inter_node_latency_s * 1e6:g} us)"
                                             if hw.inter_node_latency_s else "NCCL's network latencies"))
     skipped = {f: n for f, n in fit.get("skipped_wrong_results", {}).items() if n}
+    for source, reasons in fit.get("skipped_lines", {}).items():
+        counts = ", ".join(f"{seen['count']} {reason}" for reason, seen in reasons.items())
+        warnings.append(f"collectives: {source}: lines left out of the fit ({counts}; listed in fit.json)")
     return ({"calibrated": True, "artifact": str(calibration_dir), "sources": sources,
              "collectives": errors, "other_collectives": "borrow the link parameters of a calibrated one",
-             "skipped_wrong_results": skipped}, warnings)
+             "skipped_wrong_results": skipped, "skipped_lines": fit.get("skipped_lines", {})}, warnings)
 
 
 def kernel_inputs(hw: HardwareConfig, profile_dir: Path | None, backends: dict[str, int]) -> tuple[dict, list[str]]:
