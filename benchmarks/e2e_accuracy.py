@@ -21,8 +21,7 @@ vTrain's own MAPE on these single-node rows, 19.66 % (vTrain paper, arXiv:2312.1
     python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--reuse-ground-truth] [--layouts dp2 ...]
 First run traces 576 distinct vTrain shapes (~25 min on 2 cores, cached under
 artifacts/validation/vtrain/traces); later runs take ~11-17 min (five fits, one per
-host dispatch time of the grid). Calibrate the A100 NCCL model first:
-    python stages/calibration_stage.py --output artifacts/calibration/a100-80g-dgx hardware=a100-80g-dgx
+host dispatch time of the grid). The NCCL calibration of a100-80g-vtrain is built first when missing.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ def vtrain_part() -> list[tuple[str, float, str]]:
     held = table[~table["fit"]]
     print(f"vTrain single node: {len(table)} rows, fitted on {int(table['fit'].sum())} (every {vtrain.FIT_EVERY}th), "
           f"{len(held)} held out; {result.seconds:.0f} s")
-    print("fitted kernel model (hardware a100-80g-dgx): "
+    print(f"fitted kernel model (hardware {vtrain.HARDWARE}): "
           + ", ".join(f"{k}={v:.3g}" for k, v in result.kernel_model.items()))
     print("fit-row MAPE by host dispatch time: "
           + ", ".join(f"{1e6 * h:.0f} us {m:.2f} %" for h, m in result.host_grid_mape_pct.items()))

@@ -30,6 +30,9 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
 @pytest.mark.parametrize("overrides", [
     ["parallelism=dp2"],
     ["parallelism=tp2"],
+    ["parallelism=tp2", "parallelism.sequence_parallel=true"],
+    ["parallelism=tp2", "parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true"],
+    ["parallelism=tp2", "model.attention=unfused", "model.attention_dropout=0.1", "model.dropout=0.1"],
     ["parallelism=pp2"],
     ["parallelism=pp2", "parallelism.micro_batch_size=1"],
     ["parallelism=pp2-interleaved"],

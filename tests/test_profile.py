@@ -186,9 +186,11 @@ def test_analytical_backend_names_missing_peak_rate(tiny_ops):
 def test_roofline_shape():
     from trainsim.profile.analytical import rates_for
 
-    rates = rates_for(compose_run(["hardware=h100-sxm-dgx"]).hardware, "bf16")
+    hw = compose_run(["hardware=h100-sxm-dgx"]).hardware
+    rates = rates_for(hw, "bf16")
     big = predict(rates, [2 * 8192**3], [3 * 2 * 8192**2], ["matmul"])[0]
-    assert big == pytest.approx(2 * 8192**3 / (989e12 * 0.75), rel=0.05)  # compute-bound at peak x efficiency
+    efficiency = hw.kernel_model.matmul_efficiency
+    assert big == pytest.approx(2 * 8192**3 / (989e12 * efficiency), rel=0.05)  # compute-bound at peak x efficiency
     tiny = predict(rates, [2 * 16**3], [3 * 2 * 16**2], ["matmul"])[0]
     assert tiny < 3 * rates.launch_overhead_s  # latency-bound
     assert is_matmul("aten::addmm") and is_matmul("aten::_scaled_dot_product_flash_attention_for_cpu")

@@ -37,7 +37,11 @@ def test_every_gpu_config_composes_with_its_calibration_and_slowdown_model(hardw
     assert p.inputs["slowdown"]["modelled"] and p.inputs["slowdown"]["files"] == hw.slowdown.import_files
     assert p.inputs["kernels"]["analytical_ops"] > 0
     assert p.inputs["kernels"]["kernel_model"] == (hw.kernel_model.fitted_on or "schema defaults (not fitted)")
-    assert any(w.startswith("kernels:") for w in p.warnings) == (not hw.kernel_model.fitted_on)
+    kernel_warnings = [w for w in p.warnings if w.startswith("kernels:")]
+    assert any("default efficiencies" in w for w in kernel_warnings) == (not hw.kernel_model.fitted_on)
+    outside = bool(hw.kernel_model.fitted_range)  # gpt-tiny is smaller than any model a fit saw
+    assert any("outside what the kernel model was fitted on" in w for w in kernel_warnings) == outside
+    assert p.inputs["kernels"]["inside_fitted_range"] == (False if outside else None)
     if "A100" not in hw.device_name:  # Echo's A100 data applied to another GPU
         assert any(w.startswith("slowdown: model trained on A100") for w in p.warnings)
 

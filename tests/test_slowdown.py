@@ -17,7 +17,7 @@ from trainsim.config.schema import SlowdownConfig, SlowdownModelConfig
 from trainsim.errors import ConfigError
 from trainsim.slowdown.a100_import import import_echo_csv
 from trainsim.slowdown.dataset import SLOWDOWN_SCHEMA, check_instances, to_table
-from trainsim.slowdown.features import FEATURES, device_type_of, feature_frame
+from trainsim.slowdown.features import FEATURES, DeviceNumbers, dataset_features, device_type_of
 from trainsim.slowdown.predictor import (
     ConstantSlowdownPredictor,
     SlowdownPredictor,
@@ -127,12 +127,12 @@ def test_predictor_reproduces_the_holdout_and_refuses_a_missing_feature(model_di
     assert predictor.feature_names == list(FEATURES)
     holdout = a100_result.predictions[a100_result.predictions["split"] == "holdout"]
     rows = a100.set_index("instance_id").loc[holdout["instance_id"]].reset_index()
-    s = predictor.predict(feature_frame(rows))
+    s = predictor.predict(dataset_features(rows))
     assert np.allclose(s, holdout["predicted_slowdown"]) and (s >= 0).all()
     assert predictor.last_unknown_categories == dict.fromkeys(predictor.categories, 0)
-    with pytest.raises(ValueError, match="lacks feature 'l2_hit_pct'"):
-        predictor.predict(feature_frame(rows).drop(columns=["l2_hit_pct"]))
-    bad = feature_frame(rows).assign(solo_duration_s=-1.0)
+    with pytest.raises(ValueError, match="lacks feature 'compute_fraction'"):
+        predictor.predict(dataset_features(rows).drop(columns=["compute_fraction"]))
+    bad = dataset_features(rows).assign(solo_duration_s=-1.0)
     with pytest.raises(ValueError, match="'solo_duration_s' has value -1.0 in row 0"):
         predictor.predict(bad)
 
@@ -144,19 +144,26 @@ def test_composer_api_counts_unknown_categories(model_dir):
                             "duration_s": [1e-3, 5e-5, 1e-5]})
     comm = pd.DataFrame({"collective": ["all_reduce", "all_gather", "all_to_all"],
                          "message_bytes": [25 * 2**20, 2**20, 2**20], "num_ranks": [8, 8, 8]})
-    features = overlap_features(compute, comm, device_type="H100")
+    h100 = DeviceNumbers(132, 3.35e12, 67e12, 989e12, "H100")
+    features = overlap_features(compute, comm, h100)
     assert list(features.columns) == list(FEATURES)
     assert list(features["op_kind"]) == ["matmul", "elementwise", "elementwise"]
     assert features["arithmetic_intensity"].iloc[0] == pytest.approx(2e9 / 1.2e7)
-    assert features["l2_hit_pct"].isna().all()  # no GPU metrics: missing, handled by XGBoost
+    assert features["memory_bandwidth_fraction"].iloc[1] == pytest.approx(1.2e7 / (5e-5 * 3.35e12))
+    # 2e9 / 1e-3 s = 2 TFLOP/s: within the fp32 pipe's 67 TFLOP/s, so its fraction of that
+    assert features["compute_fraction"].iloc[0] == pytest.approx(2e12 / 67e12)
+    assert features[["flops", "compute_fraction"]].iloc[1:].isna().all().all()  # FLOPs count for matmul/attention only
+    assert (features["device_sm_count"] == 132).all() and "device_type" not in features
     s = predictor.predict(features)
     assert s.shape == (3,) and np.isfinite(s).all() and (s >= 0).all()
     unknown = predictor.last_unknown_categories
-    assert unknown["device_type"] == 3 and unknown["collective"] == 2  # never trained on H100, all_gather, all_to_all
+    assert unknown["collective"] == 2 and "device_type" not in unknown  # all_gather, all_to_all never trained
     t = stretched_duration(compute["duration_s"], [1.0, 0.5, 0.0], s)
     assert t[2] == pytest.approx(1e-5) and t[0] == pytest.approx(1e-3 * (1 + s[0]))
     with pytest.raises(ValueError, match="3 compute rows but 2 comm rows"):
-        overlap_features(compute, comm.head(2), "A100")
+        overlap_features(compute, comm.head(2), h100)
+    with pytest.raises(TypeError, match="device must be a DeviceNumbers"):
+        overlap_features(compute, comm, "H100")  # a device-type label is no longer a feature
 
 
 def test_constant_baseline_has_the_same_predict_signature(model_dir, a100_result):
@@ -164,6 +171,7 @@ def test_constant_baseline_has_the_same_predict_signature(model_dir, a100_result
     factor = a100_result.metrics["baseline_factors"]["A100"]
     s = baseline.predict(pd.DataFrame({"device_type": ["A100", "H100"]}))
     assert s[0] == pytest.approx(factor) and baseline.last_unknown_categories == {"device_type": 1}
+    assert baseline.predict(pd.DataFrame({"flops": [1.0]}))[0] == pytest.approx(factor)  # no label: pooled factor
 
 
 def test_device_type_feature():

@@ -60,8 +60,9 @@ def test_pp_stages_exchange_activations_and_gradients():
     def calls(events):
         return list(zip(events["phase"], events["collective"], events["peer"]))
 
-    assert calls(first) == [("forward", "send", 1), ("backward", "recv", 1)]
-    assert calls(last) == [("forward", "recv", 0), ("backward", "send", 0)]
+    # and the gradient norm summed over the model-parallel group (the pipeline group here)
+    assert calls(first) == [("forward", "send", 1), ("backward", "recv", 1), ("optimizer", "all_reduce", -1)]
+    assert calls(last) == [("forward", "recv", 0), ("backward", "send", 0), ("optimizer", "all_reduce", -1)]
     assert result.rank_classes.num_rows == 2
 
 
@@ -108,7 +109,9 @@ def test_optimizer_is_one_fused_adam_kernel_not_per_parameter_host_reads():
     assert ops.get("aten::_fused_adamw_") == 1 and "aten::_local_scalar_dense" not in ops
     # the bf16 -> fp32 grad copy and the copy back are one multi-tensor op each, as in Megatron and
     # DeepSpeed: no op per parameter for the host to dispatch
-    assert ops.get("aten::_foreach_copy_") == 2 and len(optimizer) <= 8, ops.to_dict()
+    # gradient clipping adds one multi-tensor norm and one multi-tensor scale, and scalar ops between them
+    assert ops.get("aten::_foreach_norm.Scalar") == 1 and ops.get("aten::_foreach_mul_.Tensor") == 1
+    assert ops.get("aten::_foreach_copy_") == 2 and len(optimizer) <= 14, ops.to_dict()
 
 
 def test_memory_accounts_mixed_precision_and_schedule():

@@ -101,8 +101,8 @@ def _cmd_profile_fit(args, console: Console) -> int:
     run = compose_run(args.overrides)
     db = _profile_database(run)
     rows = db.read()
-    rows = rows[(rows["hardware"] == run.key("hardware")) & rows["backend"].isin(MEASURED_BACKENDS)]
-    if rows.empty:
+    rows = rows[(rows["hardware"] == run.key("hardware")) & rows["backend"].isin((*MEASURED_BACKENDS, "kineto"))]
+    if rows.empty:  # measured here, or imported from a GPU run's profiler traces
         raise ConfigError(f"no measured kernels for hardware '{run.key('hardware')}' in {db.path}; run the pipeline "
                           "(profile stage) on that hardware first, or import a database")
     report = evaluate_fit(rows, args.train_fraction, args.seed)
@@ -114,14 +114,79 @@ def _cmd_profile_fit(args, console: Console) -> int:
     return 0
 
 
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+
 def _cmd_profile_import(args, console: Console) -> int:
     from trainsim.config import compose_run
 
-    run = compose_run(args.overrides)
+    # positionals: Hydra overrides (key=value that is not a file) and sources
+    overrides = [a for a in args.inputs if "=" in a and not Path(a).exists()]
+    sources = [a for a in args.inputs if a not in overrides]
+    if args.hardware:
+        overrides.insert(0, f"hardware={args.hardware}")
+    if not sources:
+        raise ConfigError("profile-import needs a source: Kineto trace files (*.json, *.json.gz) or a "
+                          "kernels.parquet database measured elsewhere")
+    run = compose_run(overrides)
     db = _profile_database(run)
-    added = db.import_from(Path(args.source), hardware=None if args.all_hardware else run.key("hardware"))
-    console.print(f"imported {added} new row(s) from {args.source} into {db.path}")
+    traces = [s for s in sources if s.endswith(TRACE_SUFFIXES)]
+    for source in (s for s in sources if s not in traces):
+        added = db.import_from(Path(source), hardware=None if args.all_hardware else run.key("hardware"))
+        console.print(f"imported {added} new row(s) from {source} into {db.path}")
+    if traces:
+        _import_kineto(traces, run, db, args, console)
     return 0
+
+
+def _import_kineto(traces: list[str], run, db, args, console: Console) -> None:
+    from trainsim.profile.kineto import import_traces
+
+    with console.status(f"importing {len(traces)} profiler trace(s) for {run.key('hardware')}"):
+        report = import_traces(traces, run.hardware, db.path, run.key("hardware"),
+                               allow_device_mismatch=args.allow_device_mismatch, fit=not args.no_fit,
+                               train_fraction=args.train_fraction, seed=args.seed)
+    table = Table(title=f"Kineto traces -> {report.database} (hardware '{report.hardware}')")
+    for column in ("file", "device", "kernels", "imported", "NCCL", "skipped", "op instances", "signatures"):
+        table.add_column(column, justify="right")
+    for f in report.files:
+        table.add_row(Path(f.path).name, f.device_name or "(not recorded)", str(f.kernels),
+                      "already imported" if f.already_imported else str(f.imported_kernels),
+                      str(f.nccl_kernels), str(f.skipped_total), str(f.op_instances), str(f.signatures))
+    console.print(table)
+    for f in report.files:
+        if f.nccl_kernels:
+            by = ", ".join(f"{n} {c}" for c, n in sorted(f.nccl_by_collective.items()))
+            console.print(f"{Path(f.path).name}: {f.nccl_kernels} NCCL kernel(s), {f.nccl_time_s * 1e3:.2f} ms "
+                          f"({by}): communication, not put in the compute database", highlight=False)
+        for reason, n in sorted(f.skipped.items(), key=lambda kv: -kv[1]):
+            ops = f.skipped_ops.get(reason, {})
+            top = ", ".join(f"{op} {k}" for op, k in sorted(ops.items(), key=lambda kv: -kv[1])[:3])
+            console.print(f"  skipped {n} kernel(s): {reason}" + (f" (e.g. {top})" if top else ""), highlight=False)
+        for what, n in sorted({**f.other_events, **f.malformed_events}.items()):
+            console.print(f"  not imported: {n} {what} event(s)", highlight=False)
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+    console.print(f"appended {report.appended} row(s) (one per op signature) -> {report.part or 'nothing new'}",
+                  highlight=False)
+    fit = report.fit
+    if fit is None:
+        return
+    if fit.note and not fit.rates:
+        console.print(f"compute model: {fit.note}", highlight=False)
+        return
+    console.print(f"compute model refitted on {fit.rows} measured row(s) of '{report.hardware}' "
+                  "(backends cpu, cuda, kineto):", highlight=False)
+    for name, value in fit.rates.items():
+        if isinstance(value, list) and all(isinstance(v, list) and len(v) == 2 for v in value):
+            value = ", ".join(f"{k} {v:.3g}" for k, v in value) or "none"
+        console.print(f"  {name}: {value:.4g}" if isinstance(value, float) else f"  {name}: {value}",
+                      highlight=False)
+    if fit.median_error_pct is not None:
+        console.print(f"held-out error (fit on {fit.train_ops} signatures, tested on {fit.test_ops}): median "
+                      f"{fit.median_error_pct:.1f} %, p90 {fit.p90_error_pct:.1f} %", highlight=False)
+    else:
+        console.print(f"held-out error: {fit.note}", highlight=False)
 
 
 def _inputs_lines(inputs: dict) -> list[str]:
@@ -148,13 +213,14 @@ def _cmd_compose(args, console: Console) -> int:
     summary = result.summary
     table = Table(title=f"step {result.step_time_s:.4f} s: breakdown per rank class (seconds)")
     for column in ("class", "ranks", "stage", "compute", "slowdown", "exposed tp", "exposed dp", "exposed pp",
-                   "bubble", "idle", "memory"):
+                   "bubble", "idle", "of which optimizer", "memory"):
         table.add_column(column, justify="right")
     for row in summary["classes"]:
         exposed = row["exposed_comm_s"]
         table.add_row(str(row["rank_class"]), str(row["ranks"]), str(row["pp_rank"]),
                       *(f"{v:.4f}" for v in (row["compute_s"], row["slowdown_added_s"], exposed["tp"], exposed["dp"],
-                                             exposed["pp"], row["pipeline_bubble_s"], row["idle_s"])),
+                                             exposed["pp"], row["pipeline_bubble_s"], row["idle_s"],
+                                             row["optimizer_step_s"])),
                       "[red]OOM[/red]" if row["oom"] else "fits")
     console.print(table)
     for line in _inputs_lines(result.inputs):
@@ -242,10 +308,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-fraction", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_profile_fit)
-    p = sub.add_parser("profile-import", help="merge a profile database measured elsewhere (same schema)")
-    p.add_argument("source", help="a kernels.parquet directory or Parquet file")
-    p.add_argument("overrides", nargs="*", help="selects the hardware whose rows are imported")
-    p.add_argument("--all-hardware", action="store_true", help="import rows of every hardware in the source")
+    p = sub.add_parser("profile-import", help="import torch.profiler (Kineto) traces of a GPU run, or merge a "
+                                              "profile database measured elsewhere")
+    p.add_argument("inputs", nargs="+", metavar="source|override",
+                   help="Kineto trace files (*.json, *.json.gz: kernels with their CPU ops, then the compute model "
+                        "is refitted), or a kernels.parquet directory / Parquet file (merged as is); and Hydra "
+                        "overrides selecting the hardware, e.g. hardware=a100-80g-dgx")
+    p.add_argument("--hardware", help="hardware config the traces were recorded on (same as hardware=NAME)")
+    p.add_argument("--all-hardware", action="store_true",
+                   help="Parquet source: import rows of every hardware in it")
+    p.add_argument("--allow-device-mismatch", action="store_true",
+                   help="import a trace whose deviceProperties name another GPU than hardware.device_name")
+    p.add_argument("--no-fit", action="store_true", help="do not refit the compute model after importing traces")
+    p.add_argument("--train-fraction", type=float, default=0.5, help="refit: share of signatures fitted on")
+    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_profile_import)
     p = sub.add_parser("compose", help="predict one step: compose its timeline (missing inputs built first)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b parallelism=pp12-tp8-dp1")
@@ -274,7 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "profile-import" and not any(e.startswith("-") for e in extra):
+        args.inputs += extra  # sources after an option (`--hardware X a.json b.json`)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     console = Console()
     try:
         return args.func(args, console)

@@ -24,6 +24,12 @@ Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream
   T = alpha_a + sum over stages step(b) + (eta - 1) * max over stages step(b) + delta * S
   stages: tree all-reduce 2(K-1) intra + 2 ceil(log2 M) inter (NCCL's intra-node chain and
   inter-node tree, up then down); broadcast and reduce N-1 (M-1 of them inter); send/recv 1.
+  NIC load of the tree: NCCL builds two binary trees over the nodes, each carrying half the data,
+  and every node is an inner node (two children) of one of them. A node then receives and sends 2S
+  (reduce up, broadcast down): inter-node steps carry 2b (tree_nic_load, 1.5 on 3 nodes), and a large
+  tree all-reduce takes 2S / B like a ring's 2(N-1)/N S / B (NCCL's tuner: Tree algBw = busBw / 2).
+  On 2 nodes both trees are one edge and each direction carries S; the intra-node chain carries S
+  each way (full-duplex links).
 delta * S is the rank's local work on its buffer, whatever N is: reading the input, writing the output
 and (for reductions) the arithmetic, at memory speed (Echo's delta). Measured busbw rising with N on
 one node (vTrain's A100 tables: 197, 222, 229 GB/s at 2, 4, 8 GPUs) is this term seen through 2(N-1)/N.
@@ -136,6 +142,11 @@ def _step(values: dict[str, float], hop: str, protocol: str, chunk: np.ndarray, 
     return values[f"latency.{hop}.{protocol}"] + chunk / (share * values[f"bandwidth.{hop}.{protocol}"])
 
 
+def tree_nic_load(num_nodes: int) -> float:
+    """Bytes each node sends (and receives) per byte of an all-reduce on NCCL's double binary tree."""
+    return 1.0 if num_nodes <= 2 else 1.5 if num_nodes == 3 else 2.0
+
+
 def _stages(collective: str, algorithm: str, num_ranks: int, num_nodes: int) -> tuple[int, int]:
     """(intra-node, inter-node) stage count of a pipeline-family collective."""
     if collective == "send_recv":
@@ -169,7 +180,9 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
         intra, inter = _stages(name, algorithm, num_ranks, num_nodes)
         loops = np.maximum(1.0, np.ceil(size / (used * chunk)))
         per_step = size / (used * loops)
-        costs = [(n, _step(v, hop, protocol, per_step, share if hop == "inter" else 1.0))
+        load = tree_nic_load(num_nodes) if algorithm == "tree" else 1.0
+        costs = [(n, _step(v, hop, protocol, per_step * (load if hop == "inter" else 1.0),
+                          share if hop == "inter" else 1.0))
                  for n, hop in ((intra, "intra"), (inter, "inter")) if n]
         fill = sum(n * cost for n, cost in costs)
         slowest = np.max([cost for _, cost in costs], axis=0)

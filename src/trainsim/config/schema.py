@@ -103,6 +103,16 @@ class KernelModelConfig:
     kind_efficiency: dict[str, float] = field(default_factory=dict)
     """Bandwidth efficiency per op kind (normalization, softmax_loss, optimizer, ...) relative to
     elementwise kernels; kinds not listed have 1."""
+    attention_forward_efficiency: float = 0.0
+    """Fraction of the dtype's peak FLOP/s that fused (flash) attention's forward reaches, counting the FLOPs a
+    causal kernel computes (half the square); 0 = matmul_efficiency. FlashAttention-2/3 measurements in
+    data/kernels set it per GPU."""
+    attention_backward_efficiency: float = 0.0
+    """The same for its backward pass (5 matmuls and recomputed softmax; lower than the forward)."""
+    fitted_range: dict[str, list[int]] = field(default_factory=dict)
+    """[low, high] of the run settings the fit saw (keys: hidden_size, seq_length, num_layers of the model;
+    tp, micro_batch_size of the layout); a prediction outside any of them is flagged as extrapolated in
+    its inputs and warnings. Empty = not stated."""
     fitted_on: str = ""
     """What these parameters were fitted to (data, split, held-out error), stated with every prediction;
     empty = the defaults above, not fitted to this hardware (predictions then carry a warning)."""
@@ -241,6 +251,9 @@ class HardwareConfig:
     """Dense peak FLOP/s per op dtype ('fp32', 'bf16', 'fp16', 'fp64'); empty = unknown (measured)."""
     memory_bandwidth_bytes_per_s: float = 0.0
     """Device memory bandwidth; 0 = unknown (measured by the profile stage)."""
+    sm_count: int = 0
+    """Streaming multiprocessors per GPU (A100 108, H100 SXM 132): GEMM tiles run on them in waves, and a
+    partly filled last wave costs a full one (profile/analytical.py); 0 = not modelled (CPUs)."""
     memory_capacity_bytes: float = 0.0
     """Device memory usable for training; 0 = detect (host RAM divided among the devices)."""
     devices_per_node: int = 0
@@ -314,6 +327,12 @@ class ModelConfig:
     """Vocabulary; padded at build time to a multiple of 128 * tp as Megatron-LM does."""
     dropout: float = 0.0
     """Dropout probability after attention and MLP (0 disables the dropout ops)."""
+    attention: str = "fused"
+    """Core attention kernel: 'fused' (flash-attention style, torch's scaled_dot_product_attention: scores
+    never in memory) or 'unfused' (Megatron before flash attention: scaled-masked scores GEMM, softmax,
+    dropout and a second GEMM, with the [s, s] scores in memory)."""
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities (Megatron's --attention-dropout)."""
     norm_eps: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
@@ -347,6 +366,17 @@ class ParallelismConfig:
     all-reduced as soon as its gradients are ready, during the last backward; a size above the stage's
     gradients gives one all-reduce after the backward, without overlap (Megatron without gradient
     buckets, e.g. vTrain's `use_gradient_bucket: false`)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism with tp > 1 (Korthikanti et al. 2022): norms, dropout and residual
+    adds run on each tp rank's 1/tp of the tokens; the tp all-reduces become an all-gather before and a
+    reduce-scatter after each tensor-parallel block (same bytes), and pipeline stages exchange shards."""
+    tp_comm_overlap: bool = False
+    """Overlap the sequence-parallel all-gathers and reduce-scatters of the attention and MLP linears with
+    their GEMMs (Megatron-Core --tp-comm-overlap, Transformer Engine's ring exchange): each GEMM runs in tp
+    token blocks while the next block travels one hop; needs sequence_parallel."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global L2 norm (Megatron's --clip-grad, default 1.0): a norm over each rank's
+    gradients, summed over the model-parallel group, and a scale of every gradient; 0 = no clipping."""
     precision: str = "bf16"
     """'fp32', or 'bf16' / 'fp16' mixed precision with fp32 master weights and Adam states."""
 

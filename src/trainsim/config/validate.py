@@ -14,6 +14,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16", "fp16")
 FAMILIES = ("gpt", "llama")
+ATTENTION_KERNELS = ("fused", "unfused")
 DEVICE_KINDS = ("cpu", "cuda")
 PROFILE_BACKENDS = ("auto", "measure", "analytical")
 SLOWDOWN_SOURCES = ("measure", "import")
@@ -53,8 +54,11 @@ def validate_model(model: ModelConfig) -> None:
             f"model.hidden_size / num_attention_heads = {model.hidden_size // model.num_attention_heads} must be "
             "even for rotary position embeddings (family 'llama')"
         )
-    if not 0.0 <= model.dropout < 1.0:
-        raise ConfigError(f"model.dropout={model.dropout} must be in [0, 1)")
+    for name in ("dropout", "attention_dropout"):
+        if not 0.0 <= getattr(model, name) < 1.0:
+            raise ConfigError(f"model.{name}={getattr(model, name)} must be in [0, 1)")
+    if model.attention not in ATTENTION_KERNELS:
+        raise ConfigError(f"model.attention={model.attention!r} is not supported; use one of {ATTENTION_KERNELS}")
 
 
 def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
@@ -66,6 +70,16 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     _one_of("parallelism", "precision", par.precision, PRECISIONS)
     if par.dp_bucket_size_bytes < 1:
         raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} must be positive")
+    if par.sequence_parallel and (par.micro_batch_size * model.seq_length) % par.tp:
+        raise ConfigError(f"parallelism.sequence_parallel=true splits each micro-batch's tokens over tp: "
+                          f"micro_batch_size * model.seq_length = {par.micro_batch_size * model.seq_length} is not "
+                          f"divisible by parallelism.tp={par.tp}")
+    if par.tp_comm_overlap and not (par.sequence_parallel and par.tp > 1):
+        raise ConfigError(f"parallelism.tp_comm_overlap=true overlaps the sequence-parallel collectives: it needs "
+                          f"parallelism.sequence_parallel=true and tp > 1 (got sequence_parallel="
+                          f"{par.sequence_parallel}, tp={par.tp})")
+    if par.clip_grad < 0:
+        raise ConfigError(f"parallelism.clip_grad={par.clip_grad} must be >= 0 (0 = no gradient clipping)")
 
     kv_heads = model.num_kv_heads or model.num_attention_heads
     for field_name, value in (("num_attention_heads", model.num_attention_heads), ("num_kv_heads", kv_heads)):
@@ -142,6 +156,18 @@ def _validate_rates(hw: HardwareConfig) -> None:
         if kind not in kinds or efficiency <= 0:
             raise ConfigError(f"hardware.kernel_model.kind_efficiency.{kind}={efficiency}: supported: a positive "
                               f"efficiency for one of {', '.join(kinds)}")
+    from trainsim.timeline.provenance import RANGE_SETTINGS  # lazy: avoids an import cycle
+
+    for name, bounds in hw.kernel_model.fitted_range.items():
+        if name not in RANGE_SETTINGS or len(bounds) != 2 or bounds[0] > bounds[1]:
+            raise ConfigError(f"hardware.kernel_model.fitted_range.{name}={list(bounds)}: supported: [low, high] "
+                              f"with low <= high for one of {', '.join(RANGE_SETTINGS)}")
+    for name in ("attention_forward_efficiency", "attention_backward_efficiency"):
+        if not 0 <= getattr(hw.kernel_model, name) <= 1:
+            raise ConfigError(f"hardware.kernel_model.{name}={getattr(hw.kernel_model, name)} must be in [0, 1] "
+                              "(a fraction of the dtype's peak; 0 = matmul_efficiency)")
+    if hw.sm_count < 0:
+        raise ConfigError(f"hardware.sm_count={hw.sm_count} must be >= 0 (0 = no wave quantisation)")
     for name in ("memory_bandwidth_bytes_per_s", "memory_capacity_bytes", "price_per_device_hour"):
         if getattr(hw, name) < 0:
             raise ConfigError(f"hardware.{name}={getattr(hw, name)} must be >= 0 (0 = unknown)")

@@ -1,19 +1,27 @@
-"""Analytical kernel time: a roofline with efficiency curves, and its fit to measured kernels.
+"""Analytical kernel time: a roofline per op class, with the shape effects GPUs have, and its fit.
 
-  t = launch + max(flops / (R_mm * sat(flops, F_half)), bytes / (R_mem * e_k * sat(bytes, B_half)))   matmul-class
-  t = launch + max(flops / (R_vec * e_k),               bytes / (R_mem * e_k * sat(bytes, B_half)))   other ops
+  GEMM       t = launch + max(flops / (R_mm * sat(flops, F_half) * q_shape), bytes / (R_mem * sat(bytes, B_half)))
+  attention  t = launch + c * flops / (peak * e_attn_{fwd,bwd})            c = 1/2 when causal (masked tiles skipped)
+  other ops  t = launch + max(flops / (R_vec * e_k), bytes / (R_mem * e_k * sat(bytes, B_half)))
   sat(x, h) = x / (x + h)
 
 R_mm = peak FLOP/s of the op's dtype x matmul_efficiency, R_mem = memory bandwidth x memory_efficiency
 (Williams et al. 2009 roofline; the saturation terms model that small kernels cannot fill the device,
-as vTrain and Calculon do with size-dependent efficiency). e_k is the efficiency of the op's kind
-(normalisation, softmax/loss, optimizer, ...; 1 for elementwise): kernels of one kind share an access
-pattern. Parameters live in `hardware.kernel_model`; `fit_rates` estimates them from measured rows
-(least squares on log time).
+as vTrain and Calculon do with size-dependent efficiency). q_shape (gemm_shape_efficiency) is what a
+GEMM's shape costs on a device with `sm_count` SMs: output tiles are spread over the SMs in waves, and a
+last, partly filled wave runs at the speed of a full one (wave quantisation); a dimension that is not a
+multiple of 16 bytes forbids the vectorised loads the fast kernels use (alignment). Flash attention's
+efficiency per pass comes from FlashAttention-2/3 measurements (data/kernels), as its own class: it does
+not reach GEMM rates (softmax and masking between its two matmuls). e_k is the efficiency of the op's
+kind (normalisation, softmax/loss, optimizer, ...; 1 for elementwise): kernels of one kind share an
+access pattern. Parameters live in `hardware.kernel_model`; `fit_rates` estimates them from measured
+rows (least squares on log time).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +60,104 @@ def is_matmul(op: str) -> bool:
     return op_kind(op) in MATMUL_KINDS
 
 
+GEMM_TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75), (64, 64, 0.55))
+"""Output tiles (rows, columns) a GEMM library chooses from, with the throughput of one SM on that tile
+relative to the largest (smaller tiles reuse each loaded operand less). cuBLAS-like heuristic: the tile with
+the best (wave fill x tile throughput) wins."""
+MISALIGNED_EFFICIENCY = 0.69
+"""Throughput of a GEMM with a dimension that is not a multiple of 16 bytes, relative to an aligned one:
+272.7 / 395.5 TFLOP/s measured for d_ff 10922 vs 10848-11008 on H100 (data/kernels/h100_swiglu-ffn-bmm...)."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}
+
+
+def gemm_dims(op: str, shapes: list) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) of a matmul-class aten op from its input shapes; None when they do not say."""
+    base = op.removeprefix("aten::").split(".")[0].lstrip("_")
+    try:
+        if base in ("mm", "matmul") and len(shapes) >= 2 and len(shapes[0]) == 2:
+            (m, k), n = shapes[0], shapes[1][-1]
+            return 1, m, n, k
+        if base == "addmm" and len(shapes) >= 3:
+            (m, k), n = shapes[1], shapes[2][-1]
+            return 1, m, n, k
+        if base == "bmm" and len(shapes) >= 2:
+            (b, m, k), n = shapes[0], shapes[1][-1]
+            return b, m, n, k
+        if base in ("baddbmm", "addbmm") and len(shapes) >= 3:
+            (b, m, k), n = shapes[1], shapes[2][-1]
+            return b, m, n, k
+        if base == "linear" and len(shapes) >= 2:
+            *lead, k = shapes[0]
+            return 1, math.prod(lead), shapes[1][0], k
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+SPLIT_K = ((1, 1.0), (2, 0.95), (4, 0.9), (8, 0.85))
+"""Splits of the reduction dimension a GEMM library uses when the output has too few tiles to fill the SMs
+(cuBLAS split-K / stream-K), with the share of the time left after writing and summing the partial tiles."""
+MIN_SPLIT_K = 512
+"""Smallest reduction length per split (shorter slices cannot keep the tensor cores fed)."""
+
+
+def gemm_shape_efficiency(batch: int, m: int, n: int, k: int, sm_count: int, dtype: str = "bf16") -> float:
+    """Fraction of a large GEMM's throughput this shape reaches: wave quantisation of its output tiles (times
+    split-K slices) over `sm_count` SMs, for the best tile and split, times the alignment penalty. 1 when
+    sm_count is 0 (unknown)."""
+    aligned = all((d * DTYPE_BYTES.get(dtype, 2)) % 16 == 0 for d in (m, n, k))
+    alignment = 1.0 if aligned else MISALIGNED_EFFICIENCY
+    if sm_count <= 0:
+        return alignment
+    best = 0.0
+    for split, split_speed in SPLIT_K:
+        if split > 1 and k // split < MIN_SPLIT_K:
+            continue
+        for rows, cols, speed in GEMM_TILES:
+            tiles = batch * -(-m // rows) * -(-n // cols) * split
+            waves = -(-tiles // sm_count)
+            useful = batch * m * n * split / (waves * sm_count * rows * cols)  # padded tiles, idle SMs: no work
+            best = max(best, useful * speed * split_speed)
+    return alignment * best
+
+
+def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: int) -> np.ndarray:
+    out = np.ones(len(rows))
+    if "input_shapes" not in rows:
+        return out
+    for i, (op, shapes, kind, dtype) in enumerate(zip(rows["op"], rows["input_shapes"], kinds, dtypes)):
+        if kind != "matmul":
+            continue
+        dims = gemm_dims(op, json.loads(shapes) if isinstance(shapes, str) else shapes)
+        if dims is not None and min(dims) > 0:
+            out[i] = gemm_shape_efficiency(*dims, sm_count, dtype)
+    return out
+
+
+def _attention_factor(rows: pd.DataFrame, kinds: np.ndarray) -> np.ndarray:
+    """Flash-attention FLOPs actually computed over those counted: 1/2 for causal attention (the kernels
+    skip masked tiles; the trace counts the full square)."""
+    out = np.ones(len(rows))
+    if "op_args" in rows:
+        for i, (args, kind) in enumerate(zip(rows["op_args"], kinds)):
+            if kind == "attention" and _is_causal(args):
+                out[i] = 0.5
+    return out
+
+
+def _is_causal(args) -> bool:
+    """is_causal of an SDPA op's recorded arguments: a keyword, or aten's kernels' first boolean positional
+    (after the tensors and dropout_p)."""
+    try:
+        parsed = json.loads(args)
+    except (TypeError, ValueError):
+        return False
+    if "is_causal" in parsed.get("kwargs", {}):
+        return bool(parsed["kwargs"]["is_causal"])
+    flags = [a for a in parsed.get("args", []) if isinstance(a, bool)]
+    return bool(flags) and flags[0]
+
+
 def op_dtype(input_dtypes: str) -> str:
     """The compute dtype of an op: its first floating-point input (fp32 if none)."""
     return next((d for d in input_dtypes.split(",") if d in FLOAT_DTYPES), "fp32")
@@ -67,6 +173,10 @@ class RooflineRates:
     launch_overhead_s: float
     kind_efficiency: tuple[tuple[str, float], ...] = ()
     """(op kind, efficiency) pairs; kinds not listed have 1."""
+    attention_flops_per_s: tuple[float, float] = (0.0, 0.0)
+    """Flash attention's (forward, backward) FLOP/s; 0 = the matmul rate."""
+    sm_count: int = 0
+    """SMs of the device for GEMM wave quantisation; 0 = not modelled."""
 
 
 def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
@@ -80,6 +190,8 @@ def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
                           "hardware.memory_bandwidth_bytes_per_s > 0")
     km = hw.kernel_model
     vector = km.vector_flops_per_s or hw.peak_flops_per_s.get("fp32", hw.peak_flops_per_s[dtype]) / 2
+    attention = tuple(hw.peak_flops_per_s[dtype] * e for e in (km.attention_forward_efficiency,
+                                                                km.attention_backward_efficiency))
     return RooflineRates(
         matmul_flops_per_s=hw.peak_flops_per_s[dtype] * km.matmul_efficiency,
         matmul_half_flops=km.matmul_half_flops,
@@ -88,22 +200,48 @@ def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
         vector_flops_per_s=vector,
         launch_overhead_s=km.launch_overhead_s,
         kind_efficiency=tuple(sorted(km.kind_efficiency.items())),
+        attention_flops_per_s=attention,
+        sm_count=hw.sm_count,
     )
 
 
-def predict(rates: RooflineRates, flops, bytes_moved, kinds) -> np.ndarray:
-    """Seconds per op (vectorised); `kinds` are op kinds from `op_kind`."""
+def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=None, attention=None) -> np.ndarray:
+    """Seconds per op (vectorised); `kinds` are op kinds from `op_kind`; `shape_efficiency` the GEMMs'
+    q_shape (1 = a large aligned GEMM); `attention` = (pass, causal factor) per row from `_attention_rows`
+    (pass 0: not flash attention), timed at the attention rates where the hardware has them."""
     flops = np.asarray(flops, dtype=float)
     bytes_moved = np.asarray(bytes_moved, dtype=float)
     kinds = np.asarray(kinds, dtype=object)
+    shape = np.ones(len(flops)) if shape_efficiency is None else np.asarray(shape_efficiency, dtype=float)
     efficiency = dict(rates.kind_efficiency)
     kind_eff = np.array([efficiency.get(k, 1.0) for k in kinds])
     matmul = np.isin(kinds, MATMUL_KINDS)
     memory = (bytes_moved + rates.memory_half_bytes) / (rates.memory_bytes_per_s * kind_eff)
-    mm = (flops + rates.matmul_half_flops) / rates.matmul_flops_per_s
+    mm = (flops + rates.matmul_half_flops) / (rates.matmul_flops_per_s * shape)
     vector = flops / (rates.vector_flops_per_s * kind_eff)
     compute = np.where(matmul, mm, vector)
-    return rates.launch_overhead_s + np.maximum(compute, memory)
+    time = rates.launch_overhead_s + np.maximum(compute, memory)
+    if attention is not None:
+        pass_, factor = attention
+        for which, rate in ((1, rates.attention_flops_per_s[0]), (2, rates.attention_flops_per_s[1])):
+            sel = (pass_ == which) & (rate > 0)
+            time[sel] = rates.launch_overhead_s + np.maximum(factor[sel] * flops[sel] / rate, memory[sel])
+    return time
+
+
+def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(pass, causal factor) per row: pass 1 = flash-attention forward, 2 = its backward, 0 = other op."""
+    attention = kinds == "attention"
+    backward = rows["op"].astype(str).str.contains("backward").to_numpy()
+    pass_ = np.where(attention, np.where(backward, 2, 1), 0)
+    return pass_, _attention_factor(rows, kinds)
+
+
+def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -> np.ndarray:
+    """Seconds per op row (op, flops, bytes_moved, and input_shapes / op_args where known) at `rates`."""
+    kinds = _kinds(rows)
+    shape = _shape_efficiency(rows, kinds, [dtype] * len(rows), rates.sm_count)
+    return predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, _attention_rows(rows, kinds))
 
 
 def _kinds(rows: pd.DataFrame) -> np.ndarray:
@@ -114,11 +252,9 @@ def predict_rows(rows: pd.DataFrame, hw: HardwareConfig) -> np.ndarray:
     """Analytical seconds for execution-graph or profile rows on `hw` (per-dtype rates)."""
     out = np.zeros(len(rows))
     dtypes = rows["input_dtypes"].map(op_dtype).to_numpy()
-    kinds = _kinds(rows)
     for dtype in set(dtypes):
         sel = dtypes == dtype
-        out[sel] = predict(rates_for(hw, dtype), rows["flops"].to_numpy()[sel], rows["bytes_moved"].to_numpy()[sel],
-                           kinds[sel])
+        out[sel] = predict_ops(rates_for(hw, dtype), rows[sel], dtype)
     return out
 
 

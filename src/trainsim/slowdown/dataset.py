@@ -13,13 +13,18 @@ caches and DRAM on a GPU; shared cores, caches and memory bandwidth on a CPU). F
 SLOWDOWN_SCHEMA (Parquet) columns:
 
   source, hardware, device_type    where the row comes from ('measured-cpu', 'measured-cuda',
-                                   'import:<file>'), the hardware key, the device-type feature
+                                   'import:<file>'), the hardware key, the device type (a label for
+                                   summaries and the baseline; not a model feature)
+  device_sm_count, device_memory_bandwidth_bytes_per_s, device_vector_flops_per_s,
+  device_matrix_flops_per_s        datasheet numbers of the device the row was measured on (NaN =
+                                   unknown; trainsim.slowdown.features.DeviceNumbers)
   instance_id                      unique within the dataset (e.g. 'echo:17', 'w12-c3')
   op, kernel_name, op_kind         aten op name (measured) or kernel short name (imported); the full
                                    kernel name where known; the op kind shared by both vocabularies
                                    (matmul, attention, elementwise, reduction, normalization,
                                    softmax_loss, indexing, copy, optimizer, other)
-  flops, bytes_moved               the op's FLOPs and bytes (trace conventions); NaN = unknown
+  flops, bytes_moved               the op's FLOPs and bytes (trace conventions; imported Echo rows:
+                                   reconstructed from the Nsight metrics, see a100_import.py); NaN = unknown
   collective, algorithm, protocol  the concurrent collective; algorithm/protocol '' = unknown
   message_bytes, num_ranks         its size (nccl-tests semantics) and group size
   channels                         NCCL channels or gloo threads; NaN = unknown
@@ -28,7 +33,8 @@ SLOWDOWN_SCHEMA (Parquet) columns:
                                    never a target; slowdown is 0 there, Echo's convention)
   compute_throughput_pct, memory_throughput_pct, dram_throughput_pct, achieved_occupancy_pct,
   max_occupancy_pct, l1_hit_pct, l2_hit_pct   profiler metrics of the solo kernel (Nsight Compute
-                                   on a GPU); NaN where the device does not expose them (CPU)
+                                   on a GPU); NaN where the device does not expose them (CPU). Kept
+                                   as measurements; not model inputs (the composer has no profiler)
 
 Rows with NaN or negative timings or an overlap fraction outside [0, 1] are not valid instances:
 `check_instances` separates them and returns their count per reason, so callers report them.
@@ -47,6 +53,10 @@ SLOWDOWN_SCHEMA = pa.schema([
     ("source", pa.string()),
     ("hardware", pa.string()),
     ("device_type", pa.string()),
+    ("device_sm_count", pa.float64()),
+    ("device_memory_bandwidth_bytes_per_s", pa.float64()),
+    ("device_vector_flops_per_s", pa.float64()),
+    ("device_matrix_flops_per_s", pa.float64()),
     ("instance_id", pa.string()),
     ("op", pa.string()),
     ("kernel_name", pa.string()),

@@ -1,15 +1,15 @@
 """Serve the trained slowdown model to the timeline composer.
 
     predictor = SlowdownPredictor.load(Path("artifacts/models/a100-80g-dgx"))
-    s = predictor.predict(overlap_features(compute, comm, device_type="A100"))
+    s = predictor.predict(overlap_features(compute, comm, device_numbers(hardware)))
     t = stretched_duration(compute["duration_s"], overlap_fraction, s)
 
 The model directory (written by the slowdown_model stage) holds model.json (the XGBoost booster) and
 schema.json (schema_version, feature names, the categories of every categorical feature, the
 baseline factors). `predict` refuses a frame that lacks a feature, naming it, and a negative or
 non-numeric value, naming feature, row and value; NaN numeric features are allowed (unknown).
-Categorical values the model never saw (a new device type, collective or op kind) become missing
-values and are counted per feature in `last_unknown_categories`, never raised and never silent.
+Categorical values the model never saw (a new collective or op kind) become missing values and are
+counted per feature in `last_unknown_categories`, never raised and never silent.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import xgboost as xgb
 
 from trainsim.artifacts import read_manifest
 from trainsim.errors import ArtifactError
-from trainsim.slowdown.features import NUMERIC, overlap_features
+from trainsim.slowdown.features import DEVICE_COLUMNS, NUMERIC, device_numbers, overlap_features
 from trainsim.slowdown.train import SCHEMA_VERSION, TrainResult, baseline_predict, categorize, stretched_duration
 
 MODEL_FILE = "model.json"
@@ -31,9 +31,10 @@ SCHEMA_FILE = "schema.json"
 METRICS_FILE = "metrics.json"
 IMPORTANCES_FILE = "importances.parquet"
 PREDICTIONS_FILE = "predictions.parquet"
-NON_NEGATIVE = ("solo_duration_s", "flops", "bytes_moved", "message_bytes", "num_ranks", "channels")
+NON_NEGATIVE = ("solo_duration_s", "flops", "bytes_moved", "message_bytes", "num_ranks", "channels",
+                "arithmetic_intensity", "memory_bandwidth_fraction", "compute_fraction", *DEVICE_COLUMNS)
 
-__all__ = ["ConstantSlowdownPredictor", "SlowdownPredictor", "overlap_features", "save_model",
+__all__ = ["ConstantSlowdownPredictor", "SlowdownPredictor", "device_numbers", "overlap_features", "save_model",
            "stretched_duration"]
 
 
@@ -52,7 +53,9 @@ def _read_schema(model_dir: Path) -> dict:
     schema = json.loads((model_dir / SCHEMA_FILE).read_text())
     if schema.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(f"{model_dir / SCHEMA_FILE}: schema_version {schema.get('schema_version')!r}, this "
-                            f"trainsim reads {SCHEMA_VERSION}; re-run the slowdown_model stage")
+                            f"trainsim reads {SCHEMA_VERSION} (version 2 replaced the Nsight metrics and the "
+                            "device-type category by features the composer can supply); re-run the "
+                            "slowdown_dataset and slowdown_model stages")
     return schema
 
 
@@ -113,7 +116,9 @@ class SlowdownPredictor:
 
 
 class ConstantSlowdownPredictor:
-    """The constant-factor baseline (Proteus): one mean slowdown per device type, same predict signature."""
+    """The constant-factor baseline (Proteus): one mean slowdown per device type of the training data,
+    same predict signature. Rows without a 'device_type' column (the model's features have none) or
+    with a device type not in the training data get the mean factor (counted)."""
 
     def __init__(self, factors: dict[str, float]):
         self.factors = dict(factors)
@@ -125,9 +130,8 @@ class ConstantSlowdownPredictor:
         return cls(_read_schema(Path(model_dir))["baseline_factors"])
 
     def predict(self, features: pd.DataFrame) -> np.ndarray:
-        """The device type's factor; a device type not in the training data gets the mean factor (counted)."""
-        if "device_type" not in features:
-            raise ValueError(f"constant slowdown baseline: input lacks feature 'device_type'; it has {list(features)}")
-        devices = features["device_type"].astype(str)
+        """The device type's factor; a device type not in the training data (or none) gets the mean factor (counted)."""
+        devices = (features["device_type"].astype(str) if "device_type" in features
+                   else pd.Series("", index=features.index, dtype=str))
         self.last_unknown_categories = {"device_type": int((~devices.isin(self.factors)).sum())}
         return baseline_predict(self.factors, devices)

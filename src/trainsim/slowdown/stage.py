@@ -29,7 +29,7 @@ from trainsim.profile.database import ProfileDatabase
 from trainsim.profile.stage import local_device_kind
 from trainsim.slowdown.a100_import import import_echo_csv
 from trainsim.slowdown.dataset import INVALID_REASONS, status_counts, to_table
-from trainsim.slowdown.features import device_type_of
+from trainsim.slowdown.features import device_numbers, device_type_of
 from trainsim.slowdown.predictor import save_model
 from trainsim.slowdown.train import TrainResult, train_slowdown_model
 
@@ -80,6 +80,7 @@ def _measured(hw: HardwareConfig, hardware_key: str, device_type: str) -> tuple[
                           f"machine has {local} only; set slowdown.source=import with slowdown.import_files")
     profile = _profile_rows(hw, hardware_key)
     rows, invalid, skipped = collect_local(hw.slowdown, hardware_key, device_type, hw.threads_per_device, profile)
+    rows = rows.assign(**device_numbers(hw).columns())  # measured here: this hardware's datasheet numbers
     return rows, {"invalid": invalid, "profile_signatures": 0 if profile is None else len(profile),
                   "skipped_profile_ops": skipped}
 

@@ -31,9 +31,9 @@ import xgboost as xgb
 from trainsim.config.schema import SlowdownModelConfig
 from trainsim.errors import ConfigError
 from trainsim.slowdown.dataset import STATUS_OK, status_counts
-from trainsim.slowdown.features import CATEGORICAL, FEATURES, feature_frame
+from trainsim.slowdown.features import CATEGORICAL, FEATURES, dataset_features
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: features computable at compose (no Nsight metrics, device numbers for device_type)
 WITHIN = (5, 10, 15)
 ABSOLUTE_OBJECTIVES = ("reg:absoluteerror", "reg:quantileerror", "reg:pseudohubererror")
 
@@ -71,18 +71,35 @@ def candidates(cfg: SlowdownModelConfig) -> list[SlowdownModelConfig]:
     return [dataclasses.replace(cfg, **dict(zip(axes, values))) for values in itertools.product(*axes.values())]
 
 
+def group_folds(groups: np.ndarray, folds: int, seed: int) -> np.ndarray:
+    """Fold number per row: whole groups, in a seeded random order, largest first into the fold with
+    the fewest rows so far."""
+    labels, inverse, sizes = np.unique(groups, return_inverse=True, return_counts=True)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    fold_of, load = np.zeros(len(labels), dtype=int), np.zeros(folds)
+    for i in sorted(order, key=lambda i: -sizes[i]):  # stable: equal sizes keep the random order
+        fold_of[i] = int(np.argmin(load))
+        load[fold_of[i]] += sizes[i]
+    return fold_of[inverse]
+
+
 def select_params(x: pd.DataFrame, targets: pd.DataFrame, y: np.ndarray, w: np.ndarray, index: np.ndarray,
-                  cfg: SlowdownModelConfig) -> SlowdownModelConfig:
+                  cfg: SlowdownModelConfig, groups: np.ndarray | None = None) -> SlowdownModelConfig:
     """The grid candidate with the most kernels within 10 % in an inner cross-validation of `index` only
-    (never the rows being evaluated outside it), among those meeting the summed-error limit."""
+    (never the rows being evaluated outside it), among those meeting the summed-error limit. With
+    `groups` (one label per row of x), the inner folds keep each group whole."""
     grid = candidates(cfg)
     if len(grid) == 1:
         return grid[0]
     if cfg.tuning.inner_folds < 2:
         raise ConfigError(f"hardware.slowdown.model.tuning.inner_folds={cfg.tuning.inner_folds}: "
                           "the inner cross-validation needs at least 2 folds")
-    order = np.random.default_rng(cfg.random_state + 1).permutation(index)
-    inner = np.array_split(order, cfg.tuning.inner_folds)
+    if groups is None:
+        order = np.random.default_rng(cfg.random_state + 1).permutation(index)
+        inner = np.array_split(order, cfg.tuning.inner_folds)
+    else:
+        fold = group_folds(groups[index], cfg.tuning.inner_folds, cfg.random_state + 1)
+        inner = [index[fold == k] for k in range(cfg.tuning.inner_folds)]
     best, best_score = grid[0], -np.inf
     for candidate in grid:
         pred = np.empty(len(targets))
@@ -175,6 +192,45 @@ def split_indices(n: int, cfg: SlowdownModelConfig) -> tuple[np.ndarray, list[np
     return order[:n_holdout], np.array_split(order[n_holdout:], cfg.cv_folds)
 
 
+def kernel_groups(rows: pd.DataFrame, bins_per_octave: int = 4) -> np.ndarray:
+    """A group label per row: the kernel (full name, else op) and its solo duration in 1/`bins_per_octave`
+    octave bins. Rows of one kernel at one size (the same layer's kernel in every layer and step) share a
+    label, so a cross-validation that folds by it never tests on a kernel it trained on."""
+    name = rows["kernel_name"].fillna("").astype(str) if "kernel_name" in rows else pd.Series("", index=rows.index)
+    name = name.where(name != "", rows["op"].astype(str))
+    size = np.round(np.log2(rows["solo_duration_s"].to_numpy(dtype=float)) * bins_per_octave).astype(int)
+    return (name + "@" + pd.Series(size, index=rows.index).astype(str)).to_numpy()
+
+
+def grouped_cv(dataset: pd.DataFrame, cfg: SlowdownModelConfig, folds: int = 5,
+               groups: np.ndarray | None = None) -> pd.DataFrame:
+    """Out-of-fold predictions for every target kernel (status 'ok'), folded by `groups` (one label per
+    target; default `kernel_groups`, so a kernel group is never on both sides), hyperparameters chosen
+    by an inner cross-validation of each fold's training part that keeps the groups whole too. Features
+    are `dataset_features`, i.e. those the composer supplies. Columns: the targets' timing columns,
+    group, fold, predicted_slowdown, predicted_duration_s."""
+    features = model_features(cfg)
+    targets = dataset[dataset["status"] == STATUS_OK].reset_index(drop=True)
+    x_all = dataset_features(targets)[features]
+    categories = {c: sorted(x_all[c].unique().tolist()) for c in CATEGORICAL if c in features}
+    x_all, _ = categorize(x_all, categories)
+    y, w = targets["slowdown"].to_numpy(dtype=float), duration_weights(targets, cfg)
+    groups = kernel_groups(targets) if groups is None else np.asarray(groups)
+    if len(groups) != len(targets):
+        raise ValueError(f"grouped_cv: {len(groups)} group labels for {len(targets)} target kernels")
+    fold = group_folds(groups, folds, cfg.random_state)
+    pred = np.full(len(targets), np.nan)
+    for k in range(folds):
+        test, fit_on = np.flatnonzero(fold == k), np.flatnonzero(fold != k)
+        fold_cfg = select_params(x_all, targets, y, w, fit_on, cfg, groups)
+        pred[test] = _predict(_fit(x_all.iloc[fit_on], y[fit_on], w[fit_on], fold_cfg), x_all.iloc[test])
+    out = targets[["instance_id", "op", "op_kind", "solo_duration_s", "overlapped_duration_s", "overlap_fraction",
+                   "slowdown"]].copy()
+    out["group"], out["fold"], out["predicted_slowdown"] = groups, fold, pred
+    out["predicted_duration_s"] = stretched_duration(out["solo_duration_s"], out["overlap_fraction"], pred)
+    return out
+
+
 def _importances(booster: xgb.Booster, features: list[str]) -> pd.DataFrame:
     gain, weight = booster.get_score(importance_type="gain"), booster.get_score(importance_type="weight")
     total_gain = sum(gain.values()) or 1.0
@@ -187,7 +243,7 @@ def train_slowdown_model(dataset: pd.DataFrame, cfg: SlowdownModelConfig) -> Tra
     """Cross-validate, fit on the training part, test on the hold-out, and compare with the baseline."""
     features = model_features(cfg)
     targets = dataset[dataset["status"] == STATUS_OK].reset_index(drop=True)
-    x_all = feature_frame(targets)[features]
+    x_all = dataset_features(targets)[features]  # the composer's overlap_features, on the dataset rows
     categories = {c: sorted(x_all[c].unique().tolist()) for c in CATEGORICAL if c in features}
     x_all, _ = categorize(x_all, categories)
     y, w = targets["slowdown"].to_numpy(dtype=float), duration_weights(targets, cfg)

@@ -248,6 +248,7 @@ def _plain(graph: pd.DataFrame) -> pd.DataFrame:
         raise ConfigError(f"the execution graph lacks column(s) {missing}; expected the trace stage's "
                           "graph.parquet (trainsim.trace.schema.GRAPH_SCHEMA)")
     out = graph[list(GRAPH_COLUMNS)].copy()
+    out["async_op"] = graph["async_op"].to_numpy(dtype=bool) if "async_op" in graph else False
     for c in ("phase", "kind", "stream", "op", "signature", "collective", "group_kind"):
         out[c] = pd.Series(out[c].to_numpy(dtype=object, na_value=None), index=out.index, dtype=object)
     return out

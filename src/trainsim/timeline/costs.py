@@ -65,13 +65,14 @@ class PredictorSlowdown:
     """Adapter for the learned model: features by `overlap_features`, s by `SlowdownPredictor.predict`."""
 
     predictor: object
-    device_type: str
+    device: object
+    """trainsim.slowdown.features.DeviceNumbers of the hardware (device_numbers(hw))."""
     name: str = "xgboost"
 
     def slowdown(self, compute: pd.DataFrame, comm: pd.DataFrame) -> np.ndarray:
         from trainsim.slowdown.predictor import overlap_features  # the other stage's module: import lazily
 
-        features = overlap_features(compute.reset_index(drop=True), comm.reset_index(drop=True), self.device_type)
+        features = overlap_features(compute.reset_index(drop=True), comm.reset_index(drop=True), self.device)
         return np.clip(np.asarray(self.predictor.predict(features), dtype=float), 0.0, None)
 
 

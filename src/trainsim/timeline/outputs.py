@@ -9,6 +9,10 @@ Breakdown of the step time T for each rank class (the parts add up to T exactly)
                      backward of any class ends); waiting for a neighbour stage, a straggler, or the host
                      to issue kernels (hardware.host_dispatch_s)
   idle_s             compute idle with no communication running after the flush (optimizer waits, end of step)
+Parts of the above, shown on their own lines because users ask for them:
+  optimizer_step_s   from the class's last backward kernel to its end: the last gradient buckets'
+                     reduction, the gradient-norm all-reduce over the model-parallel group, clipping,
+                     the Adam update and the parameter copies (Megatron's optimizer.step())
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from trainsim.timeline.engine import HOST
 from trainsim.timeline.overlap import covered, is_comm_kind, merged
 from trainsim.timeline.program import BLOCK, COMPUTE, KIND_NAMES
 
-COMM_KINDS = ("tp", "dp", "pp", "world", "other")
+COMM_KINDS = ("tp", "dp", "pp", "mp", "world", "other")
 SUMMARY_FIELDS = {
     "step_time_s": "predicted wall time of one training step (seconds)",
     "world_size": "ranks (devices) in the layout",
@@ -53,6 +57,8 @@ CLASS_FIELDS = {
     "exposed_comm_s": "communication not hidden behind compute, per group kind",
     "pipeline_bubble_s": "idle without communication until the pipeline flush",
     "idle_s": "idle without communication after the flush",
+    "optimizer_step_s": "part of the step after the class's last backward kernel: gradient reduction tail, "
+                        "norm all-reduce, clipping, optimizer update",
     "peak_memory_bytes": "peak device memory of the class (trace stage estimate)",
     "memory_capacity_bytes": "device memory of the hardware",
     "oom": "peak_memory_bytes > memory_capacity_bytes",
@@ -76,6 +82,7 @@ def breakdown(t: StepTimeline) -> pd.DataFrame:
     end = np.minimum(t.replay.end_s, start + t.duration_s)  # a run waiting for its last issue is idle, not busy
     flush = pipeline_flush_s(t)
     group_kind = np.asarray(t.info.group_kind, dtype=object)[t.graph.tnode]
+    phase = t.graph.table.phase[t.graph.tnode]
     on_compute = (kind == COMPUTE) | (kind == BLOCK)
     comm = is_comm_kind(kind)
     rows = []
@@ -99,6 +106,8 @@ def breakdown(t: StepTimeline) -> pd.DataFrame:
         u0, u1 = merged(np.concatenate([b0, a]), np.concatenate([b1, b]))
         in_flush = float(covered(u0, u1, np.asarray([flush]))[0])
         compute_s = float(t.solo_compute_s[busy].sum())
+        backward = busy & (phase == "backward")
+        last_backward = float(t.replay.end_s[backward].max()) if backward.any() else 0.0
         rows.append({
             "rank_class": c,
             "compute_s": compute_s,
@@ -106,6 +115,7 @@ def breakdown(t: StepTimeline) -> pd.DataFrame:
             **{f"exposed_{k}_s": v for k, v in exposed.items()},
             "pipeline_bubble_s": max(flush - in_flush, 0.0),
             "idle_s": max((step - flush) - (float((u1 - u0).sum()) - in_flush), 0.0),
+            "optimizer_step_s": max(float(t.replay.end_s[mine].max()) - last_backward, 0.0) if mine.any() else 0.0,
             "end_s": float(t.replay.end_s[mine].max()) if mine.any() else 0.0,
         })
     return pd.DataFrame(rows)

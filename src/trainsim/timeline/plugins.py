@@ -110,10 +110,12 @@ def data_rule(ops: pd.DataFrame) -> np.ndarray:
 
 
 def blocking_hint(ops: pd.DataFrame) -> np.ndarray:
-    """Default sync semantics: recvs and non-DP collectives are blocking calls; sends and DP buckets async."""
+    """Default sync semantics: recvs and non-DP collectives are blocking calls; sends and DP buckets async,
+    and so is whatever the trace marks async_op (ring-exchange isend/irecv, waited for through data deps)."""
     recv = ops["collective"].to_numpy() == "recv"
     coll = (ops["kind"] == "collective").to_numpy() & (ops["group_kind"].to_numpy() != "dp")
-    return recv | coll
+    asynchronous = ops["async_op"].to_numpy(dtype=bool) if "async_op" in ops else np.zeros(len(ops), dtype=bool)
+    return (recv | coll) & ~asynchronous
 
 
 register_dependency_rule("data", data_rule)

@@ -66,8 +66,29 @@ def calibration_inputs(hw: HardwareConfig, calibration_dir: Path | None, nodes_u
              "skipped_wrong_results": skipped, "skipped_lines": fit.get("skipped_lines", {})}, warnings)
 
 
-def kernel_inputs(hw: HardwareConfig, profile_dir: Path | None, backends: dict[str, int]) -> tuple[dict, list[str]]:
-    """How kernel times were obtained (measured here, or the analytical model and what it was fitted on)."""
+RANGE_SETTINGS = {"hidden_size": "model", "seq_length": "model", "num_layers": "model", "tp": "parallelism",
+                  "micro_batch_size": "parallelism"}
+"""Run settings hardware.kernel_model.fitted_range may bound, and their config group."""
+
+
+def run_values(model, par) -> dict[str, float]:
+    """The run's values of RANGE_SETTINGS."""
+    return {name: getattr(model if group == "model" else par, name) for name, group in RANGE_SETTINGS.items()}
+
+
+def outside_fitted_range(hw: HardwareConfig, values: dict[str, float]) -> list[str]:
+    """'name=value (fitted lo-hi)' for every setting outside the range the kernel model was fitted on."""
+    out = []
+    for name, (low, high) in hw.kernel_model.fitted_range.items():
+        if name in values and not low <= values[name] <= high:
+            out.append(f"{RANGE_SETTINGS[name]}.{name}={values[name]:g} (fitted {low:g}-{high:g})")
+    return out
+
+
+def kernel_inputs(hw: HardwareConfig, profile_dir: Path | None, backends: dict[str, int],
+                  run: dict[str, float] | None = None) -> tuple[dict, list[str]]:
+    """How kernel times were obtained (measured here, or the analytical model, what it was fitted on, and
+    whether this run's shapes lie inside that)."""
     summary = _read_json(Path(profile_dir) / PROFILE_SUMMARY_FILE) if profile_dir else {}
     analytical = backends.get("analytical", 0)
     measured = {k: v for k, v in backends.items() if k in MEASURED_BACKENDS}
@@ -82,6 +103,10 @@ def kernel_inputs(hw: HardwareConfig, profile_dir: Path | None, backends: dict[s
         if not hw.kernel_model.fitted_on:
             warnings.append(f"kernels: {analytical} op(s) timed by the analytical model with its default "
                             f"efficiencies, not fitted to {hw.name} (fit one with `trainsim profile-fit`)")
+        outside = outside_fitted_range(hw, run or {})
+        out["inside_fitted_range"] = not outside if hw.kernel_model.fitted_range else None
+        if outside:
+            warnings.append("kernels: outside what the kernel model was fitted on, extrapolated: " + ", ".join(outside))
     return out, warnings
 
 
@@ -106,10 +131,10 @@ def slowdown_inputs(hw: HardwareConfig, model_dir: Path | None, device_type: str
 
 
 def prediction_inputs(hw: HardwareConfig, inputs: dict[str, Path], backends: dict[str, int], nodes_used: int,
-                      device_type: str) -> dict:
+                      device_type: str, run_values: dict[str, float] | None = None) -> dict:
     """The `inputs` entry of summary.json: calibration, kernels, slowdown and the warnings of all three."""
     calibration, w1 = calibration_inputs(hw, inputs.get("calibration"), nodes_used)
-    kernels, w2 = kernel_inputs(hw, inputs.get("profile"), backends)
+    kernels, w2 = kernel_inputs(hw, inputs.get("profile"), backends, run_values)
     slowdown, w3 = slowdown_inputs(hw, inputs.get("slowdown_model"), device_type)
     return {"calibration": calibration, "kernels": kernels, "slowdown": slowdown, "warnings": w1 + w2 + w3}
 

@@ -27,13 +27,13 @@ import pyarrow.parquet as pq
 from trainsim.artifacts import atomic_artifact, read_manifest, read_table
 from trainsim.comm.model import CommModel
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.slowdown.features import device_type_of
+from trainsim.slowdown.features import device_numbers, device_type_of
 from trainsim.slowdown.predictor import SlowdownPredictor
 from trainsim.timeline.chrome import write_chrome_trace
 from trainsim.timeline.compose import StepTimeline, compose_step
 from trainsim.timeline.costs import CommCost, NoSlowdown, PredictorSlowdown, SlowdownEstimate
 from trainsim.timeline.outputs import class_table, node_kind_names, summary
-from trainsim.timeline.provenance import prediction_inputs
+from trainsim.timeline.provenance import prediction_inputs, run_values
 from trainsim.trace.stage import GRAPH_FILE, MEMORY_FILE, RANK_CLASSES_FILE
 from trainsim.what_if import scaled_compute_times
 
@@ -57,8 +57,7 @@ def slowdown_model(hw: HardwareConfig, model_dir: Path | None) -> SlowdownEstima
     """The learned slowdown model when its artifact is given, else no slowdown."""
     if model_dir is None:
         return NoSlowdown()
-    device = device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type)
-    return PredictorSlowdown(SlowdownPredictor.load(model_dir), device)
+    return PredictorSlowdown(SlowdownPredictor.load(model_dir), device_numbers(hw))
 
 
 def load_profile(profile_dir: Path) -> tuple[dict[str, float], dict[str, int]]:
@@ -95,7 +94,8 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     comm = comm_model(hw, inputs.get("calibration"))
     slowdown = slowdown_model(hw, inputs.get("slowdown_model"))
     used = prediction_inputs(hw, inputs, backends, nodes_used=-(-par.world_size // hw.devices_per_node),
-                             device_type=device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type))
+                             device_type=device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type),
+                             run_values=run_values(model, par))
     config = {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}
     with atomic_artifact(output, stage="compose", config=config, config_keys=keys, inputs=list(inputs.values())) as tmp:
         t = compose_step(graph, rank_classes, par, hw, compute, comm, slowdown)

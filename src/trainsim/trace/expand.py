@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from trainsim.workloads.layout import Layout
+from trainsim.workloads.layout import GROUP_KINDS, Layout
 from trainsim.workloads.schedules import Action, last_backward_microbatch
 
 
@@ -37,20 +37,22 @@ def expand_step(class_events: pd.DataFrame, actions: list[Action]) -> pd.DataFra
 def rename_for_rank(events: pd.DataFrame, layout: Layout, representative: int, rank: int) -> pd.DataFrame:
     """Rewrite the group members and P2P peers of `representative`'s events as seen from `rank`.
 
-    Peers keep their pipeline offset (next stage stays next stage, wrapping around for interleaved
-    schedules); tp/dp/pp groups become `rank`'s own.
+    Groups of a kind in GROUP_KINDS become `rank`'s own; a peer keeps its offset inside the P2P's group
+    (next pipeline stage stays next stage, wrapping around for interleaved schedules; next rank of a
+    tensor-parallel ring stays next).
     """
-    pos, rep = layout.position(rank), layout.position(representative)
-    groups = {kind: layout.group_ranks(rank, kind) for kind in ("tp", "dp", "pp")}
+    groups = {kind: layout.group_ranks(rank, kind) for kind in GROUP_KINDS}
+    own = {kind: layout.group_ranks(representative, kind) for kind in GROUP_KINDS}
 
-    def peer(p: int) -> int:
+    def peer(p: int, kind) -> int:
         if p < 0:
             return -1
-        stage = (pos.pp_rank + layout.position(int(p)).pp_rank - rep.pp_rank) % layout.pp
-        return layout.rank_of(pos.dp_rank, pos.tp_rank, stage)
+        members, mine = own[kind], groups[kind]
+        offset = members.index(int(p)) - members.index(representative)
+        return mine[(mine.index(rank) + offset) % len(mine)]
 
     out = events.copy()
     out["group_ranks"] = [groups.get(kind, members) if kind is not None else None
                           for kind, members in zip(out["group_kind"], out["group_ranks"])]
-    out["peer"] = out["peer"].map(peer)
+    out["peer"] = [peer(p, kind if kind in groups else "pp") for p, kind in zip(out["peer"], out["group_kind"])]
     return out

@@ -112,7 +112,11 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._last_writer: dict[int, int] = {}
         self._phase, self._chunk, self._microbatch = "setup", 0, 0
         self._once_per_step = False
-        self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in GROUP_KINDS}
+        self._in_communication = False
+        self._async_op = False
+        # the model-parallel group has the ranks of the tp or pp group when the other is 1: those names win
+        kinds = ("mp", *(k for k in GROUP_KINDS if k != "mp"))
+        self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in kinds}
         self._group_ranks_cache: dict[int, list[int]] = {}
         self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
         self.largest_output_bytes = 0  # the biggest temporary one op creates
@@ -139,6 +143,19 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         finally:
             self._once_per_step = previous
 
+    @contextlib.contextmanager
+    def communication(self, async_op: bool = False) -> Iterator[None]:
+        """Inside a communication call only the c10d ops are the workload's: other ops dispatched there are
+        the backend's own implementation of the collective (gloo's reduce-scatter splits and copies its
+        input; NCCL does it in its kernel), not kernels the training step launches. The c10d ops are
+        marked async_op when the step waits for them only where it reads their results."""
+        previous = self._in_communication, self._async_op
+        self._in_communication, self._async_op = True, async_op
+        try:
+            yield
+        finally:
+            self._in_communication, self._async_op = previous
+
     def _on_save(self, t: torch.Tensor) -> torch.Tensor:
         """Count each storage kept for backward once per (micro-batch, chunk); parameters excluded."""
         if not isinstance(t, torch.nn.Parameter):
@@ -156,7 +173,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         start = time.perf_counter()  # ~100 ns; recording the op (JSON of its arguments) costs far more
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
-        if func.namespace not in SKIPPED_NAMESPACES:
+        if func.namespace not in SKIPPED_NAMESPACES and (func.namespace == "c10d" or not self._in_communication):
             self._record(func, args, kwargs, out)
             if self.time_ops:
                 self.events[-1]["wall_s"] = elapsed
@@ -207,6 +224,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             "message_bytes": 0,
             "comm_dtype": None,
             "peer": -1,
+            "async_op": func.namespace == "c10d" and self._async_op,
             "deps": deps,
         }
         if func.namespace == "c10d":

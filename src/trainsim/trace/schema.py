@@ -25,6 +25,8 @@ graph.parquet       one row per recorded op of one rank class, in program order
   message_bytes     nccl-tests size: all-gather output, reduce-scatter input, else the buffer
   comm_dtype        dtype of the communicated tensor
   peer              global rank of the other side of a send/recv, else -1
+  async_op          communication the step waits for only where it reads the result (isend/irecv of a
+                    ring exchange); false: a blocking call (recv, collectives) or compute
   deps              ids of the events that last wrote a storage this op reads
 
 rank_classes.parquet  one row per rank: rank, rank_class, dp_rank, tp_rank, pp_rank
@@ -60,6 +62,7 @@ GRAPH_SCHEMA = pa.schema([
     ("message_bytes", pa.int64()),
     ("comm_dtype", pa.string()),
     ("peer", pa.int32()),
+    ("async_op", pa.bool_()),
     ("deps", pa.list_(pa.int64())),
 ])
 
@@ -74,5 +77,7 @@ RANK_CLASS_SCHEMA = pa.schema([
 
 def events_table(events: pd.DataFrame, rank_class: int) -> pa.Table:
     """Recorder events of one class (a DataFrame of its event dicts) as a table of GRAPH_SCHEMA."""
+    if "async_op" not in events:
+        events = events.assign(async_op=False)
     return pa.Table.from_pandas(events.assign(rank_class=rank_class)[GRAPH_SCHEMA.names], schema=GRAPH_SCHEMA,
                                 preserve_index=False)

@@ -4,13 +4,13 @@ Rows: data/published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv 
 iteration times; GPT models with vocab 50257, seq 1024, full activation checkpointing, 1F1B).
 
 Method (docs/validation.md):
-  * each row becomes a run: hardware a100-80g-dgx, the row's model dims and tp/pp/dp/micro/global batch,
+  * each row becomes a run: hardware a100-80g-vtrain, the row's model dims and tp/pp/dp/micro/global batch,
     fp16, recompute full, 1f1b;
   * rows sharing (hidden, heads, layers, tp, pp, micro batch, dp) share one ex-situ trace (the global
     batch only changes the number of micro-batches); traces are cached as parquet under
     artifacts/validation/vtrain/traces/ so a second run skips tracing;
   * kernel times come from the analytical model (profile/analytical.py) and collectives from the NCCL
-    model calibrated on the A100 nccl-tests tables (artifacts/calibration/a100-80g-dgx when present);
+    model calibrated on the A100 nccl-tests tables (artifacts/calibration/a100-80g-vtrain when present);
   * the analytical model's hardware-level parameters (matmul efficiency, memory efficiency, launch
     overhead) may be fitted on a fixed 20 % of the rows: every 5th row in file order (row index % 5 == 0).
     The fit is shared by all rows: no per-configuration correction.
@@ -44,7 +44,9 @@ VTRAIN_PAPER_SINGLE_NODE_MAPE_PCT = 19.66
 "vTrain: A Simulation Framework for Evaluating Cost-effective and Compute-optimal Large Language Model
 Training", MICRO 2024, arXiv:2312.12391 (the same paper reports 14.88 % on its 116 multi-node runs, up to
 512 A100s). The CSV header's MAPE figure differs from the paper's and is not used: docs/validation.md."""
-HARDWARE = "a100-80g-dgx"
+HARDWARE = "a100-80g-vtrain"
+"""a100-80g-dgx with the kernel model and host time fitted here: the effective rates of vTrain's software
+stack (Megatron-DeepSpeed, eager), not those of the Megatron runs a100-80g-dgx is fitted to."""
 CACHE = Path("artifacts/validation/vtrain/traces")
 FUSED_KINDS = ("elementwise", "optimizer", "normalization", "softmax_loss")
 FITTED = ("matmul_efficiency", "matmul_half_flops", "memory_efficiency", "memory_half_bytes", "launch_overhead_s",
@@ -288,12 +290,12 @@ def evaluate(rows: pd.DataFrame | None = None, fit: bool = True, calibration: Pa
              workers: int = 2) -> Prediction:
     """Fit (on the fit split) and predict all rows; the table's `fit` column tells the splits apart."""
     from trainsim.timeline.stage import comm_model
+    from trainsim.validation.published import calibrated_comm
 
     start = time.perf_counter()
     rows = read_rows() if rows is None else rows
     run = base_run()
-    calibration = calibration or Path(f"artifacts/calibration/{HARDWARE}")
-    comm = comm_model(run.hardware, calibration if (calibration / "manifest.json").is_file() else None)
+    comm = comm_model(run.hardware, calibration) if calibration else calibrated_comm(run)
     dirs = ensure_traces(rows, run.model, run.parallelism, workers=workers)
     hw = run.hardware
     params, host_grid = {**kernel_model_params(hw), "host_dispatch_s": hw.host_dispatch_s}, {}

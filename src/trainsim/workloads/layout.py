@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GROUP_KINDS = ("tp", "dp", "pp")
+GROUP_KINDS = ("tp", "dp", "pp", "mp")
+"""tp, dp, pp, and mp: the model-parallel group (every tp and pp rank of one replica; Megatron's
+get_model_parallel_group, where the gradient norm is summed)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Layout:
         return RankPosition(rank, dp_rank, tp_rank, pp_rank)
 
     def group_ranks(self, rank: int, kind: str) -> list[int]:
-        """Members of `rank`'s group of the given kind ('tp', 'dp' or 'pp'), in group-rank order."""
+        """Members of `rank`'s group of the given kind (GROUP_KINDS), in group-rank order."""
         p = self.position(rank)
         if kind == "tp":
             return [self.rank_of(p.dp_rank, t, p.pp_rank) for t in range(self.tp)]
@@ -49,6 +51,8 @@ class Layout:
             return [self.rank_of(d, p.tp_rank, p.pp_rank) for d in range(self.dp)]
         if kind == "pp":
             return [self.rank_of(p.dp_rank, p.tp_rank, s) for s in range(self.pp)]
+        if kind == "mp":
+            return [self.rank_of(p.dp_rank, t, s) for s in range(self.pp) for t in range(self.tp)]
         raise ValueError(f"group kind {kind!r}; accepted: {', '.join(GROUP_KINDS)}")
 
     def all_groups(self, kind: str) -> list[list[int]]:

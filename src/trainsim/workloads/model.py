@@ -16,6 +16,7 @@ from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    scatter_to_sp,
     vocab_parallel_cross_entropy,
 )
 
@@ -28,10 +29,18 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
-def _norm(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
-    if cfg.family == "llama":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Training-mode dropout as one kernel (output and mask), as CUDA PyTorch runs it; the CPU's
+    functional dropout decomposes into bernoulli_, div_ and mul, three passes over the tensor."""
+    return torch.native_dropout(x, p, True)[0]
+
+
+def _norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False) -> nn.Module:
+    norm = (nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype) if cfg.family == "llama"
+            else nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype))
+    for p in norm.parameters():  # applied to a token shard: each tp rank holds a partial gradient
+        p.sequence_parallel = sequence_parallel
+    return norm
 
 
 def _rotary_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,26 +57,53 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, selective_recompute: bool):
+    def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, selective_recompute: bool,
+                 sequence_parallel: bool = False, comm_overlap: bool = False):
         super().__init__()
+        self.seq_length = cfg.seq_length
         self.heads = cfg.num_attention_heads // tp
         self.kv_heads = (cfg.num_kv_heads or cfg.num_attention_heads) // tp
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.selective_recompute = selective_recompute
+        self.fused = cfg.attention == "fused"
+        self.attention_dropout = cfg.attention_dropout
         bias = cfg.family == "gpt"
         full_heads = cfg.num_attention_heads + 2 * (cfg.num_kv_heads or cfg.num_attention_heads)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, full_heads * self.head_dim, tp, tp_group, dtype, bias)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, full_heads * self.head_dim, tp, tp_group, dtype, bias,
+                                        sequence_parallel, comm_overlap)
         self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, tp_group,
-                                      dtype, bias, num_layers=cfg.num_layers)
+                                      dtype, bias, num_layers=cfg.num_layers, sequence_parallel=sequence_parallel,
+                                      comm_overlap=comm_overlap)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads
-        )
+        if self.fused:  # attention dropout is inside the CUDA flash kernel; torch's CPU flash kernel has none
+            # (with dropout_p it falls back to the unfused math path), so on a CPU device it is left out
+            return nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.attention_dropout if q.is_cuda else 0.0,
+                enable_gqa=self.kv_heads != self.heads)
+        return self._unfused_core(q, k, v)
+
+    def _unfused_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Megatron's CoreAttention before flash attention: one baddbmm computes the scaled scores and adds the
+        causal mask (-inf above the diagonal, broadcast), then softmax, attention dropout and a bmm with V:
+        the kernels of its fused scale-mask-softmax path, with the [s, s] scores in memory."""
+        b, hl, s, d = q.shape
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        scores = torch.baddbmm(mask, q.reshape(b * hl, s, d), k.reshape(b * hl, s, d).transpose(1, 2),
+                               alpha=d ** -0.5)
+        probs = torch.softmax(scores, dim=-1)
+        if self.attention_dropout:
+            probs = dropout(probs, self.attention_dropout)
+        return torch.bmm(probs, v.reshape(b * hl, s, d)).view(b, hl, s, d)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x)  # [b, s, (hl + 2 kvl) d]
+        qkv = self.qkv(x)  # [b, s, (hl + 2 kvl) d]; [b s, ...] when x is a sequence-parallel shard
+        s = self.seq_length
+        b = qkv[..., 0].numel() // s
+        qkv = qkv.view(b, s, -1)
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                              self.kv_heads * self.head_dim], dim=-1)
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # [b, hl, s, d]
@@ -83,14 +119,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype):
+    def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, sequence_parallel: bool = False,
+                 comm_overlap: bool = False):
         super().__init__()
         ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
         self.swiglu = cfg.family == "llama"
         bias = not self.swiglu
         up_width = 2 * ffn if self.swiglu else ffn  # SwiGLU fuses gate and up projections
-        self.up = ColumnParallelLinear(cfg.hidden_size, up_width, tp, tp_group, dtype, bias)
-        self.down = RowParallelLinear(ffn, cfg.hidden_size, tp, tp_group, dtype, bias, num_layers=cfg.num_layers)
+        self.up = ColumnParallelLinear(cfg.hidden_size, up_width, tp, tp_group, dtype, bias, sequence_parallel,
+                                       comm_overlap)
+        self.down = RowParallelLinear(ffn, cfg.hidden_size, tp, tp_group, dtype, bias, num_layers=cfg.num_layers,
+                                      sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
@@ -103,16 +142,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute: str):
+    def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute: str, sequence_parallel: bool = False,
+                 comm_overlap: bool = False):
         super().__init__()
         self.dropout = cfg.dropout
-        self.norm1 = _norm(cfg, dtype)
-        self.attn = Attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective")
-        self.norm2 = _norm(cfg, dtype)
-        self.mlp = MLP(cfg, tp, tp_group, dtype)
+        self.norm1 = _norm(cfg, dtype, sequence_parallel)
+        self.attn = Attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
+                              sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
+        self.norm2 = _norm(cfg, dtype, sequence_parallel)
+        self.mlp = MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.dropout(x, self.dropout, training=True) if self.dropout else x
+        return dropout(x, self.dropout) if self.dropout else x
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         x = x + self._drop(self.attn(self.norm1(x), rotary))
@@ -123,16 +164,22 @@ class TransformerChunk(nn.Module):
     """Consecutive layers of the model held by one (pipeline rank, virtual stage) on one tp rank.
 
     The first chunk of the model embeds tokens; the last one applies the final norm, the
-    vocab-parallel output layer and the loss. Embedding and output weights are untied.
+    vocab-parallel output layer and the loss. Embedding and output weights are untied. With sequence
+    parallelism the hidden states between blocks (and between pipeline stages) are this tp rank's shard of
+    the micro-batch's tokens, [b s / tp, h]: the embedding output is split after its all-reduce, as
+    Megatron-Core does, and the output layer all-gathers the shards.
     """
 
     def __init__(self, cfg: ModelConfig, *, layers: range, first: bool, last: bool, tp: int, tp_rank: int,
-                 tp_group, dtype: torch.dtype, recompute: str, loss_scale: float):
+                 tp_group, dtype: torch.dtype, recompute: str, loss_scale: float, sequence_parallel: bool = False,
+                 tp_comm_overlap: bool = False):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.tp, self.tp_group, self.recompute_full = tp, tp_group, recompute == "full"
+        self.sequence_parallel = sequence_parallel and tp > 1
         self.loss_scale = loss_scale  # 1 / num_microbatches: gradients accumulate to the batch mean
-        self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute) for _ in layers)
+        self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
+                                          tp_comm_overlap) for _ in layers)
         vocab = padded_vocab_size(cfg.vocab_size, tp)
         if cfg.family == "llama":
             cos, sin = _rotary_tables(cfg, dtype)
@@ -144,16 +191,20 @@ class TransformerChunk(nn.Module):
                 self.positions = nn.Parameter(torch.empty(cfg.seq_length, cfg.hidden_size, dtype=dtype))
                 nn.init.normal_(self.positions, std=0.02)
         if last:
-            self.final_norm = _norm(cfg, dtype)
-            self.head = ColumnParallelLinear(cfg.hidden_size, vocab, tp, tp_group, dtype, bias=False)
+            self.final_norm = _norm(cfg, dtype, self.sequence_parallel)
+            self.head = ColumnParallelLinear(cfg.hidden_size, vocab, tp, tp_group, dtype, bias=False,
+                                             sequence_parallel=self.sequence_parallel)
             self.vocab_start = tp_rank * (vocab // tp)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """x: token ids [b, s] on the first chunk, else hidden states [b, s, h]; returns h or the loss."""
+        """x: token ids [b, s] on the first chunk, else hidden states [b, s, h] (or their sequence-parallel
+        shard); returns h or the loss."""
         if self.first:
             x = self.embed(x)
             if self.cfg.family == "gpt":
                 x = x + self.positions
+            if self.sequence_parallel:
+                x = scatter_to_sp(x, self.tp_group, self.tp)
         rotary = (self.rotary_cos, self.rotary_sin) if self.cfg.family == "llama" else None
         for block in self.layers:
             if self.recompute_full:
@@ -162,6 +213,7 @@ class TransformerChunk(nn.Module):
                 x = block(x, rotary)
         if not self.last:
             return x
-        logits = self.head(self.final_norm(x))  # [b, s, vocab / tp]
+        logits = self.head(self.final_norm(x))  # [b, s, vocab / tp] ([b s, vocab / tp] sequence-parallel)
+        logits = logits.view(*targets.shape, logits.shape[-1])
         loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_group, self.tp)
         return loss.mean() * self.loss_scale

@@ -28,8 +28,9 @@ class StepObserver:
         yield
 
     @contextlib.contextmanager
-    def communication(self) -> Iterator[None]:
-        """The step is issuing or waiting for communication (time here is not computation)."""
+    def communication(self, async_op: bool = False) -> Iterator[None]:
+        """The step is issuing or waiting for communication (time here is not computation); async_op: the
+        calls return at once and the step waits for them later, where it uses their results."""
         yield
 
 
@@ -52,7 +53,7 @@ class StepTimer(StepObserver):
             self._phase = previous
 
     @contextlib.contextmanager
-    def communication(self) -> Iterator[None]:
+    def communication(self, async_op: bool = False) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield

@@ -12,17 +12,28 @@ copied back into the bf16/fp16 model weights. Both copies are one multi-tensor o
 parameter would cost the host a dispatch per parameter (~450 ops for a 12-layer GPT) that those
 optimizers do not have. Memory per parameter: 2 (weight) + 2 (grad) + 4 (master) + 8 (Adam moments)
 bytes. Dynamic loss scaling for fp16 is not modelled.
+
+Gradient clipping as Megatron's clip_grad_norm_fp32: the L2 norm of this rank's gradients (one
+multi-tensor norm), squared and summed over the model-parallel group (one all-reduce: every tensor
+and pipeline rank of the replica holds a different part of the gradients), then every gradient scaled
+by min(1, max_norm / norm) (one multi-tensor scale). Megatron skips the scale when the factor is 1;
+that choice depends on the data, so it is always issued here.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from trainsim.workloads.observe import observer
 
 
 class MixedPrecisionAdamW:
-    def __init__(self, params: list[nn.Parameter], lr: float = 1e-4, weight_decay: float = 0.01):
+    def __init__(self, params: list[nn.Parameter], lr: float = 1e-4, weight_decay: float = 0.01,
+                 clip_grad: float = 0.0, norm_group=None):
         self.params = [p for p in params if p.requires_grad]
+        self.clip_grad, self.norm_group = clip_grad, norm_group
         self.mixed = bool(self.params) and self.params[0].dtype != torch.float32
         if self.mixed:
             self.master = [nn.Parameter(p.detach().float()) for p in self.params]
@@ -44,9 +55,20 @@ class MixedPrecisionAdamW:
         with torch.no_grad():
             if self.mixed:
                 torch._foreach_copy_([m.grad for m in self.master], [p.grad for p in self.params])
+            if self.clip_grad > 0 and self.master:
+                self._clip([m.grad for m in self.master])
             self.inner.step()
             if self.mixed:
                 torch._foreach_copy_(self.params, self.master)
+
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        norms = torch.stack(torch._foreach_norm(grads))
+        squared = torch.dot(norms, norms)
+        if self.norm_group is not None:
+            with observer().communication():
+                dist.all_reduce(squared, group=self.norm_group)
+        scale = torch.clamp(squared.rsqrt() * self.clip_grad, max=1.0)  # a zero norm gives inf -> 1
+        torch._foreach_mul_(grads, scale)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer-owned tensors: Adam moments, plus fp32 master weights when mixed."""

@@ -48,6 +48,170 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """Megatron's sequence-parallel g-bar: all-gather the token shards in forward, reduce-scatter the
+    gradient in backward (Korthikanti et al. 2022, "Reducing Activation Recomputation", section 4.2.2)."""
+
+    @staticmethod
+    def forward(ctx, x, group, tp):
+        ctx.group, ctx.tp = group, tp
+        return _all_gather_tokens(x, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_tokens(grad, ctx.group, ctx.tp), None, None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Megatron's sequence-parallel g: reduce-scatter partial sums over tokens in forward, all-gather the
+    gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, tp):
+        ctx.group, ctx.tp, ctx.shape = group, tp, x.shape
+        return _reduce_scatter_tokens(x, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_tokens(grad, ctx.group, ctx.tp).view(ctx.shape), None, None
+
+
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    """Keep this rank's token shard (no communication); all-gather the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, tp):
+        ctx.group, ctx.tp, ctx.shape = group, tp, x.shape
+        tokens = x.reshape(-1, x.shape[-1])
+        shard = tokens.shape[0] // tp
+        rank = dist.get_rank(group)
+        return tokens[rank * shard:(rank + 1) * shard].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_tokens(grad, ctx.group, ctx.tp).view(ctx.shape), None, None
+
+
+def _all_gather_tokens(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    """[t, h] shards -> [tp * t, h] (rank order)."""
+    x = x.contiguous()
+    out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    with observer().communication():
+        dist.all_gather_single(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_tokens(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    """Partial sums over all tokens ([..., h], tokens flattened) -> this rank's [tokens / tp, h] of the sum."""
+    x = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty((x.shape[0] // tp, x.shape[1]), dtype=x.dtype, device=x.device)
+    with observer().communication():
+        dist.reduce_scatter_single(out, x, group=group)
+    return out
+
+
+def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tp: int) -> list:
+    """Start sending `send` to the next tp rank and receiving `recv` from the previous one (async)."""
+    me = dist.get_rank(group)
+    with observer().communication(async_op=True):
+        return [dist.isend(send, group=group, group_dst=(me + 1) % tp),
+                dist.irecv(recv, group=group, group_src=(me - 1) % tp)]
+
+
+def _wait(works: list) -> None:
+    with observer().communication():
+        for work in works:
+            work.wait()
+
+
+def ring_all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all-gather(x) @ weight^T, all-gather(x)) with the gather overlapped: tp steps, each multiplying the
+    token block it holds while the next block travels one hop around the ring (Transformer Engine's
+    ring-exchange all-gather overlap, Megatron-Core --tp-comm-overlap). x: [t, k] -> [tp t, n]."""
+    me, t = dist.get_rank(group), x.shape[0]
+    gathered = torch.empty((tp * t, x.shape[1]), dtype=x.dtype, device=x.device)
+    out = torch.empty((tp * t, weight.shape[0]), dtype=x.dtype, device=x.device)
+    gathered[me * t:(me + 1) * t].copy_(x)
+    for step in range(tp):
+        block = (me - step) % tp
+        works = []
+        if step < tp - 1:
+            incoming = (me - step - 1) % tp
+            works = _ring_exchange(gathered[block * t:(block + 1) * t], gathered[incoming * t:(incoming + 1) * t],
+                                   group, tp)
+        torch.mm(gathered[block * t:(block + 1) * t], weight.t(), out=out[block * t:(block + 1) * t])
+        _wait(works)
+    return out, gathered
+
+
+def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp: int) -> torch.Tensor:
+    """reduce-scatter(x @ weight^T) over tokens with the reduction overlapped: at each of tp steps a rank
+    multiplies one token block, adds the partial sum the previous rank passed on and sends it on; after
+    the last step it holds the full sum of its own block. x: [tp t, k] -> [t, n]."""
+    me, t = dist.get_rank(group), x.shape[0] // tp
+    incoming: tuple[torch.Tensor, list] | None = None  # the partial sum on its way from the previous rank
+    for step in range(tp):
+        block = (me - 1 - step) % tp  # the last step is this rank's own block
+        product = torch.mm(x[block * t:(block + 1) * t], weight.t())
+        if incoming is not None:
+            received, works = incoming
+            _wait(works)
+            product.add_(received)
+        if step < tp - 1:
+            received = torch.empty_like(product)
+            incoming = received, _ring_exchange(product, received, group, tp)
+    return product
+
+
+class _OverlappedColumnLinear(torch.autograd.Function):
+    """Sequence-parallel column-parallel linear with its communication overlapped by ring exchange:
+    forward all-gather + GEMM, backward GEMM + reduce-scatter of the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, tp):
+        out, gathered = ring_all_gather_matmul(x.contiguous(), weight, group, tp)
+        ctx.save_for_backward(gathered, weight)
+        ctx.group, ctx.tp = group, tp
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = ring_matmul_reduce_scatter(grad, weight.t(), ctx.group, ctx.tp)
+        return grad_x, grad.t().mm(gathered), None, None
+
+
+class _OverlappedRowLinear(torch.autograd.Function):
+    """Sequence-parallel row-parallel linear with its communication overlapped by ring exchange:
+    forward GEMM + reduce-scatter, backward all-gather of the output gradient + GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, tp):
+        x = x.contiguous()
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.tp = group, tp
+        return ring_matmul_reduce_scatter(x, weight, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x, gathered = ring_all_gather_matmul(grad.contiguous(), weight.t(), ctx.group, ctx.tp)
+        return grad_x, gathered.t().mm(x), None, None
+
+
+def gather_from_sp(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    return _GatherFromSequenceParallel.apply(x, group, tp)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    return _ReduceScatterToSequenceParallel.apply(x, group, tp)
+
+
+def scatter_to_sp(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    return _ScatterToSequenceParallel.apply(x, group, tp)
+
+
 def copy_to_tp(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     return _CopyToTensorParallel.apply(x, group) if tp > 1 else x
 
@@ -63,31 +227,50 @@ def _init_weight(out_features: int, in_features: int, dtype: torch.dtype, std: f
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T with A split by output rows; each rank keeps its slice of y (no gather)."""
+    """y = x A^T with A split by output rows; each rank keeps its slice of y (no gather). With sequence
+    parallelism the input arrives as this rank's token shard [t / tp, h] and is all-gathered first (the
+    output is then [t, out / tp], tokens flattened)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: int, group, dtype, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, tp: int, group, dtype, bias: bool = True,
+                 sequence_parallel: bool = False, comm_overlap: bool = False):
         super().__init__()
-        self.tp, self.group = tp, group
+        self.tp, self.group, self.sequence_parallel = tp, group, sequence_parallel and tp > 1
+        self.comm_overlap = comm_overlap and self.sequence_parallel
         self.weight = _init_weight(out_features // tp, in_features, dtype, std=0.02)
         self.bias = nn.Parameter(torch.zeros(out_features // tp, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(copy_to_tp(x, self.group, self.tp), self.weight, self.bias)
+        if self.comm_overlap:
+            y = _OverlappedColumnLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.group, self.tp)
+            return y + self.bias if self.bias is not None else y
+        x = gather_from_sp(x, self.group, self.tp) if self.sequence_parallel else copy_to_tp(x, self.group, self.tp)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T with A split by input columns; partial products are all-reduced, then bias added."""
+    """y = x A^T with A split by input columns; partial products are all-reduced, then bias added. With
+    sequence parallelism they are reduce-scattered over tokens instead: y is this rank's [t / tp, out]."""
 
     def __init__(self, in_features: int, out_features: int, tp: int, group, dtype, bias: bool = True,
-                 num_layers: int = 1):
+                 num_layers: int = 1, sequence_parallel: bool = False, comm_overlap: bool = False):
         super().__init__()
-        self.tp, self.group = tp, group
+        self.tp, self.group, self.sequence_parallel = tp, group, sequence_parallel and tp > 1
+        self.comm_overlap = comm_overlap and self.sequence_parallel
         # GPT-2 / Megatron scaled init of output projections: std 0.02 / sqrt(2 * layers)
         self.weight = _init_weight(out_features, in_features // tp, dtype, std=0.02 / math.sqrt(2 * num_layers))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        if self.bias is not None and self.sequence_parallel:
+            self.bias.sequence_parallel = True  # added to a token shard: its gradient is partial
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(nn.functional.linear(x, self.weight), self.group, self.tp)
+        if self.comm_overlap:
+            y = _OverlappedRowLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.group, self.tp)
+            return y + self.bias if self.bias is not None else y
+        y = nn.functional.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp(y, self.group, self.tp)
+        else:
+            y = reduce_from_tp(y, self.group, self.tp)
         return y + self.bias if self.bias is not None else y
 
 
@@ -121,8 +304,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, group):
         logits = logits.float()
         logits_max = logits.max(dim=-1).values
-        with observer().communication():
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        _all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
 
         shard = logits.shape[-1]
@@ -130,13 +312,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (local < 0) | (local >= shard)
         local = local.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        with observer().communication():
-            dist.all_reduce(target_logit, group=group)
+        _all_reduce(target_logit, group)
 
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        with observer().communication():
-            dist.all_reduce(sum_exp, group=group)
+        _all_reduce(sum_exp, group)
         loss = sum_exp.log() - target_logit
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -146,17 +326,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local, outside = ctx.saved_tensors
-        grad = softmax.clone()
-        onehot = torch.zeros_like(grad).scatter_(-1, local.unsqueeze(-1), 1.0)
-        grad.sub_(onehot * (~outside).unsqueeze(-1).to(grad.dtype))
+        grad = softmax  # in place, as Megatron: the softmax is not needed after this
+        rows = grad.view(-1, grad.shape[-1])
+        rows[torch.arange(rows.shape[0], device=rows.device), local.flatten()] -= (~outside).flatten().to(grad.dtype)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None
 
 
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    if group is None:  # tp = 1: nothing to combine
+        return
+    with observer().communication():
+        dist.all_reduce(tensor, op=op, group=group)
+
+
 def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group, tp: int) -> torch.Tensor:
-    """Per-token loss; plain cross-entropy when the vocabulary is not sharded."""
-    if tp == 1:
-        return nn.functional.cross_entropy(
-            logits.float().flatten(0, -2), targets.flatten(), reduction="none"
-        ).view(targets.shape)
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
+    """Per-token loss with Megatron's kernels, also when the vocabulary is not sharded (Megatron runs the
+    same fp32 max / exp / sum path at tp = 1, without the all-reduces)."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group if tp > 1 else None)

@@ -26,13 +26,16 @@ def layout_of(par: ParallelismConfig) -> Layout:
 
 
 def create_groups(layout: Layout, rank: int, every_group: bool) -> dict[str, object]:
-    """Process groups of `rank` by kind ('tp', 'dp', 'pp').
+    """Process groups of `rank` by kind ('tp', 'dp', 'pp', 'mp').
 
     A real run must create every group on every rank in the same order (every_group=True);
     a traced rank only creates its own (the fake store needs no agreement).
     """
     mine: dict[str, object] = {}
-    for kind in ("tp", "dp", "pp"):
+    for kind in ("tp", "dp", "pp", "mp"):
+        if kind == "mp" and (layout.tp == 1 or layout.pp == 1):  # the same ranks as tp or pp (or alone)
+            mine["mp"] = mine["tp"] if layout.pp == 1 else mine["pp"]
+            continue
         own = layout.group_ranks(rank, kind)
         candidates = layout.all_groups(kind) if every_group else [own]
         for ranks in candidates:
@@ -83,13 +86,15 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                 last=virtual_stage == par.pp * v - 1,
                 tp=par.tp, tp_rank=pos.tp_rank, tp_group=groups["tp"],
                 dtype=dtype, recompute=par.recompute, loss_scale=1.0 / par.num_microbatches,
+                sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap,
             ))
     except (RuntimeError, ValueError) as exc:
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
                          f"tp_rank={pos.tp_rank}) for {model_cfg.name}: {exc}") from exc
     buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.dp)
                for chunk in chunks]
-    optimizer = MixedPrecisionAdamW([p for chunk in chunks for p in chunk.parameters()])
+    optimizer = MixedPrecisionAdamW([p for chunk in chunks for p in chunk.parameters()], clip_grad=par.clip_grad,
+                                    norm_group=groups["mp"] if layout.tp * layout.pp > 1 else None)
     return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer)
 
 
@@ -107,7 +112,10 @@ def _neighbour(rm: RankModel, chunk: int, step: int) -> tuple[int, int]:
 
 
 def _activation_shape(rm: RankModel) -> tuple[int, ...]:
-    return (rm.par.micro_batch_size, rm.model_cfg.seq_length, rm.model_cfg.hidden_size)
+    b, s, h = rm.par.micro_batch_size, rm.model_cfg.seq_length, rm.model_cfg.hidden_size
+    if rm.par.sequence_parallel and rm.par.tp > 1:  # stages exchange their token shards
+        return (b * s // rm.par.tp, h)
+    return (b, s, h)
 
 
 def _recv(rm: RankModel, src: int, tag: int) -> torch.Tensor:
@@ -155,6 +163,18 @@ def run_backward(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -
         _send(rm, inputs.grad, dst, _p2p_tag(action.microbatch, action.chunk, v, backward=True))
 
 
+def allreduce_sequence_parallel_grads(rm: RankModel) -> None:
+    """Sum the partial gradients of parameters applied to token shards (norms, row-parallel biases) over
+    the tp group: one flat all-reduce, as Megatron-Core's finalize_model_grads does after the DP sync."""
+    grads = [p.grad for p in rm.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or rm.par.tp == 1:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    with observer().communication():
+        dist.all_reduce(flat, group=rm.groups["tp"])
+    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
 def train_step(rm: RankModel, actions: list[Action], batch) -> None:
     """Run `actions` (a pipeline schedule), synchronise gradients, and step the optimizer.
 
@@ -173,6 +193,7 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
     with obs.section("optimizer", 0, 0):
         for buckets in rm.buckets:
             buckets.finish()
+        allreduce_sequence_parallel_grads(rm)
         rm.optimizer.step()
         for buckets in rm.buckets:  # zero after the step (buffers start at zero), as torch's idiom
             buckets.zero_grad()

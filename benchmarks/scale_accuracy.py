@@ -1,0 +1,75 @@
+"""Accuracy at scale: published multi-node Megatron runs, each predicted by a model fitted without it.
+
+Tables (data/published; trainsim/validation/published.py states how each row becomes a run, the FLOP
+formula that turns its TFLOP/s into seconds per step, and every setting assumed where the source is silent):
+  megatron2021_a100   Megatron-LM on Selene, GPT 1.7B-1T, 32-3,072 A100 (hardware a100-80g-selene)
+  mcore2024_h100      Megatron-Core r0.8, GPT 1.7B-462B, 48-6,144 H100 (hardware h100-sxm-dgx)
+Leave-one-row-out: for each row, the kernel model's matmul_efficiency and memory_efficiency (bounded by
+the best measured matmul throughput of that GPU, data/kernels) are fitted to the table's other rows, then
+the row is composed with that fit (the row is never in its own fit). Everything else is physics, datasheet,
+NCCL calibration and kernel benchmarks (flash attention), the same for every row.
+
+Prints per row and
+  figure scale_mape_pct_<table> <v> %       mean |error| over the table's rows (target <= 5)
+  figure scale_bias_pct_<table> <v> %       signed mean error (target |bias| <= 2)
+  figure scale_fit_<param>_<table> <v> ratio   the all-rows fit (what conf/hardware carries)
+  figure predict_seconds_cached_fresh_process <v> s   `trainsim compose --quick` of one point in a new
+                                            process with every input cached
+The overlap-slowdown model is not applied here (communication overlap is composed, its kernel slowdown is not).
+
+    python benchmarks/scale_accuracy.py [--tables megatron2021_a100 mcore2024_h100] [--skip-timing]
+Builds missing NCCL calibrations (seconds); the first run traces 19 layouts (~3 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import pandas as pd
+
+from trainsim.validation.published import ASSUMPTIONS, FITTED, TABLES, evaluate_table
+
+TIMING_POINT = ["hardware=a100-80g-selene", "model=gpt-175b", "parallelism=pp16-tp8-dp8"]
+
+
+def time_one_point() -> float:
+    """Seconds for `trainsim compose --quick` in a fresh process, after one call built every input."""
+    from trainsim import predict
+
+    predict(*TIMING_POINT)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "trainsim.cli", "compose", *TIMING_POINT, "--quick"], check=True,
+                   capture_output=True)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tables", nargs="*", default=list(TABLES), choices=list(TABLES),
+                        help="tables to predict (none: only the timing)")
+    parser.add_argument("--skip-timing", action="store_true")
+    args = parser.parse_args()
+    pd.set_option("display.width", 200)
+    print("assumed where the sources are silent:")
+    for name, text in ASSUMPTIONS.items():
+        print(f"  {name}: {text}")
+    for name in args.tables:
+        result = evaluate_table(name)
+        rows = result.rows
+        print(f"\n{name} on {TABLES[name].hardware}, leave-one-row-out ({result.seconds:.0f} s):")
+        print(rows[["model", "gpus", "tp", "pp", "dp", "global_batch", "measured_s", "predicted_s", "error_pct",
+                    *FITTED]].round(3).to_string(index=False))
+        print(f"figure scale_mape_pct_{name} {rows['error_pct'].abs().mean():.2f} %")
+        print(f"figure scale_bias_pct_{name} {rows['error_pct'].mean():.2f} %")
+        print(f"figure scale_max_error_pct_{name} {rows['error_pct'].abs().max():.2f} %")
+        for param, value in result.all_rows_fit.items():
+            print(f"figure scale_fit_{param}_{name} {value:.4f} ratio")
+    if not args.skip_timing:
+        print(f"figure predict_seconds_cached_fresh_process {time_one_point():.2f} s")
+
+
+if __name__ == "__main__":
+    main()
