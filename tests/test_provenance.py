@@ -51,3 +51,20 @@ def test_a_multi_node_run_warns_when_calibration_is_single_node(project, monkeyp
     p = trainsim.predict("model=gpt-tiny", "parallelism=dp2", "hardware=a100-80g-dgx", "hardware.devices_per_node=1",
                          *FAST_SLOWDOWN)
     assert any("calibrated on at most 1 node(s), this run spans 2" in w for w in p.warnings)
+
+
+def test_a_slowdown_model_of_an_older_schema_is_rebuilt_not_refused(project, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from trainsim.slowdown.train import SCHEMA_VERSION
+
+    monkeypatch.chdir(project)
+    overrides = ("model=gpt-tiny", "parallelism=dp2", "hardware=a100-80g-dgx", *FAST_SLOWDOWN)
+    first = trainsim.predict(*overrides)
+    schema_file = Path(first.inputs["slowdown"]["artifact"]) / "schema.json"
+    schema = json.loads(schema_file.read_text())
+    schema_file.write_text(json.dumps({**schema, "schema_version": SCHEMA_VERSION - 1}))  # as an upgrade leaves it
+    again = trainsim.predict(*overrides)
+    assert json.loads(schema_file.read_text())["schema_version"] == SCHEMA_VERSION
+    assert again.step_time_s == pytest.approx(first.step_time_s, rel=1e-6)

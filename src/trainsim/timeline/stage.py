@@ -123,6 +123,7 @@ def compose_run_artifacts(run, output: Path | None = None, build_missing: bool =
     from trainsim.profile.stage import write_profile_artifact
     from trainsim.registry import STAGES
     from trainsim.slowdown.stage import write_dataset_artifact, write_model_artifact
+    from trainsim.slowdown.train import SCHEMA_VERSION as SLOWDOWN_SCHEMA_VERSION
     from trainsim.trace.stage import write_trace_artifact
 
     keys, hw = run.keys, run.hardware
@@ -131,14 +132,19 @@ def compose_run_artifacts(run, output: Path | None = None, build_missing: bool =
     def missing(name: str) -> bool:
         return not (paths[name] / "manifest.json").is_file()
 
+    def outdated_slowdown() -> bool:
+        """A slowdown model of an older feature schema (built before an upgrade) is rebuilt, not refused."""
+        schema = paths["slowdown_model"] / "schema.json"
+        return schema.is_file() and json.loads(schema.read_text()).get("schema_version") != SLOWDOWN_SCHEMA_VERSION
+
     if missing("trace"):
         write_trace_artifact(run.model, run.parallelism, keys, paths["trace"])
     if missing("profile"):
         write_profile_artifact(hw, keys, paths["trace"], Path(STAGES["profile"].database_path(keys)), paths["profile"])
     if build_missing and missing("calibration"):
         write_calibration_artifact(hw, keys, paths["calibration"])
-    if build_missing and missing("slowdown_model"):
-        if missing("slowdown_dataset"):
+    if build_missing and (missing("slowdown_model") or outdated_slowdown()):
+        if missing("slowdown_dataset") or outdated_slowdown():
             write_dataset_artifact(hw, keys, paths["slowdown_dataset"])
         write_model_artifact(hw, keys, paths["slowdown_dataset"], paths["slowdown_model"])
     inputs = {name: paths[name] for name in STAGES["compose"].inputs
