@@ -5,13 +5,13 @@
      Baselines: alpha-beta (latency + busfactor * size / busbw, both fitted) and NCCL's own tuner
      model (its constants, bus bandwidth fitted; comm/nccl_tuner.py).
   2. Scale: vTrain's single-node A100 all-reduce tables, fit on 2 and 4 GPUs, predict 8.
-  3. Across nodes from one node: fit the single-node A100 files, predict 2-node all-reduce with the
-     inter-node hop at its priors (NCCL's NET latencies, the config's nominal bandwidth): the AWS p4de
-     sweep (EFA, a100-80g-p4de) and the three NCCL points of Azure's NDm A100 v4 (HDR InfiniBand, 8x
-     200 Gb/s per node; mscclpp summary table), next to the model fitted to the p4de sweep.
+  3. Across clusters: each measured multi-node cluster (comm/network_fit.py CLUSTERS: AWS p4de and p5
+     over EFA, OCI over RoCE, CoreWeave and Azure over InfiniBand) predicted from its hardware description
+     alone, with the network priors learned on the other clusters (leave-one-cluster-out), next to an
+     alpha-beta model transferred the same way (latency and bus bandwidth / nominal bandwidth).
   4. Scale here: gloo sweep on this machine, fit on 2 ranks, predict 3 and 4 (per collective).
-The `_all` figures are means over files (each file counts once, whatever its number of sizes).
-Priors come from the hardware config matching the file (a100-80g-dgx, a100-80g-p4de, h100-sxm-dgx).
+The `_all` figures are means over files (each file counts once, whatever its number of sizes), the
+`_cross_cluster` ones over clusters. Priors come from the hardware config describing the file's cluster.
 
     python benchmarks/comm_accuracy.py [--data data/nccl-tests] [--skip-gloo]
 """
@@ -19,38 +19,38 @@ Priors come from the hardware config matching the file (a100-80g-dgx, a100-80g-p
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from trainsim.comm.calibration import (
     LARGE_BYTES,
     channel_choices,
-    collect_measurements,
     local_sweep,
     read_calibration_file,
 )
-from trainsim.comm.fit import every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
+from trainsim.comm.fit import AlphaBeta, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import prior_params
-from trainsim.comm.nccl_tests import bus_bandwidth_factor
 from trainsim.comm.nccl_tuner import fit_nccl_tuner
+from trainsim.comm.network import domain_bandwidth
+from trainsim.comm.network_fit import LEVELS, Cluster, held_out, load_clusters
 from trainsim.config import compose_run
 from trainsim.config.schema import CalibrationFile
 from trainsim.errors import ConfigError
 
 HARDWARE_BY_PREFIX = {"a100": "a100-80g-dgx", "h100": "h100-sxm-dgx", "h200": "h100-sxm-dgx"}
-P4DE_FILE = "a100-16gpu-2node-aws-p4de-efa400_allreduce.txt"
-NDMV4_FILE = "a100-ndmv4-azure-1node-2node_summary_mscclpp.txt"
-NDMV4_INTER_NODE_BYTES_PER_S = 200e9
-"""NDm A100 v4: 8x 200 Gb/s HDR InfiniBand per VM (the file's header)."""
 
 
-def hardware_for(name: str, **fields):
-    key = "a100-80g-p4de" if "p4de" in name else HARDWARE_BY_PREFIX.get(name.split("-")[0], "a100-80g-dgx")
-    return dataclasses.replace(compose_run([f"hardware={key}"], check="layout").hardware, **fields)
+CLUSTER_HARDWARE = {"p4de": "a100-80g-p4de", "p5": "h100-80g-p5", "oci": "a100-40g-oci", "ndmv4": "a100-80g-selene"}
+"""Files of a named cluster: the hardware config describing that cluster (its network)."""
+
+
+def hardware_for(name: str):
+    key = next((hw for tag, hw in CLUSTER_HARDWARE.items() if f"-{tag}" in name),
+               HARDWARE_BY_PREFIX.get(name.split("-")[0], "a100-80g-dgx"))
+    return compose_run([f"hardware={key}"], check="layout").hardware
 
 
 def fit_and_score(train: pd.DataFrame, test: pd.DataFrame, hw, collective: str) -> dict:
@@ -89,52 +89,6 @@ def vtrain_scale(data: Path) -> dict:
     return fit_and_score(train, tables[8], hardware_for("a100"), "all_reduce")
 
 
-def mscclpp_nccl_all_reduce(path: Path, section: str = "2 nodes, 8 gpus/node", ranks: int = 16) -> pd.DataFrame:
-    """The NCCL AllReduce column of one section of the mscclpp performance summary: latency rows give
-    the time, bus-bandwidth rows give it through nccl-tests' bus factor. MEASUREMENT_COLUMNS."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    rows, current, kind, column = [], None, None, None
-    for line in path.read_text().splitlines():
-        if line.startswith("###"):
-            current = line.lstrip("#").strip()
-        elif line.startswith("**"):
-            kind = "latency" if "Latency" in line else "busbw"
-        elif line.startswith("|") and current == section:
-            cells = [c.strip().strip("*").strip() for c in line.strip("|").split("|")]
-            if "NCCL AllReduce" in cells:
-                column = cells.index("NCCL AllReduce")
-            elif (size := re.fullmatch(r"(\d+)([KMG])", cells[0])) and column is not None:
-                message = int(size[1]) * units[size[2]]
-                value = float(cells[column])
-                seconds = value * 1e-6 if kind == "latency" else (
-                    message * bus_bandwidth_factor("all_reduce", ranks) / (value * 1e9))
-                rows.append({"collective": "all_reduce", "algorithm": "", "protocol": "", "num_ranks": ranks,
-                             "num_nodes": 2, "message_bytes": message, "time_s": seconds, "source": path.name})
-    if not rows:
-        raise ValueError(f"{path}: no NCCL AllReduce rows in section {section!r}")
-    return pd.DataFrame(rows)
-
-
-def inter_node_from_one_node(data: Path) -> pd.DataFrame:
-    """Fit a100-80g-dgx's all-reduce files (single-node), predict 2-node all-reduce with the inter-node
-    hop at its priors; the p4de sweep also with the model fitted to it (every other size), for reference."""
-    single = collect_measurements(hardware_for("a100"))  # a100-80g-dgx's files: all single-node
-    single = single[single["collective"] == "all_reduce"].reset_index(drop=True)
-    p4de = read_calibration_file(CalibrationFile(path=str(data / P4DE_FILE)))
-    ndmv4 = mscclpp_nccl_all_reduce(data / NDMV4_FILE)
-    rows = []
-    for name, table, hw in (("p4de EFA, prior", p4de, hardware_for(P4DE_FILE)),
-                            ("NDm A100 v4 InfiniBand, prior", ndmv4,
-                             hardware_for("a100", inter_node_bandwidth_bytes_per_s=NDMV4_INTER_NODE_BYTES_PER_S))):
-        fit = fit_collective(single, prior_params(hw, "all_reduce"), channel_choices(hw))
-        rows.append(_signed_errors(name, predict_table(fit.params, table), table))
-    train = every_other_size(p4de)
-    fitted = fit_collective(p4de[train], prior_params(hardware_for(P4DE_FILE), "all_reduce"))
-    rows.append(_signed_errors("p4de EFA, fitted to p4de", predict_table(fitted.params, p4de[~train]), p4de[~train]))
-    rows.append(_signed_errors("NDm A100 v4 with the p4de fit", predict_table(fitted.params, ndmv4), ndmv4))
-    return pd.DataFrame(rows)
-
-
 def _signed_errors(name: str, predicted, table: pd.DataFrame) -> dict:
     measured = table["time_s"].to_numpy()
     large = (table["message_bytes"] >= LARGE_BYTES).to_numpy()
@@ -142,6 +96,39 @@ def _signed_errors(name: str, predicted, table: pd.DataFrame) -> dict:
     return {"case": name, "rows": len(table), "mape_large": mape_pct(predicted[large], measured[large]),
             "mape_small": mape_pct(predicted[~large], measured[~large]),
             "signed_errors_pct": " ".join(f"{e:+.0f}" for e in error) if len(table) <= 4 else ""}
+
+
+def alpha_beta_cross_cluster(clusters: list[Cluster]) -> pd.DataFrame:
+    """The baseline on the same protocol: each cluster's alpha-beta fit as (latency, bus bandwidth / nominal
+    node bandwidth); a held-out cluster takes the geometric mean over the other clusters of its most specific
+    group (link generation, transport, plugin, all), as the model's priors do."""
+    fits = {}
+    for c in clusters:
+        ab = fit_alpha_beta(c.table, "all_reduce")
+        fits[c.name] = (max(ab.latency_s, 1e-7), ab.bus_bandwidth_bytes_per_s / domain_bandwidth(c.hardware))
+    rows = []
+    for c in clusters:
+        others = [o for o in clusters if o is not c]
+        for level in LEVELS:
+            group = [o for o in others if c.keys()[level] and o.keys()[level] == c.keys()[level]]
+            if group:
+                break
+        latency = float(np.exp(np.mean([np.log(fits[o.name][0]) for o in group])))
+        ratio = float(np.exp(np.mean([np.log(fits[o.name][1]) for o in group])))
+        predicted = AlphaBeta("all_reduce", latency, ratio * domain_bandwidth(c.hardware)).predict(c.table)
+        rows.append(_signed_errors(c.name, predicted, c.table) | {"level": f"{level} {c.keys()[level]}"})
+    return pd.DataFrame(rows)
+
+
+def cross_cluster() -> pd.DataFrame:
+    """Leave-one-cluster-out over the measured multi-node clusters: model (network priors learned on the
+    others, comm/network_fit.py) next to the alpha-beta baseline on the same protocol."""
+    clusters = load_clusters()
+    model = held_out(clusters)
+    baseline = alpha_beta_cross_cluster(clusters).set_index("case")
+    model["base_large"] = model["cluster"].map(baseline["mape_large"])
+    model["base_small"] = model["cluster"].map(baseline["mape_small"])
+    return model
 
 
 def gloo_scale() -> pd.DataFrame:
@@ -176,12 +163,15 @@ def main() -> None:
           f"alpha-beta {scale['base_all']:.2f} %")
     print(f"figure comm_mape_pct_scale_vtrain8 {scale['model_all']:.2f} %")
     print(f"figure baseline_mape_pct_scale_vtrain8 {scale['base_all']:.2f} %")
-    inter = inter_node_from_one_node(args.data)
-    print("\n2-node all-reduce predicted from single-node fits, inter-node hop at its priors (MAPE %):")
-    print(inter.round(1).to_string(index=False))
-    for key, case in (("p4de", 0), ("ndmv4", 1)):
-        print(f"figure comm_internode_prior_mape_pct_large_{key} {inter['mape_large'][case]:.2f} %")
-        print(f"figure comm_internode_prior_mape_pct_small_{key} {inter['mape_small'][case]:.2f} %")
+    cross = cross_cluster()
+    print("\nEach multi-node cluster predicted from its description, network priors learned on the others "
+          "(MAPE %, bias % at >= 1 MiB):")
+    print(cross.round(2).to_string(index=False))
+    print(f"figure comm_mape_pct_cross_cluster {cross['mape_large'].mean():.2f} %")
+    print(f"figure baseline_mape_pct_cross_cluster {cross['base_large'].mean():.2f} %")
+    print(f"figure comm_mape_pct_cross_cluster_small {cross['mape_small'].mean():.2f} %")
+    print(f"figure comm_clusters_better_than_baseline {(cross['mape_large'] < cross['base_large']).sum()}/{len(cross)} "
+          "clusters")
     if not args.skip_gloo:
         gloo = gloo_scale()
         print("\ngloo on this machine, fit on 2 ranks, predict 3-4 (MAPE %):")

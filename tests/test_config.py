@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trainsim.comm.network import node_bandwidth
 from trainsim.config import compose_run, group_from_plain
 from trainsim.config.sweep import expand_sweep
 from trainsim.errors import ConfigError
@@ -32,7 +33,8 @@ def test_a100_on_efa_extends_the_dgx_with_its_own_network_measurements():
     DGX (InfiniBand) keeps its inter-node hop at the priors; everything else is inherited."""
     dgx = compose_run(["hardware=a100-80g-dgx"]).hardware
     p4de = compose_run(["hardware=a100-80g-p4de"]).hardware
-    assert p4de.name == "a100-80g-p4de" and p4de.inter_node_bandwidth_bytes_per_s == 50e9
+    assert p4de.name == "a100-80g-p4de" and node_bandwidth(p4de) == 50e9 and p4de.network.transport == "efa"
+    assert dgx.network.transport == "infiniband"
     assert (p4de.kernel_model, p4de.host_dispatch_s, p4de.peak_flops_per_s) == (
         dgx.kernel_model, dgx.host_dispatch_s, dgx.peak_flops_per_s)
     two_node = [f.path for f in p4de.calibration.files if "2node" in f.path]

@@ -99,11 +99,25 @@ def test_every_schema_field_has_a_docstring():
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("hardware.nccl.algorithms=[nvls]",
-     "hardware.nccl.algorithms=['nvls']: 'nvls' not modelled; supported: ring, tree"),
+    ("hardware.nccl.algorithms=[pat]",
+     "hardware.nccl.algorithms=['pat']: 'pat' not modelled; supported: ring, tree, nvls"),
     ("hardware.nccl.algorithms=[ring,collnet_direct]",
-     "hardware.nccl.algorithms=['ring', 'collnet_direct']: 'collnet_direct' not modelled; supported: ring, tree"),
-    ("hardware.nccl.algorithms=[]", "hardware.nccl.algorithms=[]: needs at least one; supported: ring, tree"),
+     "hardware.nccl.algorithms=['ring', 'collnet_direct']: 'collnet_direct' not modelled; supported: ring, tree, nvls"),
+    ("hardware.nccl.algorithms=[]", "hardware.nccl.algorithms=[]: needs at least one; supported: ring, tree, nvls"),
+    ("hardware.network.nvls=false", "includes 'nvls' but hardware.network.nvls is false"),
+    ("hardware.nccl.version=2.16.5", "hardware.network.nvls=true needs NCCL 2.17 or later; "
+                                     "hardware.nccl.version='2.16.5'"),
+    ("hardware.network.transport=ethernet", "hardware.network.transport='ethernet': supported: infiniband, roce, "
+                                            "efa, tcp"),
+    ("hardware.network.nics_per_node=0", "hardware.network.nics_per_node=0 and hardware.network.nic_bandwidth_bytes_"
+                                         "per_s=5e+10: give both"),
+    ("hardware.inter_node_bandwidth_bytes_per_s=100e9",
+     "hardware.inter_node_bandwidth_bytes_per_s=1e+11 contradicts hardware.network.nics_per_node x "
+     "nic_bandwidth_bytes_per_s = 8 x"),
+    ("hardware.network.nvlink_domain_size=12", "hardware.network.nvlink_domain_size=12: must be a multiple of "
+                                               "devices_per_node=8 that divides the cluster's 128 devices"),
+    ("hardware.network.nvlink_domain_size=256", "hardware.network.nvlink_domain_size=256: must be a multiple"),
+    ("hardware.network.oversubscription=0.5", "hardware.network.oversubscription=0.5: must be >= 1"),
     ("hardware.nccl.protocols=[LL,simple]",
      "hardware.nccl.protocols=['LL', 'simple']: 'simple' not modelled; supported: LL, LL128, Simple"),
     ("hardware.nccl.version=2.10.3", "hardware.nccl.version='2.10.3': no tuning constants before 2.12; "

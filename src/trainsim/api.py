@@ -22,7 +22,7 @@ import pandas as pd
 GIB = 1024**3
 BREAKDOWN_COLUMNS = ["rank_class", "ranks", "pp_rank", "compute_s", "slowdown_added_s", "exposed_tp_s",
                      "exposed_dp_s", "exposed_pp_s", "exposed_mp_s", "exposed_world_s", "exposed_other_s",
-                     "pipeline_bubble_s", "idle_s", "optimizer_step_s", "end_s"]
+                     "pipeline_bubble_s", "idle_s", "optimizer_step_s", "contention_added_s", "end_s"]
 MEMORY_COLUMNS = ["rank_class", "parameter_bytes", "gradient_bytes", "optimizer_state_bytes",
                   "peak_activation_bytes", "max_inflight_microbatches", "peak_bytes", "capacity_bytes", "oom"]
 
@@ -35,7 +35,8 @@ class Prediction:
     """Predicted wall time of one training step (slowest rank)."""
     breakdown: pd.DataFrame
     """Per rank class (seconds): compute, slowdown from overlap, exposed communication per group kind,
-    pipeline bubble, idle, and the optimizer step's part of them (BREAKDOWN_COLUMNS; meanings in
+    pipeline bubble, idle, the optimizer step's part of them, and the communication time added by
+    concurrent inter-node transfers sharing a NIC (BREAKDOWN_COLUMNS; meanings in
     summary['field_meanings'])."""
     memory: pd.DataFrame
     """Per rank class (bytes): weights, gradients, optimizer state, peak activations, peak, capacity, OOM

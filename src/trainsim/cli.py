@@ -213,14 +213,14 @@ def _cmd_compose(args, console: Console) -> int:
     summary = result.summary
     table = Table(title=f"step {result.step_time_s:.4f} s: breakdown per rank class (seconds)")
     for column in ("class", "ranks", "stage", "compute", "slowdown", "exposed tp", "exposed dp", "exposed pp",
-                   "bubble", "idle", "of which optimizer", "memory"):
+                   "bubble", "idle", "of which optimizer", "NIC contention", "memory"):
         table.add_column(column, justify="right")
     for row in summary["classes"]:
         exposed = row["exposed_comm_s"]
         table.add_row(str(row["rank_class"]), str(row["ranks"]), str(row["pp_rank"]),
                       *(f"{v:.4f}" for v in (row["compute_s"], row["slowdown_added_s"], exposed["tp"], exposed["dp"],
                                              exposed["pp"], row["pipeline_bubble_s"], row["idle_s"],
-                                             row["optimizer_step_s"])),
+                                             row["optimizer_step_s"], row.get("contention_added_s", 0.0))),
                       "[red]OOM[/red]" if row["oom"] else "fits")
     console.print(table)
     for line in _inputs_lines(result.inputs):

@@ -46,12 +46,12 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 
 import numpy as np
-import yaml
 
+from trainsim.comm.nccl_tuner import nccl_constants, release_constants, tuner_estimates
+from trainsim.comm.network import NVLINK_EFFICIENCY, domain_bandwidth, domain_size, network_prior, tuner
 from trainsim.comm.noise import SystemNoise
 from trainsim.config.schema import HardwareConfig
 from trainsim.what_if import is_identity, scale_comm_values
@@ -59,32 +59,17 @@ from trainsim.what_if import is_identity, scale_comm_values
 PROTOCOLS = ("LL", "LL128", "Simple")
 RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collectives whose "ring" algorithm is the loop-by-loop ring family; the others stream chunks."""
-ALGORITHMS = {"all_reduce": ("ring", "tree"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
+ALGORITHMS = {"all_reduce": ("ring", "tree", "nvls"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
               "all_to_all": ("ring",), "broadcast": ("ring",), "reduce": ("ring",), "send_recv": ("ring",)}
-"""Algorithms each collective can run with (NCCL's tree exists for all-reduce only)."""
+"""Algorithms each collective can run with (NCCL's tree and NVLS exist for all-reduce only here)."""
+NVLS_EFFICIENCY = 0.63
+"""Rate of NVLS all-reduce per NVLink byte, relative to the NVLink rate a ring reaches. NVLS moves S per GPU each
+way and the switch reduces (no local work); 8x H200, 8 GiB, NVLS is 1.14 / 1.19 / 1.26 / 1.29 x the ring at
+5 / 6 / 7 / 8 GPUs (data/nccl-tests/h200-8gpu-nvlink_allreduce-nvls-vs-ring_mlengineering.txt), which with this
+model's ring (2(K-1)/K S over NVLink at 0.94 x 450 GB/s plus the local work at 4.8 TB/s) gives 0.61-0.64."""
+NVLS_LATENCY_S = 25e-6
+"""NCCL's hwLatencies[NVLINK][NVLS][Simple] (2.21 on; 23 us in 2.19-2.20): the multicast round trip."""
 FIT_FILE = "fit.json"
-
-
-@cache
-def nccl_constants() -> dict:
-    return yaml.safe_load((Path(__file__).with_name("nccl_constants.yaml")).read_text())
-
-
-def release_constants(version: str) -> dict:
-    """The latency tables of the NCCL release `version` ('' or unknown: the newest)."""
-    releases = nccl_constants()["releases"]
-
-    def key(text: str) -> tuple[int, ...]:
-        return tuple(int(part) for part in text.split(".")[:2])
-
-    if not version:
-        return releases[-1]
-    try:
-        wanted = key(version)
-    except ValueError:
-        raise ValueError(f"hardware.nccl.version={version!r} is not a release number like '2.20.5'") from None
-    eligible = [r for r in releases if key(r["from"]) <= wanted]
-    return eligible[-1] if eligible else releases[0]
 
 
 def chunk_bytes(protocol: str, simple_buffer_bytes: int, ring: bool) -> float:
@@ -93,6 +78,26 @@ def chunk_bytes(protocol: str, simple_buffer_bytes: int, ring: bool) -> float:
     buffer = simple_buffer_bytes if protocol == "Simple" else c["buffer_bytes"][protocol]
     steps = c["chunk_steps" if ring else "pipeline_chunk_steps"][protocol]
     return buffer / c["steps"] * steps * c["payload_fraction"][protocol]
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """What the configured cluster's network adds to the fitted per-hop parameters (comm/network.py).
+
+    Always the configured hardware's, whatever a stored fit says (CommModel.params sets it)."""
+
+    devices_per_node: int = 0
+    """Devices sharing a node's (NVLink domain's) network bandwidth, the NIC share above; 0: no sharing."""
+    nodes_per_leaf: int = 0
+    """Nodes under one leaf switch; a group over more crosses the spine (0: never)."""
+    oversubscription: float = 1.0
+    """Leaf-to-spine oversubscription: groups crossing the spine get 1/this of the node bandwidth."""
+    tuner: str = "model"
+    """Who picks (algorithm, protocol) across nodes: 'model' (the fastest by this model, as a tuner plugin
+    driven by measurements does, e.g. aws-ofi-nccl's) or 'nccl' (NCCL's own cost model, nccl_tuner.py)."""
+    nccl_version: str = ""
+    node_bandwidth_bytes_per_s: float = 0.0
+    """Nominal network bandwidth per node: the bus bandwidth NCCL's own estimate works with."""
 
 
 @dataclass
@@ -109,26 +114,28 @@ class CollectiveParams:
     channels: int
     simple_buffer_bytes: int
     values: dict[str, float] = field(default_factory=dict)
-    devices_per_node: int = 0
-    """Devices sharing a node's inter-node bandwidth (the NIC share above); 0: no sharing."""
+    fabric: Fabric = field(default_factory=Fabric)
 
     def as_dict(self) -> dict:
         return {"collective": self.collective, "algorithms": list(self.algorithms),
                 "protocols": list(self.protocols), "channels": self.channels,
                 "simple_buffer_bytes": self.simple_buffer_bytes, "values": dict(self.values),
-                "devices_per_node": self.devices_per_node}
+                "fabric": dataclasses.asdict(self.fabric)}
 
     @classmethod
     def from_dict(cls, data: dict) -> CollectiveParams:
+        fabric = Fabric(**data["fabric"]) if "fabric" in data else Fabric(int(data.get("devices_per_node", 0)))
         return cls(data["collective"], tuple(data["algorithms"]), tuple(data["protocols"]), int(data["channels"]),
-                   int(data["simple_buffer_bytes"]), {k: float(v) for k, v in data["values"].items()},
-                   int(data.get("devices_per_node", 0)))
+                   int(data["simple_buffer_bytes"]), {k: float(v) for k, v in data["values"].items()}, fabric)
 
     def nic_share(self, num_ranks: int, num_nodes: int) -> float:
-        """Share of the node's inter-node bandwidth a group with num_ranks / num_nodes ranks per node gets."""
-        if not self.devices_per_node:
-            return 1.0
-        return min(1.0, num_ranks / num_nodes / self.devices_per_node)
+        """Share of the node's inter-node bandwidth a group with num_ranks / num_nodes ranks per node gets,
+        over the spine's oversubscription when the group spans more nodes than one leaf switch holds."""
+        f = self.fabric
+        share = min(1.0, num_ranks / num_nodes / f.devices_per_node) if f.devices_per_node else 1.0
+        if f.nodes_per_leaf and num_nodes > f.nodes_per_leaf:
+            share /= f.oversubscription
+        return share
 
 
 def _channels_used(size: np.ndarray, protocol: str, channels: int, num_ranks: int, ring: bool) -> np.ndarray:
@@ -142,6 +149,23 @@ def _step(values: dict[str, float], hop: str, protocol: str, chunk: np.ndarray, 
     return values[f"latency.{hop}.{protocol}"] + chunk / (share * values[f"bandwidth.{hop}.{protocol}"])
 
 
+def _tree_ll128_chunk(size: np.ndarray, channels: np.ndarray, chunk: float, num_ranks: int, num_nodes: int
+                      ) -> np.ndarray:
+    """NCCL's smaller LL128 tree chunks for messages too short to fill the tree's pipeline (enqueue.cc:
+    halve while size / (channels x chunk) < steps x 64 / ppn down to 128 KiB, then x 16 down to 32 KiB,
+    steps = 1 + log2(nodes) + 0.1 ppn)."""
+    ppn = num_ranks / num_nodes
+    steps = 1 + math.floor(math.log2(num_nodes)) + 0.1 * ppn
+    out = np.full(size.shape, float(chunk))
+    for factor, floor in ((64, 131072), (16, 32768)):
+        for _ in range(8):
+            shrink = (np.floor(size / (channels * out)) < steps * factor / ppn) & (out > floor)
+            if not shrink.any():
+                break
+            out[shrink] /= 2
+    return out
+
+
 def tree_nic_load(num_nodes: int) -> float:
     """Bytes each node sends (and receives) per byte of an all-reduce on NCCL's double binary tree."""
     return 1.0 if num_nodes <= 2 else 1.5 if num_nodes == 3 else 2.0
@@ -151,6 +175,8 @@ def _stages(collective: str, algorithm: str, num_ranks: int, num_nodes: int) -> 
     """(intra-node, inter-node) stage count of a pipeline-family collective."""
     if collective == "send_recv":
         return (0, 1) if num_nodes > 1 else (1, 0)
+    if algorithm == "nvls":
+        return 2, 0  # reduce through the switch, multicast back
     if algorithm == "tree":
         per_node = num_ranks // num_nodes
         return 2 * (per_node - 1), 2 * math.ceil(math.log2(num_nodes)) if num_nodes > 1 else 0
@@ -168,48 +194,79 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
     share = params.nic_share(num_ranks, num_nodes)
     if num_ranks == 1:
         return np.full_like(size, v[f"alpha.{algorithm}"])
+    if algorithm == "nvls":  # a GPU's NVLink carries S each way, at NVLS's rate per byte
+        v = {**v, "bandwidth.intra.Simple": v["bandwidth.intra.Simple"] * NVLS_EFFICIENCY}
     if ring:
         steps = 2 * (num_ranks - 1) if name == "all_reduce" else num_ranks - 1
         loops = np.maximum(1.0, np.ceil(size / (num_ranks * used * chunk)))
         per_step = size / (num_ranks * used * loops)
-        step = _step(v, "intra", protocol, per_step)
-        if num_nodes > 1:
-            step = np.maximum(step, _step(v, "inter", protocol, per_step, share))
-        transfer = loops * steps * step
+        local = v["delta"] * size
+        if num_nodes > 1:  # latency along the ring's hops; NVLink, local work and NIC pipelined: the slowest paces
+            inter_steps = (2 if name == "all_reduce" else 1) * (num_nodes - 1)
+            latency = ((steps - inter_steps) * v[f"latency.intra.{protocol}"]
+                       + inter_steps * v[f"latency.inter.{protocol}"])
+            moved = loops * steps * per_step
+            transfer = loops * latency + np.maximum.reduce([moved / v[f"bandwidth.intra.{protocol}"], local,
+                                                            moved / (share * v[f"bandwidth.inter.{protocol}"])])
+        else:
+            transfer = loops * steps * _step(v, "intra", protocol, per_step) + local
     else:
         intra, inter = _stages(name, algorithm, num_ranks, num_nodes)
+        if algorithm == "tree" and protocol == "LL128":
+            chunk = _tree_ll128_chunk(size, used, chunk, num_ranks, num_nodes)
         loops = np.maximum(1.0, np.ceil(size / (used * chunk)))
         per_step = size / (used * loops)
         load = tree_nic_load(num_nodes) if algorithm == "tree" else 1.0
-        costs = [(n, _step(v, hop, protocol, per_step * (load if hop == "inter" else 1.0),
-                          share if hop == "inter" else 1.0))
-                 for n, hop in ((intra, "intra"), (inter, "inter")) if n]
-        fill = sum(n * cost for n, cost in costs)
-        slowest = np.max([cost for _, cost in costs], axis=0)
-        transfer = fill + (loops - 1) * slowest
-    return v[f"alpha.{algorithm}"] + transfer + v["delta"] * size
+        costs = {hop: (n, _step(v, hop, protocol, per_step * (load if hop == "inter" else 1.0),
+                                share if hop == "inter" else 1.0))
+                 for n, hop in ((intra, "intra"), (inter, "inter")) if n}
+        fill = sum(n * cost for n, cost in costs.values())
+        streaming = {hop: (loops - 1) * cost for hop, (_, cost) in costs.items()}
+        local = 0.0 if algorithm == "nvls" else v["delta"] * size  # NVLS reduces in the switch
+        if "inter" in streaming:  # across nodes NVLink steps, local work and the NIC are pipelined slice by slice
+            transfer = fill + np.maximum.reduce([streaming.get("intra", 0.0 * size), local, streaming["inter"]])
+        else:  # inside a node the same SMs move and reduce: their times add (busbw rising with N, module doc)
+            transfer = fill + streaming.get("intra", 0.0) + local
+    network = v.get("alpha.network", 0.0) if num_nodes > 1 else 0.0
+    return v[f"alpha.{algorithm}"] + network + transfer
+
+
+def _pair_times(params: CollectiveParams, size, num_ranks: int, num_nodes: int
+                ) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
+    """Candidate pairs, their modelled times (pairs x sizes) and the index of the pair run per size."""
+    pairs = candidate_pairs(params, num_nodes)
+    size = np.atleast_1d(np.asarray(size, dtype=float))
+    times = np.array([algorithm_protocol_seconds(params, a, p, size, num_ranks, num_nodes) for a, p in pairs])
+    f = params.fabric
+    if f.tuner == "nccl" and num_nodes > 1 and f.node_bandwidth_bytes_per_s > 0:
+        estimates = tuner_estimates(f.nccl_version, params.collective, pairs, size, num_ranks, num_nodes,
+                                    f.node_bandwidth_bytes_per_s)
+        return pairs, times, np.argmin(estimates, axis=0)
+    return pairs, times, np.argmin(times, axis=0)
 
 
 def predict_seconds(params: CollectiveParams, size, num_ranks: int, num_nodes: int) -> np.ndarray:
-    """The fastest allowed (algorithm, protocol) per size: what the collective takes."""
-    candidates = [algorithm_protocol_seconds(params, a, p, size, num_ranks, num_nodes)
-                  for a, p in candidate_pairs(params, num_nodes)]
-    return np.min(candidates, axis=0)
+    """Time of the (algorithm, protocol) the tuner runs per size: the fastest allowed one by this model, or
+    across nodes with fabric.tuner 'nccl' the one NCCL's own estimate prefers."""
+    _, times, chosen = _pair_times(params, size, num_ranks, num_nodes)
+    return times[chosen, np.arange(times.shape[1])]
 
 
 def candidate_pairs(params: CollectiveParams, num_nodes: int) -> list[tuple[str, str]]:
     """Allowed (algorithm, protocol) pairs. Tree only across nodes: within one node NCCL's tree is a
-    chain whose per-channel bandwidth cap (perChMaxTreeBw) keeps its tuner on rings."""
-    algorithms = [a for a in params.algorithms if a != "tree" or num_nodes > 1] or [params.algorithms[0]]
-    return [(a, p) for a in algorithms for p in params.protocols]
+    chain whose per-channel bandwidth cap (perChMaxTreeBw) keeps its tuner on rings. NVLS only inside one
+    NVLink domain and with the Simple protocol (NVLSTree, its multi-node form, is not modelled)."""
+    def allowed(a: str) -> bool:
+        return (a != "tree" or num_nodes > 1) and (a != "nvls" or num_nodes == 1)
+
+    algorithms = [a for a in params.algorithms if allowed(a)] or ["ring"]
+    return [(a, p) for a in algorithms for p in params.protocols if a != "nvls" or p == "Simple"]
 
 
 def choose(params: CollectiveParams, size: int, num_ranks: int, num_nodes: int) -> tuple[str, str]:
     """The (algorithm, protocol) the model predicts for one message."""
-    combos = candidate_pairs(params, num_nodes)
-    times = [float(algorithm_protocol_seconds(params, a, p, np.array([size]), num_ranks, num_nodes)[0])
-             for a, p in combos]
-    return combos[int(np.argmin(times))]
+    pairs, _, chosen = _pair_times(params, np.array([size]), num_ranks, num_nodes)
+    return pairs[int(chosen[0])]
 
 
 def prior_params(hw: HardwareConfig, collective: str, channels: int | None = None) -> CollectiveParams:
@@ -224,26 +281,53 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     nccl = hw.nccl
     constants = release_constants(nccl.version)
     allowed = ALGORITHMS[collective]
-    algorithms = tuple(a for a in nccl.algorithms if a in allowed) or allowed[:1]
+    algorithms = tuple(a for a in nccl.algorithms if a in allowed and (a != "nvls" or hw.network.nvls)) or allowed[:1]
     protocols = tuple(p for p in nccl.protocols if p in PROTOCOLS) or ("Simple",)
     channels = channels or nccl.max_channels or 16
-    intra_kind = "NVLINK" if hw.device_kind == "cuda" else "PCI"
-    link_bandwidth = {"intra": hw.intra_node_bandwidth_bytes_per_s or 5e9,
-                      "inter": hw.inter_node_bandwidth_bytes_per_s or 5e9}
+    cuda = hw.device_kind == "cuda"
+    intra_kind = "NVLINK" if cuda else "PCI"
+    prior = network_prior(hw)
+    link_bandwidth = {"intra": (hw.intra_node_bandwidth_bytes_per_s or 5e9) * (NVLINK_EFFICIENCY if cuda else 1.0)}
     values = {"delta": 3.0 / (hw.memory_bandwidth_bytes_per_s or 2e10)}
     for algorithm in algorithms:
         base = constants["base_latency_us"].get(algorithm, constants["base_latency_us"]["ring"])
-        values[f"alpha.{algorithm}"] = max(max(base.values()), 5.0) * 1e-6
+        nvls = NVLS_LATENCY_S if algorithm == "nvls" else 0.0
+        values[f"alpha.{algorithm}"] = max(max(base.values()), 5.0) * 1e-6 + nvls
     link_latency = {"intra": hw.intra_node_latency_s, "inter": hw.inter_node_latency_s}
     for hop, kind in (("intra", intra_kind), ("inter", "NET")):
         table = constants["hw_latency_us"][kind]["ring"]
         scale = link_latency[hop] / (table["Simple"] * 1e-6) if link_latency[hop] else 1.0
         for p in protocols:
             values[f"latency.{hop}.{p}"] = table[p] * 1e-6 * scale
-            payload = nccl_constants()["payload_fraction"][p]
-            values[f"bandwidth.{hop}.{p}"] = link_bandwidth[hop] / channels * payload
-    return CollectiveParams(collective, algorithms, protocols, channels, nccl.buffer_size_bytes, values,
-                            hw.devices_per_node)
+            if hop == "intra":
+                payload = nccl_constants()["payload_fraction"][p]
+                values[f"bandwidth.intra.{p}"] = link_bandwidth["intra"] / channels * payload
+    params = CollectiveParams(collective, algorithms, protocols, channels, nccl.buffer_size_bytes, values, fabric(hw))
+    if prior:
+        return with_network_hop(params, hw, prior.bandwidth_efficiency, prior.alpha_s)
+    return with_network_hop(params, hw, 1.0, 0.0)
+
+
+def with_network_hop(params: CollectiveParams, hw: HardwareConfig, efficiency: float, alpha_s: float
+                     ) -> CollectiveParams:
+    """params with the network hop's bandwidth at `efficiency` x hw's nominal bandwidth per NVLink domain
+    (split over the channels, times each protocol's payload fraction) and the fixed cost of spanning
+    nodes at alpha_s (0: none)."""
+    nominal = domain_bandwidth(hw) or 5e9
+    values = {k: v for k, v in params.values.items() if k != "alpha.network"}
+    for p in params.protocols:
+        payload = nccl_constants()["payload_fraction"][p]
+        values[f"bandwidth.inter.{p}"] = efficiency * nominal / params.channels * payload
+    if alpha_s > 0:
+        values["alpha.network"] = alpha_s
+    return dataclasses.replace(params, values=values)
+
+
+def fabric(hw: HardwareConfig) -> Fabric:
+    """The configured network's Fabric (NIC sharing per NVLink domain, spine, tuner)."""
+    net = hw.network
+    return Fabric(domain_size(hw), net.nodes_per_leaf, net.oversubscription, tuner(hw), hw.nccl.version,
+                  domain_bandwidth(hw))
 
 
 class CommModel:
@@ -282,7 +366,7 @@ class CommModel:
         """The parameters used for `collective`, with hardware.what_if applied."""
         if collective not in self._scaled:
             # the NIC share is the configured node's, whatever a stored fit says
-            params = dataclasses.replace(self._params(collective), devices_per_node=self.hardware.devices_per_node)
+            params = dataclasses.replace(self._params(collective), fabric=fabric(self.hardware))
             what_if = self.hardware.what_if
             if not is_identity(what_if):
                 params = dataclasses.replace(params, values=scale_comm_values(params.values, what_if))
@@ -295,11 +379,11 @@ class CommModel:
         prior = prior_params(self.hardware, collective)
         donor = self.fits.get("all_reduce") or next(iter(self.fits.values()), None)
         if donor is not None:
-            borrowed = {k: v for k, v in donor.values.items() if not k.startswith("alpha.")}
+            borrowed = {k: v for k, v in donor.values.items() if not k.startswith("alpha.") or k == "alpha.network"}
             borrowed.update({f"alpha.{a}": donor.values.get(f"alpha.{a}", donor.values[f"alpha.{donor.algorithms[0]}"])
                              for a in prior.algorithms})
             prior = CollectiveParams(collective, prior.algorithms, donor.protocols, donor.channels,
-                                     donor.simple_buffer_bytes, {**prior.values, **borrowed}, prior.devices_per_node)
+                                     donor.simple_buffer_bytes, {**prior.values, **borrowed}, prior.fabric)
         return prior
 
     def collective_seconds(self, collective: str, message_bytes: int, num_ranks: int, num_nodes: int) -> float:

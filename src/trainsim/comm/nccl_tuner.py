@@ -15,20 +15,44 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
 from scipy.optimize import minimize_scalar
-
-from trainsim.comm.model import release_constants
 
 _RING_FACTOR = {"LL": 0.5, "LL128": 0.92, "Simple": 1.0}
 _TREE_FACTOR = {"LL": 1 / 3.8, "LL128": 120 / 128, "Simple": 0.92}
 
 
-def tuner_seconds(version: str, collective: str, size: np.ndarray, num_ranks: int, num_nodes: int,
-                  bus_bandwidth_bytes_per_s: float, protocols=("LL", "LL128", "Simple")) -> np.ndarray:
-    """NCCL's estimate for the cheapest (algorithm, protocol), per size."""
+@cache
+def nccl_constants() -> dict:
+    return yaml.safe_load((Path(__file__).with_name("nccl_constants.yaml")).read_text())
+
+
+def release_constants(version: str) -> dict:
+    """The latency tables of the NCCL release `version` ('' or unknown: the newest)."""
+    releases = nccl_constants()["releases"]
+
+    def key(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split(".")[:2])
+
+    if not version:
+        return releases[-1]
+    try:
+        wanted = key(version)
+    except ValueError:
+        raise ValueError(f"hardware.nccl.version={version!r} is not a release number like '2.20.5'") from None
+    eligible = [r for r in releases if key(r["from"]) <= wanted]
+    return eligible[-1] if eligible else releases[0]
+
+
+def tuner_estimates(version: str, collective: str, pairs: list[tuple[str, str]], size: np.ndarray,
+                    num_ranks: int, num_nodes: int, bus_bandwidth_bytes_per_s: float) -> np.ndarray:
+    """NCCL's estimate (s) per (algorithm, protocol) pair (rows) and size (columns); a pair NCCL's model
+    has no formula for here (nvls) gets +inf."""
     constants = release_constants(version)
     base, hw = constants["base_latency_us"], constants["hw_latency_us"]
     all_reduce = collective == "all_reduce"
@@ -36,17 +60,30 @@ def tuner_seconds(version: str, collective: str, size: np.ndarray, num_ranks: in
         "all_gather", "reduce_scatter") else num_ranks
     ninter = (2 if all_reduce else 1) * (num_nodes - 1)
     size = np.asarray(size, dtype=float)
-    estimates = []
-    for p in protocols:
-        latency = base["ring"][p] + (nsteps - ninter) * hw["NVLINK"]["ring"][p] + ninter * hw["NET"]["ring"][p]
-        algbw = bus_bandwidth_bytes_per_s * _RING_FACTOR[p] * num_ranks / max(nsteps, 1)
-        estimates.append(latency * 1e-6 + size / algbw)
-        if all_reduce and num_nodes > 1:
+    rows = []
+    for algorithm, p in pairs:
+        if algorithm == "ring":
+            latency = base["ring"][p] + (nsteps - ninter) * hw["NVLINK"]["ring"][p] + ninter * hw["NET"]["ring"][p]
+            algbw = bus_bandwidth_bytes_per_s * _RING_FACTOR[p] * num_ranks / max(nsteps, 1)
+        elif algorithm == "tree" and all_reduce and num_nodes > 1:
             per_node = num_ranks // num_nodes
             latency = base["tree"][p] + 2 * ((per_node - 1) * hw["NVLINK"]["tree"][p]
                                              + math.log2(num_nodes) * hw["NET"]["tree"][p])
-            estimates.append(latency * 1e-6 + size / (bus_bandwidth_bytes_per_s * _TREE_FACTOR[p] / 2))
-    return np.min(estimates, axis=0)
+            algbw = bus_bandwidth_bytes_per_s * _TREE_FACTOR[p] / 2
+        else:
+            rows.append(np.full(size.shape, np.inf))
+            continue
+        rows.append(latency * 1e-6 + size / algbw)
+    return np.array(rows)
+
+
+def tuner_seconds(version: str, collective: str, size: np.ndarray, num_ranks: int, num_nodes: int,
+                  bus_bandwidth_bytes_per_s: float, protocols=("LL", "LL128", "Simple")) -> np.ndarray:
+    """NCCL's estimate for the cheapest (algorithm, protocol), per size."""
+    algorithms = ("ring", "tree") if collective == "all_reduce" and num_nodes > 1 else ("ring",)
+    pairs = [(a, p) for p in protocols for a in algorithms]
+    return tuner_estimates(version, collective, pairs, size, num_ranks, num_nodes,
+                           bus_bandwidth_bytes_per_s).min(axis=0)
 
 
 @dataclass

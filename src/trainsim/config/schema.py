@@ -17,7 +17,7 @@ class NcclConfig:
     """Collective-library settings that change communication time (NCCL on GPUs, gloo on CPUs).
 
     Values the collective model (trainsim/comm/model.py) does not model are rejected at composition
-    (config/validate_nccl.py) rather than replaced by something else: NVLS, CollNet and PAT are not
+    (config/validate_nccl.py) rather than replaced by something else: CollNet and PAT are not
     modelled yet. The channel count sets how many channels a message is split over and the per-channel
     bandwidth the calibration fits; with max_channels 0 the fit picks the count (1..32) that matches the
     measurements best and the uncalibrated model uses 16. NCCL_MIN_NCHANNELS has no field: above the
@@ -28,13 +28,48 @@ class NcclConfig:
     version: str = ""
     """Library version, e.g. '2.20.5' (2.12 or later): selects that release's tuning constants; '' = newest."""
     algorithms: list[str] = field(default_factory=lambda: ["ring", "tree"])
-    """Algorithms NCCL may choose from (NCCL_ALGO): 'ring' and 'tree' (all-reduce only, across nodes)."""
+    """Algorithms NCCL may choose from (NCCL_ALGO): 'ring', 'tree' (all-reduce only, across nodes),
+    and 'nvls' (all-reduce inside an NVLink domain with NVLink SHARP; needs network.nvls)."""
     protocols: list[str] = field(default_factory=lambda: ["LL", "LL128", "Simple"])
     """Protocols NCCL may choose from (NCCL_PROTO): 'LL', 'LL128', 'Simple'."""
     max_channels: int = 0
     """NCCL_MAX_NCHANNELS of the measured and simulated runs, taken as their channel count; 0 = unknown."""
     buffer_size_bytes: int = 4 * 1024 * 1024
     """NCCL_BUFFSIZE: bytes of the per-channel staging buffer (NCCL default 4 MiB)."""
+
+
+@dataclass
+class NetworkConfig:
+    """The fabric between nodes, as data: what the collective model needs to predict a cluster it has no
+    measurement of (comm/network.py). Empty fields keep the older description: hardware.inter_node_*.
+
+    A rail-optimised fat tree is assumed (each GPU's NIC on its own rail switch, as DGX SuperPODs and the
+    clouds' GPU clusters are built); traffic of a group that spans more than `nodes_per_leaf` nodes
+    crosses the spine, whose bandwidth is the leaf's over `oversubscription`.
+    """
+
+    transport: str = ""
+    """'infiniband', 'roce', 'efa' (AWS Elastic Fabric Adapter, SRD) or 'tcp'; '' = unknown (the network
+    hop keeps NCCL's NET constants and the nominal bandwidth, no learned transport prior)."""
+    link_generation: str = ""
+    """Generation of the transport's links, e.g. 'hdr', 'ndr' (InfiniBand), 'efa-v1', 'efa-v2'; parameters
+    learned for the generation are used when known, else the transport's (comm/transport_priors.yaml)."""
+    nics_per_node: int = 0
+    """NICs per node used for GPU traffic; 0 = unknown (hardware.inter_node_bandwidth_bytes_per_s is the total)."""
+    nic_bandwidth_bytes_per_s: float = 0.0
+    """Per-NIC, per-direction line rate (100 Gb/s = 12.5e9); with nics_per_node gives the node's network
+    bandwidth, which hardware.inter_node_bandwidth_bytes_per_s must then equal or leave 0."""
+    nvlink_domain_size: int = 0
+    """GPUs joined by NVLink/NVSwitch (8 in a DGX, 72 in a GB200 NVL72 rack); collectives inside one domain
+    run at NVLink speed even across nodes. 0 = devices_per_node (the domain is the node)."""
+    nvls: bool = False
+    """NVLink SHARP in the NVSwitches (H100 and later): NCCL's NVLS all-reduce inside an NVLink domain, when
+    hardware.nccl.algorithms lists 'nvls'. InfiniBand SHARP (NCCL's CollNet) has no field: no measurement here
+    separates its gain (the one SHARP cluster in data/nccl-tests reaches ring-level bus bandwidth)."""
+    nodes_per_leaf: int = 0
+    """Nodes under one leaf (rail) switch; 0 = every node under one non-blocking switch level."""
+    oversubscription: float = 1.0
+    """Leaf-to-spine oversubscription (2.0 = 2:1): traffic of groups spanning leaves gets 1/this of it."""
 
 
 @dataclass
@@ -275,6 +310,8 @@ class HardwareConfig:
     """torch.distributed backend: 'gloo' (CPU) or 'nccl' (CUDA)."""
     nccl: NcclConfig = field(default_factory=NcclConfig)
     """Collective-library version and settings."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """Topology and transport of the network between nodes (and the NVLink domain)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     """Measurements the collective model is fitted to."""
     profile_backend: str = "auto"

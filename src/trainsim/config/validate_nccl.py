@@ -1,4 +1,4 @@
-"""Rules of hardware.nccl and the link fields: every value is one the collective model models.
+"""Rules of hardware.nccl, hardware.network and the link fields: every value is one the collective model models.
 
 The model (trainsim/comm/model.py) used to drop what it did not know (an algorithm it has no cost
 for became ring, an unknown protocol vanished), so a config could ask for NVLS and get a ring
@@ -62,3 +62,54 @@ def validate_links(hw: HardwareConfig) -> None:
         if value < 0:
             raise ConfigError(f"hardware.{name}={value}: must be >= 0 (0 = the model's default)")
     validate_nccl(hw.nccl)
+    validate_network(hw)
+
+
+NVLS_FROM = (2, 17)
+"""NCCL release that introduced NVLS (NVLink SHARP all-reduce)."""
+NVLS_COMPUTE_CAPABILITY = 9
+"""NVLink SHARP needs third-generation NVSwitches: Hopper (sm90) and later."""
+NVLS_DEVICES = ("H100", "H200", "H800", "GH200", "B200", "B300", "GB200", "GB300")
+
+
+def validate_network(hw: HardwareConfig) -> None:
+    """hardware.network: a topology that can exist and a transport and reductions the model and NCCL have."""
+    from trainsim.comm.network import TRANSPORTS  # lazy: comm imports config
+
+    net, field = hw.network, "hardware.network"
+    if net.transport not in ("", *TRANSPORTS):
+        raise ConfigError(f"{field}.transport={net.transport!r}: supported: {', '.join(TRANSPORTS)}, or '' (unknown: "
+                          "NCCL's network constants and the nominal bandwidth)")
+    for name in ("nics_per_node", "nic_bandwidth_bytes_per_s", "nvlink_domain_size", "nodes_per_leaf"):
+        if getattr(net, name) < 0:
+            raise ConfigError(f"{field}.{name}={getattr(net, name)}: must be >= 0 (0 = unknown)")
+    if bool(net.nics_per_node) != bool(net.nic_bandwidth_bytes_per_s):
+        raise ConfigError(f"{field}.nics_per_node={net.nics_per_node} and {field}.nic_bandwidth_bytes_per_s="
+                          f"{net.nic_bandwidth_bytes_per_s:g}: give both (the node's bandwidth is their product) "
+                          "or neither")
+    total = net.nics_per_node * net.nic_bandwidth_bytes_per_s
+    if total and hw.inter_node_bandwidth_bytes_per_s and abs(total / hw.inter_node_bandwidth_bytes_per_s - 1) > 0.01:
+        raise ConfigError(f"hardware.inter_node_bandwidth_bytes_per_s={hw.inter_node_bandwidth_bytes_per_s:g} "
+                          "contradicts "
+                          f"{field}.nics_per_node x nic_bandwidth_bytes_per_s = {net.nics_per_node} x "
+                          f"{net.nic_bandwidth_bytes_per_s:g} = {total:g}; set one of them (or 0)")
+    domain, devices = net.nvlink_domain_size, hw.devices_per_node
+    if domain and devices and (domain % devices or domain > devices * hw.num_nodes
+                               or (devices * hw.num_nodes) % domain):
+        raise ConfigError(f"{field}.nvlink_domain_size={domain}: must be a multiple of devices_per_node={devices} "
+                          f"that divides the cluster's {devices * hw.num_nodes} devices (num_nodes={hw.num_nodes}); "
+                          "0 = one node per domain")
+    if net.oversubscription < 1:
+        raise ConfigError(f"{field}.oversubscription={net.oversubscription}: must be >= 1 (1 = non-blocking; 2 = 2:1)")
+    nvls_asked = "nvls" in hw.nccl.algorithms
+    if nvls_asked and not net.nvls:
+        raise ConfigError(f"hardware.nccl.algorithms={list(hw.nccl.algorithms)} includes 'nvls' but {field}.nvls is "
+                          "false; set it true for NVSwitches with NVLink SHARP (H100 and later) or drop 'nvls'")
+    if net.nvls:
+        if hw.device_kind != "cuda" or not any(name in hw.device_name for name in NVLS_DEVICES):
+            raise ConfigError(f"{field}.nvls=true needs NVLink SHARP (sm{NVLS_COMPUTE_CAPABILITY}0 or later: "
+                              f"{', '.join(NVLS_DEVICES)}); hardware.device_name={hw.device_name!r}")
+        release = _release(hw.nccl.version) if hw.nccl.version else None
+        if release is not None and release < NVLS_FROM:
+            raise ConfigError(f"{field}.nvls=true needs NCCL {NVLS_FROM[0]}.{NVLS_FROM[1]} or later; "
+                              f"hardware.nccl.version={hw.nccl.version!r}")

@@ -47,8 +47,10 @@ def end_to_end_figure(e2e: dict[str, Any]) -> str:
 
 
 def breakdown_figure(table: pd.DataFrame) -> str:
-    """Stacked bars per rank class: where the step time goes."""
-    parts = [c for c in table.columns if c.endswith("_s") and c != "end_s"]
+    """Stacked bars per rank class: where the step time goes (the parts that add up to it; optimizer_step_s
+    and contention_added_s are parts of those parts, not stacked)."""
+    parts = [c for c in table.columns if c.endswith("_s") and c not in ("end_s", "optimizer_step_s",
+                                                                         "contention_added_s")]
     fig, ax = plt.subplots(figsize=(6, 0.6 + 0.5 * len(table)))
     left = pd.Series(0.0, index=table.index)
     for part in parts:

@@ -118,7 +118,9 @@ def end_to_end_section(data: dict[str, Any]) -> str:
 
 def breakdown_section(data: dict[str, Any]) -> str:
     return ("<p>Per rank class, in seconds: solo compute, slowdown added by overlap, communication not hidden "
-            "behind compute per group, pipeline bubble, idle after the flush.</p>"
+            "behind compute per group, pipeline bubble, idle after the flush; then the optimizer step's part of "
+            "them and the communication time added by inter-node transfers sharing a NIC (not added to the rest)."
+            "</p>"
             + table_html(data["breakdown"], "breakdown-table")
             + _img(figures.breakdown_figure(data["breakdown"]), "breakdown-figure", "step breakdown")
             + "<h3>Timeline</h3>"

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from trainsim.comm.model import CommModel
+from trainsim.comm.network import domain_size, nodes_spanned
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.search.slices import PartCost, SliceCosts
 from trainsim.trace.memory import memory_row
@@ -41,10 +42,6 @@ class LayoutEstimate:
     """tensor-parallel collective time per step on the busiest stage (inside pipeline_s)"""
     peak_memory_bytes: int
     oom: bool
-
-
-def _nodes_spanned(ranks: list[int], devices_per_node: int) -> int:
-    return len({r // devices_per_node for r in ranks})
 
 
 def _collective_seconds(counts: dict[str, int], comm: CommModel, tp: int, tp_nodes: int, compute_s: float) -> float:
@@ -152,8 +149,8 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     if memory_only or oom:
         return LayoutEstimate(math.nan, math.nan, math.nan, math.nan, math.nan, peak, oom)
 
-    dpn = hw.devices_per_node
-    tp_nodes = _nodes_spanned(layout.group_ranks(0, "tp"), dpn)
+    domain = domain_size(hw)  # the collective model's node: an NVLink domain
+    tp_nodes = nodes_spanned(layout.group_ranks(0, "tp"), hw)
 
     def pass_seconds(part: PartCost, phase: str) -> tuple[float, float, float]:
         compute = part.forward_s if phase == "F" else part.backward_s
@@ -173,7 +170,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
             table[(s, c)] = max(compute + collectives, host)
             tp_comm[s] += collectives * m
     next_stage = layout.rank_of(0, 0, 1) if pp > 1 else 0
-    p2p_s = comm.p2p_seconds(costs.p2p_message_bytes, same_node=next_stage // dpn == 0) if pp > 1 else 0.0
+    p2p_s = comm.p2p_seconds(costs.p2p_message_bytes, same_node=next_stage // domain == 0) if pp > 1 else 0.0
     ends, backward_start, backward_len = play_pipeline(forward, backward, p2p_s, pp, v, par.schedule, m)
 
     step = exposed_max = optimizer_max = 0.0
@@ -184,7 +181,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         end = ends[s]
         if par.dp > 1 and grads > 0:
             buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
-            dp_nodes = _nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), dpn)
+            dp_nodes = nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), hw)
             bucket_s = comm.collective_seconds("all_reduce", math.ceil(grads / buckets), par.dp, dp_nodes)
             clock = backward_start[s]
             for i in range(buckets):  # bucket i is ready after (i+1)/buckets of the last backward

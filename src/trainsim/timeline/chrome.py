@@ -3,7 +3,9 @@
 One process per rank class (named with its stage, rank count and straggler factor), one thread per
 stream of that class (compute, comm.tp, comm.dp, comm.pp.send, comm.pp.recv, memcpy). Each timeline
 node is a complete event ('X', microseconds); a collapsed run is one event named after its pass with
-its kernel count in args. Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
+its kernel count in args. The args also give the slowdown added and, on a transfer that shared its
+rank's NIC, the contention added.
+Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ def chrome_trace(t: StepTimeline, max_events: int = 2_000_000) -> dict:
     ops = (g.table.last_op - g.table.first_op + 1)[g.tnode[order]]
     start_us = (t.replay.start_s[order] * 1e6).tolist()
     dur_us = (t.duration_s[order] * 1e6).tolist()
-    added = (t.duration_s - t.fixed_s - t.solo_compute_s)[order].tolist()
+    added = (t.duration_s - t.fixed_s - t.solo_compute_s - t.contention_s)[order].tolist()
+    contention = t.contention_s[order].tolist()
     for i, n in enumerate(order.tolist()):
         events.append({"name": labels[i], "cat": kinds[i], "ph": "X", "ts": start_us[i], "dur": dur_us[i],
                        "pid": int(g.cls[n]), "tid": int(g.stream[n]),
                        "args": {"microbatch": int(g.microbatch[n]), "kernels": int(ops[i]),
-                                "slowdown_added_us": added[i] * 1e6}})
+                                "slowdown_added_us": added[i] * 1e6,
+                                **({"contention_added_us": contention[i] * 1e6} if contention[i] else {})}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"step_time_s": t.step_time_s, "truncated": len(order) < g.num_nodes}}
 

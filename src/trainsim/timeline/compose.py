@@ -5,7 +5,8 @@
 2. per class and pass: kernels, edges from the dependency rules, durations, serial runs collapsed
    (program.py);
 3. the step graph: passes along the pipeline schedule, stream order, cross-class matching (step.py);
-4. replay (engine.py), then overlap slowdown until the durations reproduce themselves (overlap.py);
+4. replay (engine.py), then overlap slowdown (overlap.py) and NIC contention between concurrent
+   inter-node transfers of a rank (contention.py) until the durations reproduce themselves;
 5. outputs: breakdown, critical path, memory verdict (outputs.py), Chrome trace (chrome.py).
 """
 
@@ -18,12 +19,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from trainsim.comm.network import domain_size
 from trainsim.config.schema import HardwareConfig, ParallelismConfig
 from trainsim.errors import ConfigError
 from trainsim.timeline.classes import TimelineClasses, straggler_factors, timeline_classes
+from trainsim.timeline.contention import BOTH, EGRESS, INGRESS, contention_extra
 from trainsim.timeline.costs import CommCost, NoSlowdown, SlowdownEstimate, finite_seconds, model_name
 from trainsim.timeline.engine import HostIssue, Replay, replay, successors
-from trainsim.timeline.overlap import SlowdownCache, is_compute_kind, overlapped
+from trainsim.timeline.overlap import SlowdownCache, is_comm_kind, is_compute_kind, overlapped
 from trainsim.timeline.plugins import DEFAULT_RULES, schedule_actions
 from trainsim.timeline.program import (
     BLOCK,
@@ -74,6 +77,8 @@ class StepTimeline:
     """Per step node, compute part before slowdown (straggler factor included)."""
     fixed_s: np.ndarray
     """Per step node, communication part (collective/P2P time, or tensor-parallel time inside a block)."""
+    contention_s: np.ndarray
+    """Per step node, time a communication node gains from sharing its rank's NIC (in duration_s)."""
     info: TemplateInfo
     pp_rank: np.ndarray
     """Per class: its pipeline stage."""
@@ -200,7 +205,7 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
             passes = _renamed(passes, layout, source_rep, rep)
         templates = []
         for i, p in enumerate(passes):
-            costs = op_costs(p, c, classes.class_of_rank, rep, float(classes.compute_factor[c]), hw.devices_per_node,
+            costs = op_costs(p, c, classes.class_of_rank, rep, float(classes.compute_factor[c]), domain_size(hw),
                              lookup, comm_s, comm.sync_wait_s)
             key = (shape, i, costs.kind.tobytes(), costs.internal.tobytes(), collapse)
             nodes = pass_nodes(p, costs, collapse, runs_cache.get(key))
@@ -276,22 +281,36 @@ def host_issue(graph: StepGraph, dispatch_s: float) -> HostIssue | None:
     return HostIssue(first_s=issued - (ops - 1) * dispatch_s, last_s=issued, kernels=kernels)
 
 
+def nic_nodes(graph: StepGraph) -> np.ndarray:
+    """Step nodes that use their rank's NIC: standalone collectives and P2P transfers whose group spans
+    nodes and whose time grows with the message (communication inside collapsed runs is left out)."""
+    kind = graph.table.kind[graph.tnode]
+    return np.flatnonzero(is_comm_kind(kind) & (graph.table.nic_s[graph.tnode] > 0))
+
+
 def _iterate(graph: StepGraph, solo: np.ndarray, fixed: np.ndarray, cache: SlowdownCache,
-             max_iterations: int, tolerance: float, host: HostIssue | None = None
-             ) -> tuple[Replay, np.ndarray, int, bool]:
-    """Replay, stretch overlapped compute, replay again until stable (overlap.py): the stretch the last
-    replay implies differs from the one it used by at most `tolerance` x step time in total (then no node
-    can move by more), or no class's end moved by more than that between the last two replays."""
+             max_iterations: int, tolerance: float, host: HostIssue | None = None, nic: np.ndarray | None = None
+             ) -> tuple[Replay, np.ndarray, np.ndarray, int, bool]:
+    """Replay, stretch overlapped compute and contended transfers, replay again until stable (overlap.py,
+    contention.py): the stretch the last replay implies differs from the one it used by at most
+    `tolerance` x step time in total (then no node can move by more), or no class's end moved by more
+    than that between the last two replays. `nic`: the step nodes that share their rank's NIC (none: no
+    contention). Returns the replay, the durations it used, their contention part, iterations, converged."""
     csr = successors(graph)
     kind = graph.table.kind[graph.tnode]
     compute = is_compute_kind(kind) & (solo > 0)
+    nic = np.zeros(0, dtype=np.int64) if nic is None else nic
+    nic_cls, nic_fixed, nic_group = graph.cls[nic], fixed[nic], graph.sync_group[nic]
+    nic_bandwidth = graph.table.nic_s[graph.tnode[nic]]
+    nic_way = np.select([kind[nic] == SEND, kind[nic] == RECV], [EGRESS, INGRESS], BOTH)
+    extra = np.zeros(len(solo))
     duration, previous_ends = fixed + solo, None
     for iteration in range(1, max_iterations + 1):
         result = replay(graph, duration, csr, host=host)
         ends = _class_ends(graph, result)
         limit = tolerance * result.step_time_s
         if previous_ends is not None and np.abs(ends - previous_ends).max() <= limit:
-            return result, duration, iteration, True
+            return result, duration, extra, iteration, True
         previous_ends = ends
         overlap_s, partner = overlapped(graph.cls, kind, result.start_s, result.end_s)
         s = np.zeros(len(solo))
@@ -299,23 +318,29 @@ def _iterate(graph: StepGraph, solo: np.ndarray, fixed: np.ndarray, cache: Slowd
         if len(hit):
             s[hit] = cache.lookup(graph.tnode[hit], graph.tnode[partner[hit]])
         r = np.minimum(1.0, overlap_s / np.maximum(solo * (1.0 + s), 1e-300))
-        stretched = fixed + solo * (1.0 + r * s)  # Echo: t = (1 - r) t0 + r t0 (1 + s)
+        new_extra = np.zeros(len(solo))
+        if len(nic) > 1:
+            new_extra[nic] = contention_extra(nic_cls, result.start_s[nic], duration[nic], nic_fixed,
+                                              nic_bandwidth, nic_group, nic_way)
+        stretched = fixed + new_extra + solo * (1.0 + r * s)  # Echo: t = (1 - r) t0 + r t0 (1 + s)
         if np.abs(stretched - duration).sum() <= limit:
-            return result, duration, iteration, True
-        duration = stretched
-    return replay(graph, duration, csr, host=host), duration, max_iterations, False
+            return result, duration, extra, iteration, True
+        duration, extra = stretched, new_extra
+    return replay(graph, duration, csr, host=host), duration, extra, max_iterations, False
 
 
 def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: ParallelismConfig, hw: HardwareConfig,
                  compute_seconds: ComputeSeconds, comm: CommCost, slowdown: SlowdownEstimate | None = None, *,
                  schedule: str | None = None, rules: tuple[str, ...] = DEFAULT_RULES, collapse: bool = True,
-                 max_iterations: int = 10, tolerance: float = 1e-4) -> StepTimeline:
+                 max_iterations: int = 10, tolerance: float = 1e-4, nic_contention: bool = True) -> StepTimeline:
     """The timeline of one training step.
 
     graph / rank_classes: the trace stage's tables; compute_seconds: signature -> solo seconds (the
     profile) or a function of the op rows; comm: a CommCost; slowdown: a SlowdownEstimate (none: no
     overlap slowdown); schedule: a registered pipeline schedule (default parallelism.schedule); rules:
-    registered dependency rules; collapse=False keeps one node per kernel (same result, slower).
+    registered dependency rules; collapse=False keeps one node per kernel (same result, slower);
+    nic_contention=False prices every inter-node transfer alone, as if it had its rank's NIC to itself
+    (contention.py).
     """
     started = time.perf_counter()
     slowdown = slowdown or NoSlowdown()
@@ -331,11 +356,15 @@ def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Paralleli
     fixed = step.table.fixed_s[step.tnode]
     cache = SlowdownCache(slowdown, *_features(info))
     host = host_issue(step, hw.host_dispatch_s)
-    result, duration, iterations, converged = _iterate(step, solo, fixed, cache, max_iterations, tolerance, host)
+    nic = nic_nodes(step) if nic_contention else None
+    result, duration, contention, iterations, converged = _iterate(step, solo, fixed, cache, max_iterations,
+                                                                   tolerance, host, nic)
     ops_per_node = step.table.last_op - step.table.first_op + 1
     return StepTimeline(
         step_time_s=result.step_time_s, classes=classes, graph=step, replay=result, duration_s=duration,
-        solo_compute_s=solo, fixed_s=fixed, info=info, pp_rank=pp_rank, iterations=iterations,
+        solo_compute_s=solo, fixed_s=fixed, contention_s=contention, info=info, pp_rank=pp_rank,
+        iterations=iterations,
         converged=converged, models={"comm": model_name(comm), "slowdown": model_name(slowdown),
-                                     "schedule": schedule or par.schedule, "rules": ",".join(rules)},
+                                     "schedule": schedule or par.schedule, "rules": ",".join(rules),
+                                     "nic_contention": "fair share per rank" if nic_contention else "off"},
         num_ops=int(ops_per_node[step.tnode].sum()), simulate_s=time.perf_counter() - started)

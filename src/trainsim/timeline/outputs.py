@@ -13,6 +13,11 @@ Parts of the above, shown on their own lines because users ask for them:
   optimizer_step_s   from the class's last backward kernel to its end: the last gradient buckets'
                      reduction, the gradient-norm all-reduce over the model-parallel group, clipping,
                      the Adam update and the parameter copies (Megatron's optimizer.step())
+Not a part of the sum either (it is communication time, hidden behind compute or exposed):
+  contention_added_s extra time of the class's inter-node transfers from sharing the rank's NIC with its
+                     other concurrent inter-node transfers (timeline/contention.py); summed over the
+                     class's communication nodes as slowdown_added_s is over its kernels, so transfers
+                     that overlap each other each count their own extra
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ SUMMARY_FIELDS = {
     "num_rank_classes": "classes simulated (ranks with identical timelines share one)",
     "num_ops": "kernels the step runs over all classes and micro-batches (per class, not per rank)",
     "num_nodes": "timeline nodes replayed (serial runs of kernels are one node)",
-    "slowdown_iterations": "replays until overlap slowdown reproduced its own durations",
+    "slowdown_iterations": "replays until overlap slowdown and NIC contention reproduced their own durations",
     "slowdown_converged": "false when the iteration limit was reached first",
-    "models": "communication model, slowdown model, schedule and dependency rules used",
+    "models": "communication model, slowdown model, schedule, dependency rules and NIC contention used",
     "compute_backends": "how the kernel times were obtained (profile backends and their op counts)",
     "inputs": "what the prediction was made from: calibration (files, held-out error), kernels (backends, "
               "what the kernel model was fitted on), slowdown model (training data, CV error), and warnings "
@@ -59,6 +64,9 @@ CLASS_FIELDS = {
     "idle_s": "idle without communication after the flush",
     "optimizer_step_s": "part of the step after the class's last backward kernel: gradient reduction tail, "
                         "norm all-reduce, clipping, optimizer update",
+    "contention_added_s": "extra time of the class's inter-node transfers from sharing the rank's NIC with its "
+                          "other concurrent inter-node transfers (summed over transfers; hidden or exposed, "
+                          "not a part of the step-time sum)",
     "peak_memory_bytes": "peak device memory of the class (trace stage estimate)",
     "memory_capacity_bytes": "device memory of the hardware",
     "oom": "peak_memory_bytes > memory_capacity_bytes",
@@ -116,6 +124,7 @@ def breakdown(t: StepTimeline) -> pd.DataFrame:
             "pipeline_bubble_s": max(flush - in_flush, 0.0),
             "idle_s": max((step - flush) - (float((u1 - u0).sum()) - in_flush), 0.0),
             "optimizer_step_s": max(float(t.replay.end_s[mine].max()) - last_backward, 0.0) if mine.any() else 0.0,
+            "contention_added_s": float(t.contention_s[mine].sum()),
             "end_s": float(t.replay.end_s[mine].max()) if mine.any() else 0.0,
         })
     return pd.DataFrame(rows)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from trainsim.timeline.contention import bandwidth_part
 from trainsim.timeline.plugins import blocking_hint, dependency_rule
 
 COMPUTE, BLOCK, COLLECTIVE, SEND, RECV, MEMCPY = range(6)
@@ -107,6 +108,7 @@ class OpCosts:
     fixed_s: np.ndarray       # communication time once every member has arrived (internal: + noise wait)
     internal: np.ndarray      # collective whose members are all in this class (symmetric: only noise waits)
     sync_key: list            # cross-class matching key, None when internal / compute
+    nic_s: np.ndarray         # bandwidth-bound part of communication that leaves the node (contention.py); else 0
 
 
 def _runs(kind: np.ndarray, internal: np.ndarray, edges: np.ndarray, external: set[int]) -> np.ndarray:
@@ -167,6 +169,8 @@ class PassNodes:
     external: list[tuple[int, int]]
     """(node, trace id of a non-compute kernel of another pass it waits for)."""
     per_microbatch_op: np.ndarray
+    nic_s: np.ndarray
+    """Bandwidth-bound seconds of the node's inter-node communication (sum over its ops; contention.py)."""
 
 
 def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | None = None) -> PassNodes:
@@ -187,6 +191,7 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
     kind = np.where(size > 1, BLOCK, costs.kind[first])
     compute_s = np.bincount(node, weights=costs.compute_s, minlength=count)
     fixed_s = np.bincount(node, weights=costs.fixed_s, minlength=count)
+    nic_s = np.bincount(node, weights=costs.nic_s, minlength=count)
     e = node[p.edges] if len(p.edges) else np.zeros((0, 2), dtype=np.int64)
     comp = (kind == COMPUTE) | (kind == BLOCK)
     keep = (e[:, 0] != e[:, 1]) & ~(comp[e[:, 0]] & comp[e[:, 1]]) if len(e) else np.zeros(0, dtype=bool)
@@ -194,7 +199,7 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
     host_ops = np.bincount(node, weights=p.ops["host_ops"].to_numpy(dtype=float), minlength=count)
     return PassNodes(p.phase, p.chunk, p.variant, kind, compute_s, fixed_s, first, last,
                      [costs.sync_key[i] for i in first], edges, node, p.ops["id"].to_numpy(), host_ops,
-                     [(int(node[q]), d) for q, d in p.external], p.ops["per_microbatch"].to_numpy())
+                     [(int(node[q]), d) for q, d in p.external], p.ops["per_microbatch"].to_numpy(), nic_s)
 
 
 def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representative: int, factor: float,
@@ -204,7 +209,9 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
 
     Members of an internal collective run the same program, so the replay has them arrive together;
     really the last one is late by the system noise of the compute since their previous
-    synchronisation (`sync_wait`), which is added to the collective's time."""
+    synchronisation (`sync_wait`), which is added to the collective's time.
+    Communication whose group spans nodes also gets its bandwidth-bound part (`nic_s`: its time minus
+    that of a 1-byte message on the same ranks), which NIC contention stretches (contention.py)."""
     ops = p.ops
     kind_col = ops["kind"].to_numpy()
     collective = ops["collective"].to_numpy()
@@ -215,6 +222,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
     if priced.any():
         compute_s[priced] = compute_seconds(ops, priced) * factor
     fixed_s = np.zeros(len(ops))
+    nic_s = np.zeros(len(ops))
     internal = np.zeros(len(ops), dtype=bool)
     sync_key: list = [None] * len(ops)
     per_node = max(devices_per_node, 1)
@@ -230,6 +238,8 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
                                    len(np.unique(members // per_node)))
         member_classes, nodes = groups[members_key]
         fixed_s[i] = comm_seconds(collective[i], int(message[i]), len(members_key), nodes)
+        if nodes > 1:
+            nic_s[i] = bandwidth_part(fixed_s[i], comm_seconds(collective[i], 1, len(members_key), nodes))
         internal[i] = member_classes == (class_id,)
         if not internal[i]:
             sync_key[i] = ("collective", group_kind[i], member_classes)
@@ -238,6 +248,8 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
         peer_class = int(class_of_rank[peer])
         same_node = peer // per_node == node_of
         fixed_s[i] = comm_seconds("p2p", int(message[i]), 2, 1 if same_node else 2)
+        if not same_node:
+            nic_s[i] = bandwidth_part(fixed_s[i], comm_seconds("p2p", 1, 2, 2))
         src, dst = (class_id, peer_class) if kind[i] == SEND else (peer_class, class_id)
         sync_key[i] = ("p2p", src, dst, p.phase)
     communication = np.flatnonzero((kind == COLLECTIVE) | (kind == SEND) | (kind == RECV))
@@ -247,4 +259,4 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
         if internal[i]:
             fixed_s[i] += sync_wait(float(compute_before[i] - compute_before[previous]), len(group_ranks[i]))
         previous = i
-    return OpCosts(kind, compute_s, fixed_s, internal, sync_key)
+    return OpCosts(kind, compute_s, fixed_s, internal, sync_key, nic_s)

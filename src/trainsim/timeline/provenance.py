@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trainsim.artifacts.store import MANIFEST
 from trainsim.comm.model import FIT_FILE
+from trainsim.comm.network import domain_size, network_prior, node_bandwidth
 from trainsim.config.schema import HardwareConfig
 from trainsim.slowdown.predictor import METRICS_FILE
 
@@ -33,16 +34,34 @@ def _round(value):
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else round(float(value), 2)
 
 
+def network_inputs(hw: HardwareConfig) -> tuple[dict, str]:
+    """How the network hop of a run wider than the measurements is predicted: from the learned prior of
+    hw.network's transport (with its band), or from the datasheet rate alone."""
+    prior = network_prior(hw)
+    if prior is None:
+        return ({"prior": None}, f"the inter-node hop uses the datasheet rate ({node_bandwidth(hw) / 1e9:g} GB/s per "
+                "node) and " + (f"hardware.inter_node_latency_s ({hw.inter_node_latency_s * 1e6:g} us)"
+                                if hw.inter_node_latency_s else "NCCL's network latencies")
+                + "; set hardware.network.transport for a learned transport prior")
+    return ({"prior": prior.describe(), "level": prior.level, "key": prior.key,
+             "uncertainty_pct": round(prior.error_pct, 1)},
+            f"the inter-node hop is predicted from the network description with the {prior.describe()}")
+
+
 def calibration_inputs(hw: HardwareConfig, calibration_dir: Path | None, nodes_used: int) -> tuple[dict, list[str]]:
     """Which measurements fitted the collective model, its held-out error per collective, and warnings."""
     fit = _read_json(Path(calibration_dir) / FIT_FILE) if calibration_dir else {}
     collectives = fit.get("collectives", {})
+    network, how = network_inputs(hw)
     if not collectives:
         reason = ("no calibration artifact" if not calibration_dir else
                   "the calibration holds no measurements (hardware.calibration.files is empty and there is no "
                   "local sweep)")
-        return ({"calibrated": False, "artifact": str(calibration_dir) if calibration_dir else None},
-                [f"collectives: {reason}; using datasheet link rates and NCCL's constants (uncalibrated)"])
+        warnings = [f"collectives: {reason}; using datasheet link rates and NCCL's constants (uncalibrated)"]
+        if nodes_used > 1:
+            warnings.append(f"collectives: {how}")
+        return ({"calibrated": False, "artifact": str(calibration_dir) if calibration_dir else None,
+                 "network": network}, warnings)
     sources = list(fit.get("sources", {}))
     if hw.calibration.local_sweep:
         sources.append(f"local {hw.comm_backend} sweep on this machine")
@@ -53,16 +72,14 @@ def calibration_inputs(hw: HardwareConfig, calibration_dir: Path | None, nodes_u
     max_nodes = max(nodes for entry in collectives.values() for _, nodes in entry["ranks_nodes"])
     warnings = []
     if nodes_used > max_nodes:
-        warnings.append(f"collectives: calibrated on at most {max_nodes} node(s), this run spans {nodes_used}; the "
-                        f"inter-node hop uses the datasheet rate ({hw.inter_node_bandwidth_bytes_per_s / 1e9:g} GB/s "
-                        "per node) and " + (f"hardware.inter_node_latency_s ({hw.inter_node_latency_s * 1e6:g} us)"
-                                            if hw.inter_node_latency_s else "NCCL's network latencies"))
+        warnings.append(f"collectives: calibrated on at most {max_nodes} node(s), this run spans {nodes_used}; {how}")
     skipped = {f: n for f, n in fit.get("skipped_wrong_results", {}).items() if n}
     for source, reasons in fit.get("skipped_lines", {}).items():
         counts = ", ".join(f"{seen['count']} {reason}" for reason, seen in reasons.items())
         warnings.append(f"collectives: {source}: lines left out of the fit ({counts}; listed in fit.json)")
     return ({"calibrated": True, "artifact": str(calibration_dir), "sources": sources,
              "collectives": errors, "other_collectives": "borrow the link parameters of a calibrated one",
+             "network": network if nodes_used > max_nodes else {"measured": True},
              "skipped_wrong_results": skipped, "skipped_lines": fit.get("skipped_lines", {})}, warnings)
 
 
@@ -141,7 +158,7 @@ def prediction_inputs(hw: HardwareConfig, inputs: dict[str, Path], backends: dic
 
 def search_inputs(hw: HardwareConfig, calibration_dir: Path | None, budget_gpus: int) -> dict:
     """The `inputs` of a layout search: its collective model and kernel model; it never models slowdown."""
-    calibration, w1 = calibration_inputs(hw, calibration_dir, -(-budget_gpus // hw.devices_per_node))
+    calibration, w1 = calibration_inputs(hw, calibration_dir, -(-budget_gpus // domain_size(hw)))
     kernel_model = hw.kernel_model.fitted_on or "schema defaults (not fitted)"
     w2 = [] if hw.kernel_model.fitted_on or hw.device_kind == "cpu" else [
         f"kernels: the analytical model runs with its default efficiencies, not fitted to {hw.name}"]

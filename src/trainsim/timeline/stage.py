@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from trainsim.artifacts import atomic_artifact, read_manifest, read_table
 from trainsim.comm.model import CommModel
+from trainsim.comm.network import domain_size
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.slowdown.features import device_numbers, device_type_of
 from trainsim.slowdown.predictor import SlowdownPredictor
@@ -78,7 +79,7 @@ def timeline_table(t: StepTimeline) -> pa.Table:
         "microbatch": g.microbatch.astype(np.int32),
         "kernels": (g.table.last_op - g.table.first_op + 1)[g.tnode],
         "start_s": t.replay.start_s, "end_s": t.replay.end_s, "duration_s": t.duration_s,
-        "solo_compute_s": t.solo_compute_s, "comm_s": t.fixed_s,
+        "solo_compute_s": t.solo_compute_s, "comm_s": t.fixed_s, "contention_s": t.contention_s,
     }), preserve_index=False)
 
 
@@ -93,7 +94,7 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     compute = scaled_compute_times(compute, graph[graph["kind"] == "compute"], hw)
     comm = comm_model(hw, inputs.get("calibration"))
     slowdown = slowdown_model(hw, inputs.get("slowdown_model"))
-    used = prediction_inputs(hw, inputs, backends, nodes_used=-(-par.world_size // hw.devices_per_node),
+    used = prediction_inputs(hw, inputs, backends, nodes_used=-(-par.world_size // domain_size(hw)),
                              device_type=device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type),
                              run_values=run_values(model, par))
     config = {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}

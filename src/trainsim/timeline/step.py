@@ -53,6 +53,8 @@ class TemplateTable:
     phase: np.ndarray
     chunk: np.ndarray
     sync_key: list
+    nic_s: np.ndarray
+    """Bandwidth-bound seconds of inter-node communication per template node (contention.py)."""
 
 
 @dataclass
@@ -184,7 +186,7 @@ def _expand_class(program: ClassProgram, template_start: np.ndarray, base: int, 
 
 def template_table(programs: list[ClassProgram]) -> tuple[TemplateTable, list[np.ndarray]]:
     cols: dict[str, list] = {k: [] for k in ("cls", "template", "kind", "compute_s", "fixed_s", "first_op",
-                                             "last_op", "host_ops", "phase", "chunk")}
+                                             "last_op", "host_ops", "phase", "chunk", "nic_s")}
     sync_key: list = []
     starts, position = [], 0
     for p in programs:
@@ -197,7 +199,7 @@ def template_table(programs: list[ClassProgram]) -> tuple[TemplateTable, list[np
             cols["template"].append(np.full(n, ti))
             cols["phase"].append(np.full(n, t.phase, dtype=object))
             cols["chunk"].append(np.full(n, t.chunk))
-            for name in ("kind", "compute_s", "fixed_s", "first_op", "last_op", "host_ops"):
+            for name in ("kind", "compute_s", "fixed_s", "first_op", "last_op", "host_ops", "nic_s"):
                 cols[name].append(getattr(t, name))
             sync_key += t.sync_key
         starts.append(np.asarray(class_starts, dtype=np.int64))

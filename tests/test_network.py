@@ -1,0 +1,122 @@
+"""The network as data: NVLink domains, transports and their learned priors, NVLS, node-count scaling,
+the spine's oversubscription, and who picks the algorithm across nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import yaml
+
+from trainsim.comm.model import CommModel, choose, predict_seconds, prior_params
+from trainsim.comm.network import PRIORS_FILE, domain_bandwidth, domain_size, network_prior, nodes_spanned
+from trainsim.comm.network_fit import learn, load_clusters, render
+from trainsim.config import compose_run
+from trainsim.errors import ConfigError
+from trainsim.timeline.provenance import calibration_inputs
+
+MIB = 1 << 20
+
+
+def hardware(name: str, *overrides: str):
+    return compose_run([f"hardware={name}", *overrides], check="layout").hardware
+
+
+def test_an_nvl72_rack_is_one_domain_of_the_collective_model():
+    hw = hardware("gb200-nvl72")
+    assert domain_size(hw) == 72 and hw.devices_per_node == 4
+    assert domain_bandwidth(hw) == pytest.approx(18 * 4 * 50e9)  # 18 trays, one 400 Gb/s NIC per GPU
+    assert nodes_spanned(range(72), hw) == 1 and nodes_spanned([0, 72], hw) == 2
+    model = CommModel.from_hardware(hw)
+    assert model.params("all_reduce").fabric.devices_per_node == 72
+    # 64 GPUs on 16 trays of one rack all-reduce over NVLink 5, far faster than 64 H100s on 8 DGX nodes
+    h100 = CommModel.from_hardware(hardware("h100-sxm-dgx"))
+    assert model.collective_seconds("all_reduce", 1 << 30, 64, 1) < 0.5 * h100.collective_seconds(
+        "all_reduce", 1 << 30, 64, 8)
+
+
+def test_nvls_gain_follows_the_h200_measurements():
+    """8x H200, 8 GiB: NVLS bus bandwidth 1.14 / 1.19 / 1.26 / 1.29 x the ring's at 5 / 6 / 7 / 8 GPUs
+    (data/nccl-tests/h200-8gpu-nvlink_allreduce-nvls-vs-ring_mlengineering.txt)."""
+    hw = hardware("h100-sxm-dgx")
+    with_nvls = prior_params(hw, "all_reduce")
+    ring_only = prior_params(hardware("h100-sxm-dgx", "hardware.nccl.algorithms=[ring,tree]"), "all_reduce")
+    size = np.array([8 << 30])
+    for gpus, gain in ((5, 1.14), (6, 1.19), (7, 1.26), (8, 1.29)):
+        ratio = predict_seconds(ring_only, size, gpus, 1)[0] / predict_seconds(with_nvls, size, gpus, 1)[0]
+        assert ratio == pytest.approx(gain, rel=0.1)
+        assert choose(with_nvls, 8 << 30, gpus, 1) == ("nvls", "Simple")
+    assert choose(with_nvls, 8 << 30, 16, 2)[0] != "nvls"  # NVLSTree (across nodes) is not modelled
+    with pytest.raises(ConfigError, match="hardware.network.nvls=true needs NVLink SHARP"):
+        compose_run(["hardware=a100-80g-dgx", "hardware.network.nvls=true"])
+
+
+def test_ring_latency_grows_linearly_and_tree_logarithmically_with_nodes():
+    hw = hardware("a100-80g-selene", "hardware.nccl.algorithms=[ring]")
+    ring = prior_params(hw, "all_reduce")
+    tree = prior_params(hardware("a100-80g-selene", "hardware.nccl.algorithms=[tree]"), "all_reduce")
+    small = np.array([1024])
+    ring_t = [predict_seconds(ring, small, 8 * m, m)[0] for m in (16, 32, 64, 128)]
+    tree_t = [predict_seconds(tree, small, 8 * m, m)[0] for m in (16, 32, 64, 128)]
+    ring_steps, tree_steps = np.diff(ring_t), np.diff(tree_t)
+    assert ring_steps[1] == pytest.approx(2 * ring_steps[0], rel=0.05)  # doubling the nodes doubles the increase
+    assert ring_steps[2] == pytest.approx(2 * ring_steps[1], rel=0.05)
+    assert tree_steps[0] == pytest.approx(tree_steps[1], rel=0.05)  # one more tree level per doubling
+    assert tree_t[-1] < ring_t[-1] / 5
+    # large messages: both bandwidth-bound at the same per-node load once the tree carries 2S per node
+    large = np.array([4 << 30])
+    assert predict_seconds(tree, large, 1024, 128)[0] == pytest.approx(predict_seconds(ring, large, 1024, 128)[0],
+                                                                       rel=0.15)
+
+
+def test_groups_that_cross_the_spine_get_its_oversubscribed_share():
+    blocking = prior_params(hardware("a100-80g-selene", "hardware.network.oversubscription=2"), "all_reduce")
+    assert blocking.nic_share(8 * 20, 20) == 1.0  # one leaf (20 nodes per scalable unit)
+    assert blocking.nic_share(8 * 40, 40) == 0.5
+    size = np.array([1 << 30])
+    inside, across = predict_seconds(blocking, size, 8 * 20, 20)[0], predict_seconds(blocking, size, 8 * 40, 40)[0]
+    assert across > 1.8 * inside
+
+
+def test_the_tuner_of_the_network_plugin_picks_the_algorithm_across_nodes():
+    """NCCL's own cost model keeps 2-node all-reduces on rings (Azure's InfiniBand measurements are ring-level);
+    aws-ofi-nccl's tuner runs trees there (the p4de and p5 logs exceed the NIC rate, which rings cannot)."""
+    infiniband = CommModel.from_hardware(hardware("a100-80g-selene"))
+    efa = CommModel.from_hardware(hardware("a100-80g-p4de", "hardware.calibration.files=[]"))
+    assert infiniband.params("all_reduce").fabric.tuner == "nccl"
+    assert efa.params("all_reduce").fabric.tuner == "model"
+    assert choose(infiniband.params("all_reduce"), 1 << 30, 16, 2)[0] == "ring"
+    assert choose(efa.params("all_reduce"), 1 << 30, 16, 2)[0] == "tree"
+
+
+def test_a_prediction_from_the_description_names_its_prior_and_band(tmp_path):
+    hw = hardware("h100-sxm-dgx")
+    prior = network_prior(hw)
+    assert prior.level == "link_generation" and prior.key == "infiniband/ndr"
+    assert 0 < prior.error_pct < 100 and 0 < prior.bandwidth_efficiency <= 1
+    inputs, warnings = calibration_inputs(hw, tmp_path, nodes_used=4)
+    assert inputs["network"]["uncertainty_pct"] == pytest.approx(prior.error_pct, abs=0.1)
+    assert any("infiniband/ndr" in w and "+-" in w for w in warnings)
+    # no transport: the datasheet rate, and the warning says how to get a prior
+    plain = dataclasses.replace(hw, network=dataclasses.replace(hw.network, transport=""))
+    assert network_prior(plain) is None
+    _, warnings = calibration_inputs(plain, tmp_path, nodes_used=4)
+    assert any("set hardware.network.transport" in w for w in warnings)
+    # an unknown generation falls back to its transport
+    other = dataclasses.replace(hw, network=dataclasses.replace(hw.network, link_generation="xdr"))
+    assert network_prior(other).level == "transport"
+
+
+def test_network_priors_file_is_what_the_measured_clusters_give():
+    """network_priors.yaml is learned (python -m trainsim.comm.network_fit --write), never edited by hand."""
+    fresh = yaml.safe_load(render(learn(load_clusters())))
+    stored = yaml.safe_load(PRIORS_FILE.read_text())
+    assert stored.keys() == fresh.keys()
+    for level, entries in fresh.items():
+        assert stored[level].keys() == entries.keys(), level
+        for key, entry in entries.items():
+            assert stored[level][key]["clusters"] == entry["clusters"]
+            for name in ("bandwidth_efficiency", "alpha_s", "error_pct"):
+                assert stored[level][key][name] == pytest.approx(entry[name], rel=0.02, abs=0.2 if name == "error_pct"
+                                                                 else 0), (level, key, name)
