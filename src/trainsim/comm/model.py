@@ -17,13 +17,19 @@ Notation: N ranks on M nodes (K = N / M per node), S the message size in nccl-te
 Ring family (all-reduce "ring", reduce-scatter, all-gather, all-to-all): every loop moves one chunk
 per rank through s steps and all links work in every step, so loops do not overlap:
   s = 2(N-1) for all-reduce, N-1 otherwise;  eta = ceil(S / (N c_p chunk_p)) loops ("rounds")
-  b = S / (N c_p eta);  T = alpha_a + eta * s * step(b) + delta * S
-  step = max(step_intra, step_inter) when M > 1 (a ring step waits for its slowest link).
+  b = S / (N c_p eta);  T = alpha_a + eta * s * step(b) + delta * S on one node. Across nodes a chunk
+  crosses s - s_inter NVLink hops and s_inter = 2(M-1) (M-1 for the others) network hops, so the
+  latency is eta ((s - s_inter) l_intra + s_inter l_inter) (NCCL's own composition), and NVLink, local
+  work and NIC run pipelined slice by slice: the slowest of eta s b / B_intra, delta S and
+  eta s b / (share B_inter) paces the rest.
 Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream through a chain:
   eta = ceil(S / (c_p chunk_p));  b = S / (c_p eta)
-  T = alpha_a + sum over stages step(b) + (eta - 1) * max over stages step(b) + delta * S
+  T = alpha_a + sum over stages step(b) + (eta - 1) * max over stages step(b) + delta * S (across
+  nodes, as for rings, the streaming NVLink part, delta * S and the NIC part overlap: the slowest counts)
   stages: tree all-reduce 2(K-1) intra + 2 ceil(log2 M) inter (NCCL's intra-node chain and
-  inter-node tree, up then down); broadcast and reduce N-1 (M-1 of them inter); send/recv 1.
+  inter-node tree, up then down); broadcast and reduce N-1 (M-1 of them inter); send/recv 1; NVLS
+  all-reduce (one NVLink domain) 2 through the switch at NVLS_EFFICIENCY of the NVLink rate, no local
+  work. LL128 trees shrink their chunk for messages too short to fill the tree, as NCCL does.
   NIC load of the tree: NCCL builds two binary trees over the nodes, each carrying half the data,
   and every node is an inner node (two children) of one of them. A node then receives and sends 2S
   (reduce up, broadcast down): inter-node steps carry 2b (tree_nic_load, 1.5 on 3 nodes), and a large
@@ -35,7 +41,10 @@ and (for reductions) the arithmetic, at memory speed (Echo's delta). Measured bu
 one node (vTrain's A100 tables: 197, 222, 229 GB/s at 2, 4, 8 GPUs) is this term seen through 2(N-1)/N.
 
 The collective's time is that of the (algorithm, protocol) the model finds fastest among those the
-hardware config allows (NCCL_ALGO / NCCL_PROTO), as NCCL's tuner picks the fastest by its estimate.
+hardware config allows (NCCL_ALGO / NCCL_PROTO), or across nodes on networks whose NCCL plugin leaves the
+choice to NCCL's cost model (Fabric.tuner 'nccl', comm/network.py) the one that model prefers.
+The "node" is the NVLink domain (hardware.network.nvlink_domain_size); a collective that spans domains
+also pays the network's fixed cost alpha_net (values 'alpha.network', a learned prior of the transport).
 alpha, l, B and delta are fitted to measurements (comm/fit.py); NCCL's own constants (nccl_constants.yaml)
 give chunk sizes, channel thresholds and the priors the fit starts from and falls back to.
 """
