@@ -233,7 +233,8 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
         streaming = {hop: (loops - 1) * cost for hop, (_, cost) in costs.items()}
         local = 0.0 if algorithm == "nvls" else v["delta"] * size  # NVLS reduces in the switch
         if "inter" in streaming:  # across nodes NVLink steps, local work and the NIC are pipelined slice by slice
-            transfer = fill + np.maximum.reduce([streaming.get("intra", 0.0 * size), local, streaming["inter"]])
+            intra_part = streaming.get("intra", np.zeros_like(size))
+            transfer = fill + np.maximum.reduce([intra_part, local, streaming["inter"]])
         else:  # inside a node the same SMs move and reduce: their times add (busbw rising with N, module doc)
             transfer = fill + streaming.get("intra", 0.0) + local
     network = v.get("alpha.network", 0.0) if num_nodes > 1 else 0.0
@@ -312,9 +313,8 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
                 payload = nccl_constants()["payload_fraction"][p]
                 values[f"bandwidth.intra.{p}"] = link_bandwidth["intra"] / channels * payload
     params = CollectiveParams(collective, algorithms, protocols, channels, nccl.buffer_size_bytes, values, fabric(hw))
-    if prior:
-        return with_network_hop(params, hw, prior.bandwidth_efficiency, prior.alpha_s)
-    return with_network_hop(params, hw, 1.0, 0.0)
+    efficiency, alpha_s = (prior.bandwidth_efficiency, prior.alpha_s) if prior else (1.0, 0.0)
+    return with_network_hop(params, hw, efficiency, alpha_s)
 
 
 def with_network_hop(params: CollectiveParams, hw: HardwareConfig, efficiency: float, alpha_s: float

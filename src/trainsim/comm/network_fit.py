@@ -204,10 +204,11 @@ def held_out(clusters: list[Cluster]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def learn(clusters: list[Cluster]) -> dict:
-    """The network_priors.yaml content: every level's fit over all clusters, with its measured band."""
+def learn(clusters: list[Cluster], held: pd.DataFrame | None = None) -> dict:
+    """The network_priors.yaml content: every level's fit over all clusters, with its measured band
+    (`held`: held_out(clusters), when already computed)."""
     table = fit_levels(clusters)
-    errors = held_out(clusters).set_index("cluster")["mape_large"]
+    errors = (held if held is not None else held_out(clusters)).set_index("cluster")["mape_large"]
     overall = float(errors.mean())
     for entries in table.values():
         for entry in entries.values():
@@ -238,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help=f"rewrite {PRIORS_FILE.name}")
     args = parser.parse_args(argv)
     clusters = load_clusters()
-    print(held_out(clusters).round(2).to_string(index=False))
-    text = render(learn(clusters))
+    held = held_out(clusters)
+    print(held.round(2).to_string(index=False))
+    text = render(learn(clusters, held))
     if args.write:
         PRIORS_FILE.write_text(text)
         print(f"wrote {PRIORS_FILE}")

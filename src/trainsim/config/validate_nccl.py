@@ -109,7 +109,7 @@ def validate_network(hw: HardwareConfig) -> None:
         if hw.device_kind != "cuda" or not any(name in hw.device_name for name in NVLS_DEVICES):
             raise ConfigError(f"{field}.nvls=true needs NVLink SHARP (sm{NVLS_COMPUTE_CAPABILITY}0 or later: "
                               f"{', '.join(NVLS_DEVICES)}); hardware.device_name={hw.device_name!r}")
-        release = _release(hw.nccl.version) if hw.nccl.version else None
+        release = _release(hw.nccl.version)
         if release is not None and release < NVLS_FROM:
             raise ConfigError(f"{field}.nvls=true needs NCCL {NVLS_FROM[0]}.{NVLS_FROM[1]} or later; "
                               f"hardware.nccl.version={hw.nccl.version!r}")

@@ -203,7 +203,7 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
 
 
 def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representative: int, factor: float,
-             devices_per_node: int, compute_seconds: Callable[[pd.DataFrame, np.ndarray], np.ndarray],
+             node_size: int, compute_seconds: Callable[[pd.DataFrame, np.ndarray], np.ndarray],
              comm_seconds: Callable[..., float], sync_wait: Callable[[float, int], float]) -> OpCosts:
     """Durations and synchronisation of a pass's kernels as run by `class_id` (groups already renamed).
 
@@ -225,7 +225,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
     nic_s = np.zeros(len(ops))
     internal = np.zeros(len(ops), dtype=bool)
     sync_key: list = [None] * len(ops)
-    per_node = max(devices_per_node, 1)
+    per_node = max(node_size, 1)  # devices per node of the collective model: an NVLink domain
     node_of = representative // per_node
     group_ranks, message = ops["group_ranks"].to_numpy(), ops["message_bytes"].to_numpy()
     group_kind, peers = ops["group_kind"].to_numpy(), ops["peer"].to_numpy()
