@@ -1,7 +1,8 @@
 """End-to-end accuracy: predicted vs measured step time.
 
 Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2,
-tp2, pp2 with 1F1B over 4 micro-batches) the layout's ops are timed again (`--remeasure`) and its
+tp2, pp2 with 1F1B over 4 micro-batches, sp2 = tp2 with sequence parallelism, zero1 = dp2 with the
+distributed optimizer) the layout's ops are timed again (`--remeasure`) and its
 hardware's gloo model and system noise calibrated again (once per run); then the real step is measured
 (trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as
 spread; published at artifacts/ground_truth/local-cpu/...) and predicted by the pipeline (`trainsim
@@ -18,7 +19,15 @@ dispatch time per op are fitted on every 5th row (file order), the other 80 % ar
 `figure vtrain_single_mape_pct` and `figure vtrain_single_max_error_pct` on the held-out rows next to
 vTrain's own MAPE on these single-node rows, 19.66 % (vTrain paper, arXiv:2312.12391).
 
-    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--reuse-ground-truth] [--layouts dp2 ...]
+Part 3, activation memory against the closed form of Korthikanti et al. 2022 (arXiv 2205.05198, Table 2): the
+activation bytes per layer the trace stage counts (two traces of a GPT with unfused attention and dropout, 1 and
+2 layers, bf16; trainsim/validation/activation_memory.py) against the formula, for Table 2's rows (tensor
+parallelism 1/2/4, sequence parallelism, selective and full recomputation) at the layer shapes of the paper's
+Table 3 models (22B, 175B, 530B, 1T; s = 2048, b = 1). Prints `figure memory_error_pct_korthikanti_max` (the
+largest |traced - formula| / formula over cases and shapes; target <= 2 %). Fake tensors: about a minute.
+
+    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--skip-korthikanti] [--reuse-ground-truth]
+                                      [--layouts dp2 ...]
 First run traces 576 distinct vTrain shapes (~25 min on 2 cores, cached under
 artifacts/validation/vtrain/traces); later runs take ~11-17 min (five fits, one per
 host dispatch time of the grid). The NCCL calibration of a100-80g-vtrain is built first when missing.
@@ -34,7 +43,7 @@ from pathlib import Path
 from trainsim.config import compose_run
 from trainsim.registry import STAGES
 from trainsim.timeline.stage import compose_run_artifacts
-from trainsim.validation import vtrain
+from trainsim.validation import activation_memory, vtrain
 from trainsim.validation.ground_truth import error_pct, read_ground_truth, write_ground_truth_artifact
 
 LOCAL = {
@@ -42,6 +51,8 @@ LOCAL = {
     "dp2": ["parallelism=dp2"],
     "tp2": ["parallelism=tp2"],
     "pp2": ["parallelism=pp2"],
+    "sp2": ["parallelism=tp2", "parallelism.sequence_parallel=true"],
+    "zero1": ["parallelism=dp2", "parallelism.zero_stage=1"],
 }
 
 
@@ -142,10 +153,33 @@ def vtrain_part() -> list[tuple[str, float, str]]:
             ("vtrain_benchmark_seconds", result.seconds, "s")]
 
 
+# (name, shape) of the models of Korthikanti et al. 2022, Table 3: hidden size, heads; sequence 2048, micro-batch 1
+KORTHIKANTI_SHAPES = {
+    "22B": activation_memory.LayerShape(s=2048, b=1, h=6144, a=64),
+    "175B": activation_memory.LayerShape(s=2048, b=1, h=12288, a=96),
+    "530B": activation_memory.LayerShape(s=2048, b=1, h=20480, a=128),
+    "1T": activation_memory.LayerShape(s=2048, b=1, h=25600, a=160),
+}
+
+
+def korthikanti_part() -> list[tuple[str, float, str]]:
+    """Traced activation bytes per layer against Table 2 of Korthikanti et al. for each case and shape."""
+    started, worst = time.perf_counter(), 0.0
+    print(f"{'model':>5} {'case':>44} {'traced sbh':>11} {'formula sbh':>11} {'error %':>8}")
+    for name, shape in KORTHIKANTI_SHAPES.items():
+        for row in activation_memory.compare(shape):
+            print(f"{name:>5} {row['case']:>44} {row['traced_sbh']:>11.3f} {row['formula_sbh']:>11.3f} "
+                  f"{row['error_pct']:>+8.2f}")
+            worst = max(worst, abs(row["error_pct"]))
+    return [("memory_error_pct_korthikanti_max", worst, "%"),
+            ("korthikanti_benchmark_seconds", time.perf_counter() - started, "s")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-local", action="store_true")
     parser.add_argument("--skip-vtrain", action="store_true")
+    parser.add_argument("--skip-korthikanti", action="store_true")
     parser.add_argument("--layouts", nargs="+", choices=list(LOCAL), default=list(LOCAL),
                         help="local layouts to measure and predict (default: all)")
     parser.add_argument("--reuse-ground-truth", action="store_true",
@@ -157,6 +191,8 @@ def main() -> None:
         figures += local_part(args.reuse_ground_truth, args.layouts)
     if not args.skip_vtrain:
         figures += vtrain_part()
+    if not args.skip_korthikanti:
+        figures += korthikanti_part()
     for name, value, unit in figures:
         print(f"figure {name} {value:.2f} {unit}")
     print(f"total {time.perf_counter() - start:.0f} s")

@@ -18,10 +18,10 @@ def test_config_prints_composed_values_and_keys(capsys):
 def test_trace_writes_artifact_and_memory_verdict(tmp_path, capsys):
     out_dir = tmp_path / "trace"
     assert main(["trace", "model=gpt-175b", "parallelism=pp12-tp8-dp1", "parallelism.recompute=none",
-                 "parallelism.micro_batch_size=2", "hardware=h800-dgx", "--output", str(out_dir)]) == 0
+                 "parallelism.micro_batch_size=4", "hardware=h800-dgx", "--output", str(out_dir)]) == 0
     out = capsys.readouterr().out
     assert "96 ranks in 12 class(es)" in out
-    # without recompute, 12 in-flight micro-batches of 2 x 2048 tokens do not fit the first stage in 80 GiB,
+    # without recompute, 12 in-flight micro-batches of 4 x 2048 tokens do not fit the first stage in 80 GiB,
     # while the last stage (one in flight) does
     assert "OOM" in out and "fits" in out
     assert read_manifest(out_dir)["config_keys"]["parallelism"].startswith("pp12-tp8-dp1-")

@@ -109,7 +109,7 @@ def test_gradient_clipping_scales_to_the_global_norm():
 
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
     params[0].grad, params[1].grad = torch.full((3,), 3.0), torch.full((4,), 4.0)
-    optimizer = MixedPrecisionAdamW(params, lr=0.0, weight_decay=0.0, clip_grad=1.0)
+    optimizer = MixedPrecisionAdamW(params, [p.grad for p in params], lr=0.0, weight_decay=0.0, clip_grad=1.0)
     optimizer.step()
     norm = math.sqrt(sum(float(p.grad.square().sum()) for p in params))
     assert norm == pytest.approx(1.0, rel=1e-4)

@@ -72,7 +72,7 @@ def test_wrongly_typed_field_names_field_and_value():
     (["parallelism=pp2-interleaved", "parallelism.global_batch_size=6", "parallelism.pp=1"],
      r"needs pp >= 2 and virtual_stages >= 2"),
     (["parallelism.schedule=zigzag"], r"schedule='zigzag' is not supported; accepted: gpipe, 1f1b"),
-    (["parallelism.precision=fp8"], r"precision='fp8' is not supported"),
+    (["parallelism.precision=fp4"], r"precision='fp4' is not supported"),
     (["model.num_kv_heads=3"], r"num_kv_heads=3 must divide"),
     (["model.family=llama", "model.hidden_size=60"], r"must be even for rotary"),
 ])

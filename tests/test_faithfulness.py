@@ -29,6 +29,9 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ["parallelism=dp2"],
+    ["parallelism=dp2", "parallelism.zero_stage=1"],
+    ["parallelism=dp2", "parallelism.zero_stage=1", "parallelism.overlap_param_gather=true",
+     "parallelism.precision=bf16", "parallelism.dp_bucket_size_bytes=200000"],
     ["parallelism=tp2"],
     ["parallelism=tp2", "parallelism.sequence_parallel=true"],
     ["parallelism=tp2", "parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true"],
@@ -37,6 +40,15 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
     ["parallelism=pp2", "parallelism.micro_batch_size=1"],
     ["parallelism=pp2-interleaved"],
     ["parallelism=pp2", "parallelism.pp=4", "parallelism.global_batch_size=8", "hardware.devices_per_node=4"],
+    pytest.param(["parallelism=tp2", "parallelism.precision=fp8"], id="tp2-fp8"),
+    pytest.param(["parallelism=dp2", "parallelism.tp=2", "parallelism.precision=fp8", "parallelism.global_batch_size=8",
+                  "hardware.devices_per_node=4"], id="dp2-tp2-fp8"),
+    pytest.param(["parallelism=tp2", "parallelism.precision=fp8", "parallelism.fp8_recipe=current",
+                  "parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true"],
+                 id="tp2-sp-overlap-fp8-current"),
+    pytest.param(["parallelism=tp2", "parallelism.precision=fp8", "parallelism.sequence_parallel=true",
+                  "parallelism.tp_comm_overlap=true", "parallelism.recompute=full"],
+                 id="tp2-sp-overlap-full-recompute-fp8"),
 ])
 def test_real_gloo_step_matches_ex_situ_trace(overrides):
     run = compose_run(overrides)

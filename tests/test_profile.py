@@ -52,6 +52,40 @@ def test_replay_reproduces_shapes_strides_and_dtypes(tiny_ops):
     assert len(transposed) > 0  # non-contiguous layouts are traced and rebuilt as such
 
 
+def test_traced_cpu_attention_is_rebuilt_as_the_devices_own(monkeypatch):
+    """A trace made on the CPU holds the CPU's flash-attention ops; a GPU replays the same shapes through
+    scaled_dot_product_attention (its own kernel), the backward through autograd. Run here on the CPU: the
+    same path, with the device check bypassed."""
+    import torch
+
+    from trainsim.profile import replay
+
+    ops = _ops("model=llama3-8b", "model.num_layers=1", "model.hidden_size=256", "model.num_attention_heads=4",
+               "model.num_kv_heads=2", "model.ffn_hidden_size=512", "model.seq_length=32", "model.vocab_size=1000",
+               "parallelism=single", "parallelism.precision=bf16")
+    attention = ops[ops["op"].isin(replay.DEVICE_ATTENTION)]
+    assert len(attention) == 2
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kwargs):
+        seen.append((q.shape[1], k.shape[1], kwargs["is_causal"], kwargs["enable_gqa"], q.requires_grad))
+        return real_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    for _, op in attention.iterrows():
+        row = op.to_dict()
+        tensors = [replay._make_tensor(s, st, d, torch.device("cpu")) for s, st, d in zip(
+            json.loads(row["input_shapes"]), json.loads(row["input_strides"]), row["input_dtypes"].split(","))]
+        encoded = json.loads(row["op_args"])
+        call = replay._device_flash_attention(row["op"], replay._decode(encoded["args"], tensors, "cpu"),
+                                              replay._decode(encoded["kwargs"], tensors, "cpu"))
+        result = call()
+        if row["op"].endswith("_backward"):  # gradients of q, k and v with their shapes
+            assert [list(g.shape) for g in result] == json.loads(row["input_shapes"])[1:4]
+    assert seen and all(s == (4, 2, True, True, True) for s in seen)  # causal, grouped-query, as traced
+
+
 def test_unreplayable_ops_say_why():
     base = {"input_shapes": "[[4]]", "input_strides": "[[1]]", "input_dtypes": "fp32",
             "op_args": json.dumps({"args": [{"$t": 0}], "kwargs": {}})}

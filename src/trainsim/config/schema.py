@@ -403,6 +403,14 @@ class ParallelismConfig:
     all-reduced as soon as its gradients are ready, during the last backward; a size above the stage's
     gradients gives one all-reduce after the backward, without overlap (Megatron without gradient
     buckets, e.g. vTrain's `use_gradient_bucket: false`)."""
+    zero_stage: int = 0
+    """Sharding of the training state over the data-parallel replicas (ZeRO, Rajbhandari et al. 2020):
+    0 = every replica holds all of it (DDP: gradient buckets all-reduced); 1 = fp32 master weights and Adam
+    moments sharded over dp (Megatron-Core's distributed optimizer, DeepSpeed ZeRO-1): gradient buckets are
+    reduce-scattered, each rank updates its 1/dp slice, the updated weights are all-gathered."""
+    overlap_param_gather: bool = False
+    """With zero_stage 1: all-gather the updated weights during the next step's first forward, each layer
+    waiting only for its own bucket (Megatron-Core --overlap-param-gather), instead of after the optimizer."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism with tp > 1 (Korthikanti et al. 2022): norms, dropout and residual
     adds run on each tp rank's 1/tp of the tokens; the tp all-reduces become an all-gather before and a
@@ -415,7 +423,11 @@ class ParallelismConfig:
     """Gradient clipping by global L2 norm (Megatron's --clip-grad, default 1.0): a norm over each rank's
     gradients, summed over the model-parallel group, and a scale of every gradient; 0 = no clipping."""
     precision: str = "bf16"
-    """'fp32', or 'bf16' / 'fp16' mixed precision with fp32 master weights and Adam states."""
+    """'fp32', or 'bf16' / 'fp16' mixed precision with fp32 master weights and Adam states; 'fp8': bf16 as
+    above, with the transformer linears' GEMMs in FP8 as Transformer Engine runs them (workloads/fp8.py)."""
+    fp8_recipe: str = "delayed"
+    """With precision 'fp8': 'delayed' (TE DelayedScaling: scales from an amax history, amaxes all-reduced
+    over the dp x tp group after each forward and backward pass) or 'current' (per-tensor current scaling)."""
 
     @property
     def world_size(self) -> int:

@@ -12,9 +12,13 @@ from trainsim.what_if import validate_what_if
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("delayed", "current")
+"""Transformer Engine's per-tensor FP8 recipes (workloads/fp8.py)."""
 FAMILIES = ("gpt", "llama")
 ATTENTION_KERNELS = ("fused", "unfused")
+ZERO_STAGES = (0, 1)
+"""ZeRO-2 (gradients sharded) and ZeRO-3 / FSDP (weights sharded) are not built yet."""
 DEVICE_KINDS = ("cpu", "cuda")
 PROFILE_BACKENDS = ("auto", "measure", "analytical")
 SLOWDOWN_SOURCES = ("measure", "import")
@@ -68,6 +72,8 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     _one_of("parallelism", "schedule", par.schedule, SCHEDULES)
     _one_of("parallelism", "recompute", par.recompute, RECOMPUTE_MODES)
     _one_of("parallelism", "precision", par.precision, PRECISIONS)
+    if par.precision == "fp8":
+        _one_of("parallelism", "fp8_recipe", par.fp8_recipe, FP8_RECIPES)
     if par.dp_bucket_size_bytes < 1:
         raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} must be positive")
     if par.sequence_parallel and (par.micro_batch_size * model.seq_length) % par.tp:
@@ -78,6 +84,10 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         raise ConfigError(f"parallelism.tp_comm_overlap=true overlaps the sequence-parallel collectives: it needs "
                           f"parallelism.sequence_parallel=true and tp > 1 (got sequence_parallel="
                           f"{par.sequence_parallel}, tp={par.tp})")
+    _one_of("parallelism", "zero_stage", par.zero_stage, ZERO_STAGES)
+    if par.overlap_param_gather and par.zero_stage < 1:
+        raise ConfigError("parallelism.overlap_param_gather=true overlaps the distributed optimizer's parameter "
+                          f"all-gather: it needs parallelism.zero_stage >= 1 (got {par.zero_stage})")
     if par.clip_grad < 0:
         raise ConfigError(f"parallelism.clip_grad={par.clip_grad} must be >= 0 (0 = no gradient clipping)")
 
@@ -173,10 +183,21 @@ def _validate_rates(hw: HardwareConfig) -> None:
             raise ConfigError(f"hardware.{name}={getattr(hw, name)} must be >= 0 (0 = unknown)")
 
 
+def _validate_fp8_hardware(hw: HardwareConfig, par: ParallelismConfig) -> None:
+    """FP8 GEMMs need a device with FP8 tensor cores: a GPU config must state its FP8 peak. CPU devices are
+    measured, not modelled from a peak (torch runs _scaled_mm on the CPU), so they run FP8 without one."""
+    if par.precision == "fp8" and hw.device_kind != "cpu" and "fp8" not in hw.peak_flops_per_s:
+        known = ", ".join(sorted(hw.peak_flops_per_s)) or "none"
+        raise ConfigError(f"parallelism.precision='fp8' needs an FP8 peak: hardware '{hw.name}' has no "
+                          f"hardware.peak_flops_per_s.fp8 (known: {known}); use a device with FP8 tensor cores "
+                          "(H100, H800, GB200) or parallelism.precision=bf16")
+
+
 def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig) -> None:
     """All rules of a full simulation point."""
     validate_hardware(hw)
     validate_layout(model, par)
+    _validate_fp8_hardware(hw, par)
     devices = hw.num_nodes * hw.devices_per_node
     if par.world_size > devices:
         raise ConfigError(

@@ -31,8 +31,11 @@ from scipy.optimize import least_squares
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError
 
-FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64")
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution")
+FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64", "fp8")
+"""Compute dtypes with a rate in hardware.peak_flops_per_s; 'fp8' is the rate of FP8 GEMMs (_scaled_mm)."""
+FP8_INPUT_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+"""The recorder's names of FP8 tensors (trace/recorder.py dtype_name)."""
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "scaled_mm")
 # op kind -> name fragments (first match wins; anything else is 'elementwise')
 OP_KIND_PATTERNS = {
     "attention": ("scaled_dot_product", "flash_attention", "efficient_attention"),
@@ -74,7 +77,7 @@ def gemm_dims(op: str, shapes: list) -> tuple[int, int, int, int] | None:
     """(batch, m, n, k) of a matmul-class aten op from its input shapes; None when they do not say."""
     base = op.removeprefix("aten::").split(".")[0].lstrip("_")
     try:
-        if base in ("mm", "matmul") and len(shapes) >= 2 and len(shapes[0]) == 2:
+        if base in ("mm", "matmul", "scaled_mm") and len(shapes) >= 2 and len(shapes[0]) == 2:
             (m, k), n = shapes[0], shapes[1][-1]
             return 1, m, n, k
         if base == "addmm" and len(shapes) >= 3:
@@ -158,9 +161,14 @@ def _is_causal(args) -> bool:
     return bool(flags) and flags[0]
 
 
-def op_dtype(input_dtypes: str) -> str:
-    """The compute dtype of an op: its first floating-point input (fp32 if none)."""
-    return next((d for d in input_dtypes.split(",") if d in FLOAT_DTYPES), "fp32")
+def op_dtype(input_dtypes: str, op: str = "") -> str:
+    """The compute dtype of an op: 'fp8' for a GEMM on FP8 inputs (_scaled_mm: its fp32 scales do not set the
+    rate), else its first floating-point input (fp32 if none). Other ops that read FP8 tensors (casts,
+    transposes) are memory-bound and keep the rate of their other inputs (fp32 if none)."""
+    dtypes = input_dtypes.split(",")
+    if op and op_kind(op) == "matmul" and dtypes and dtypes[0] in FP8_INPUT_DTYPES:
+        return "fp8"
+    return next((d for d in dtypes if d in FLOAT_DTYPES), "fp32")
 
 
 @dataclass(frozen=True)
@@ -251,7 +259,7 @@ def _kinds(rows: pd.DataFrame) -> np.ndarray:
 def predict_rows(rows: pd.DataFrame, hw: HardwareConfig) -> np.ndarray:
     """Analytical seconds for execution-graph or profile rows on `hw` (per-dtype rates)."""
     out = np.zeros(len(rows))
-    dtypes = rows["input_dtypes"].map(op_dtype).to_numpy()
+    dtypes = np.array([op_dtype(d, op) for d, op in zip(rows["input_dtypes"], rows["op"])], dtype=object)
     for dtype in set(dtypes):
         sel = dtypes == dtype
         out[sel] = predict_ops(rates_for(hw, dtype), rows[sel], dtype)

@@ -18,8 +18,42 @@ from trainsim.errors import ReplayError
 from trainsim.trace.recorder import DTYPE_NAMES
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # the recorder's names, reversed
-# Kernels only the CPU build has: on a GPU they are timed analytically (the reason is recorded).
+FP8_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
+"""FP8 tensors (workloads/fp8.py), recorded under torch's own names (recorder.dtype_name's fallback)."""
+DTYPES.update(FP8_DTYPES)
+# Kernels only the CPU build has: on a GPU they are timed analytically (the reason is recorded), unless the
+# GPU has its own kernel for the same work (DEVICE_ATTENTION).
 CPU_ONLY_OPS = ("_for_cpu",)
+DEVICE_ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                    "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+"""Traces are made on the CPU, where scaled_dot_product_attention dispatches to the CPU's flash kernel; on a
+GPU the same shapes run through scaled_dot_product_attention there (_device_flash_attention)."""
+STATISTICS_IN_FP32 = {"aten::native_layer_norm_backward": (3, 4)}
+"""Arguments that are the input's dtype on the CPU and fp32 on a GPU (LayerNorm's saved mean and rstd)."""
+
+
+def _device_flash_attention(name: str, args: list, kwargs: dict) -> Callable[[], Any]:
+    """The GPU's attention for a traced CPU flash-attention call of the same shapes: through
+    scaled_dot_product_attention, so the dispatcher picks the kernel a real step would run (cuDNN's on H100
+    with torch 2.11, faster than the flash-attention-2 op); the backward is timed through autograd."""
+    if kwargs.get("attn_mask") is not None:
+        raise ReplayError(f"{name} with an attention mask has no flash kernel on the GPU")
+    backward = name.endswith("_backward")
+    first = 6 if backward else 3  # where dropout_p and is_causal sit among the positional arguments
+    dropout_p = args[first] if len(args) > first else kwargs.get("dropout_p", 0.0)
+    is_causal = args[first + 1] if len(args) > first + 1 else kwargs.get("is_causal", False)
+    # inputs that need gradients, as in a training step (the forward then keeps what its backward needs)
+    q, k, v = (t.detach().requires_grad_() for t in (args[1:4] if backward else args[:3]))
+
+    def forward():
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=kwargs.get("scale"),
+            enable_gqa=k.shape[1] != q.shape[1])
+
+    if not backward:
+        return forward
+    out, grad_out = forward(), args[0]
+    return lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
 
 
 def resolve_op(name: str):
@@ -39,7 +73,9 @@ def _make_tensor(shape: list[int], stride: list[int], dtype_name: str, device: t
     # fill the underlying storage, then view it with the traced strides (expanded inputs share memory)
     size = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
     flat = torch.empty(size, dtype=dtype, device=device)
-    if dtype.is_floating_point:
+    if dtype in FP8_DTYPES.values():  # no random fill kernel for FP8: draw in fp32 and round
+        flat = torch.empty(size, device=device).uniform_(0.5, 1.0).to(dtype)
+    elif dtype.is_floating_point:
         flat.uniform_(0.5, 1.0)
     else:
         flat.zero_()
@@ -71,9 +107,9 @@ def build_call(row: dict, device: torch.device | str = "cpu") -> Callable[[], An
     name = row["op"]
     if not name.startswith("aten::"):
         raise ReplayError(f"{name} is not an aten op (custom or communication op)")
-    if device.type != "cpu" and any(tag in name for tag in CPU_ONLY_OPS):
+    on_device = device.type != "cpu"
+    if on_device and any(tag in name for tag in CPU_ONLY_OPS) and name not in DEVICE_ATTENTION:
         raise ReplayError(f"{name} is a CPU-only kernel; timed analytically on {device.type}")
-    op = resolve_op(name)
     try:
         shapes = json.loads(row["input_shapes"])
         strides = json.loads(row["input_strides"])
@@ -82,9 +118,15 @@ def build_call(row: dict, device: torch.device | str = "cpu") -> Callable[[], An
         encoded = json.loads(row["op_args"])
         args = _decode(encoded["args"], tensors, device)
         kwargs = _decode(encoded["kwargs"], tensors, device)
+        if on_device and name in STATISTICS_IN_FP32:
+            args = [a.float() if i in STATISTICS_IN_FP32[name] else a for i, a in enumerate(args)]
+        if on_device and name in DEVICE_ATTENTION:
+            call = _device_flash_attention(name, args, kwargs)
+        else:
+            op = resolve_op(name)
 
-        def call():
-            return op(*args, **kwargs)
+            def call():
+                return op(*args, **kwargs)
 
         call()  # fail here, with the reason, rather than inside the timing loop
     except ReplayError:

@@ -7,6 +7,9 @@ same for backward. The pipeline schedule is then played out exactly: every stage
 micro-batch's forward on the previous virtual stage plus the P2P transfer, a backward for the next
 stage's backward. Data-parallel gradients are all-reduced in buckets that become ready during the
 stage's last backward and run back to back on the communication stream; the optimizer follows.
+With the distributed optimizer (zero_stage 1) the buckets are reduce-scattered, the optimizer updates 1/dp
+of the stage and its states take 1/dp of the memory, and the updated weights are all-gathered bucket by
+bucket after it (or, with overlap_param_gather, under the next step's forward: not on the step's path).
 Memory: model states plus activations of the forwards in flight, as the trace stage computes them.
 
 Host dispatch (hardware.host_dispatch_s): a pass takes at least its ops times the dispatch time (the
@@ -127,6 +130,7 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
 
     states = {f: sum(total(f, c) for c in range(v)) for f in ("parameter_bytes", "gradient_bytes",
                                                                "optimizer_state_bytes")}
+    states["optimizer_state_bytes"] //= optimizer_shards(par)
     # the forwards in flight peak within the first 2 pp (+ v pp) actions, so 4 pp micro-batches show the peak
     # of any longer 1F1B pipeline; GPipe keeps all m in flight
     m = par.num_microbatches if par.schedule == "gpipe" else min(par.num_microbatches, 4 * par.pp)
@@ -134,6 +138,11 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
                      actions=pipeline_actions(par.schedule, par.pp, s, m, v),
                      largest_temporary_bytes=costs.largest_temporary_bytes)
     return int(row["peak_bytes"])
+
+
+def optimizer_shards(par: ParallelismConfig) -> int:
+    """Over how many replicas the optimizer's states and update are split."""
+    return par.dp if par.zero_stage >= 1 else 1
 
 
 def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig,
@@ -178,19 +187,23 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         stage_parts = [costs.layer] * (layers_per_chunk * v) + [getattr(costs, p) for c in range(v)
                                                                  for p in parts[(s, c)]]
         grads = sum(part.gradient_bytes for part in stage_parts)
-        end = ends[s]
+        end, gather_s = ends[s], 0.0
         if par.dp > 1 and grads > 0:
             buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
             dp_nodes = nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), hw)
-            bucket_s = comm.collective_seconds("all_reduce", math.ceil(grads / buckets), par.dp, dp_nodes)
+            reduction = "reduce_scatter" if par.zero_stage >= 1 else "all_reduce"
+            bucket_s = comm.collective_seconds(reduction, math.ceil(grads / buckets), par.dp, dp_nodes)
+            if par.zero_stage >= 1 and not par.overlap_param_gather:
+                gather_s = buckets * comm.collective_seconds("all_gather", math.ceil(grads / buckets), par.dp,
+                                                             dp_nodes)
             clock = backward_start[s]
             for i in range(buckets):  # bucket i is ready after (i+1)/buckets of the last backward
                 clock = max(clock, backward_start[s] + backward_len[s] * (i + 1) / buckets) + bucket_s
             exposed_max = max(exposed_max, max(clock - ends[s], 0.0))
             end = max(end, clock)
-        optimizer = sum(part.optimizer_s for part in stage_parts)
+        optimizer = sum(part.optimizer_s for part in stage_parts) / optimizer_shards(par)
         optimizer_ops = sum(part.host_ops.get("optimizer", 0) for part in stage_parts)
-        optimizer = max(optimizer, optimizer_ops * hw.host_dispatch_s)
+        optimizer = max(optimizer, optimizer_ops * hw.host_dispatch_s) + gather_s
         optimizer_max = max(optimizer_max, optimizer)
         step = max(step, end + optimizer)
     return LayoutEstimate(step_time_s=step, pipeline_s=max(ends), exposed_dp_s=exposed_max,

@@ -88,8 +88,11 @@ class SliceCosts:
 
 
 def slice_key(par: ParallelismConfig) -> str:
-    """The parallelism fields a slice depends on (dp, pp, schedule and batch do not change a layer)."""
-    return f"tp{par.tp}-mbs{par.micro_batch_size}-{par.recompute}-{par.precision}"
+    """The parallelism fields a slice depends on (dp, pp, schedule, batch and the optimizer's sharding do not
+    change a layer: slices are traced with one replica and estimate.py shards the optimizer)."""
+    sp = "-sp" + ("-overlap" if par.tp_comm_overlap else "") if par.sequence_parallel and par.tp > 1 else ""
+    precision = f"fp8-{par.fp8_recipe}" if par.precision == "fp8" else par.precision
+    return f"tp{par.tp}{sp}-mbs{par.micro_batch_size}-{par.recompute}-{precision}"
 
 
 def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series) -> PartCost:
@@ -113,7 +116,7 @@ def _trace_slice(model: ModelConfig, par: ParallelismConfig, layers_per_stage: i
 
     sliced_model = dataclasses.replace(model, num_layers=2 * layers_per_stage)
     sliced_par = dataclasses.replace(par, dp=1, pp=2, virtual_stages=1, schedule="1f1b",
-                                     global_batch_size=par.micro_batch_size)
+                                     global_batch_size=par.micro_batch_size, zero_stage=0, overlap_param_gather=False)
     result = trace_layout(sliced_model, sliced_par)
     return result.graph.to_pandas(), result.memory.to_pandas().set_index("rank_class")
 

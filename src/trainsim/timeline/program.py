@@ -69,13 +69,13 @@ class PassOps:
 
 
 def pass_ops(kernels: pd.DataFrame, rules: tuple[str, ...]) -> list[PassOps]:
-    """Split a class's kernels into pass variants (forward per chunk; backward per chunk with and
-    without once-per-step ops; optimizer), as expand_step repeats them, and apply the rules."""
+    """Split a class's kernels into pass variants (forward and backward per chunk, with and without
+    once-per-step ops; optimizer), as expand_step repeats them, and apply the rules."""
     kind_of = dict(zip(kernels["id"].to_numpy().tolist(), kernels["kind"].to_list()))
     out = []
     for (phase, chunk), ops in kernels.groupby(["phase", "chunk"], sort=False):
         variants = [("all", ops)]
-        if phase == "backward" and not ops["per_microbatch"].all():
+        if phase != "optimizer" and not ops["per_microbatch"].all():
             variants.append(("per_microbatch", ops[ops["per_microbatch"].to_numpy()]))
         for variant, sub in variants:
             out.append(_with_edges(str(phase), int(chunk), variant, sub.reset_index(drop=True), kind_of, rules))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainsim.timeline.program import BLOCK, COMPUTE, RECV, SEND, PassNodes
-from trainsim.workloads.schedules import Action, last_backward_microbatch
+from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
 
 
 class TimelineError(RuntimeError):
@@ -82,10 +82,12 @@ def occurrences(program: ClassProgram) -> tuple[np.ndarray, np.ndarray]:
     """(template index, micro-batch) of every pass the class runs in a step, in program order."""
     index = {(t.phase, t.chunk, t.variant): i for i, t in enumerate(program.templates)}
     last_mb = last_backward_microbatch(program.actions)
+    first_mb = first_forward_microbatch(program.actions)
     occ_t, occ_mb = [], []
     for a in program.actions:
         phase = "forward" if a.kind == "F" else "backward"
-        variant = "all" if a.kind == "F" or a.microbatch == last_mb[a.chunk] else "per_microbatch"
+        once = (first_mb if a.kind == "F" else last_mb)[a.chunk]
+        variant = "all" if a.microbatch == once else "per_microbatch"
         t = index.get((phase, a.chunk, variant), index.get((phase, a.chunk, "all")))
         if t is not None:
             occ_t.append(t)

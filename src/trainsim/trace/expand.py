@@ -1,9 +1,10 @@
 """From a class's one-micro-batch trace to the full op sequence of any rank in a step.
 
 The trace holds one forward and one backward per chunk; a step runs them once per micro-batch in
-the order of the pipeline schedule, with the gradient sync (once-per-step events) only in each
-chunk's last backward and the optimizer at the end. Ranks of a class differ only in the members of
-their groups and their P2P peers, which are renamed here.
+the order of the pipeline schedule, with the once-per-step events only in each chunk's first forward
+(the overlapped parameter all-gather) and last backward (the gradient sync), and the optimizer at
+the end. Ranks of a class differ only in the members of their groups and their P2P peers, which are
+renamed here.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import pandas as pd
 
 from trainsim.workloads.layout import GROUP_KINDS, Layout
-from trainsim.workloads.schedules import Action, last_backward_microbatch
+from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
 
 
 def expand_step(class_events: pd.DataFrame, actions: list[Action]) -> pd.DataFrame:
     """Events of one rank class repeated along `actions`, with the micro-batch of each occurrence."""
     last_mb = last_backward_microbatch(actions)
+    first_mb = first_forward_microbatch(actions)
     by_pass = {
         (phase, chunk): group for (phase, chunk), group in class_events.groupby(["phase", "chunk"], sort=False)
     }
@@ -26,7 +28,8 @@ def expand_step(class_events: pd.DataFrame, actions: list[Action]) -> pd.DataFra
         events = by_pass.get((phase, action.chunk))
         if events is None:
             continue
-        if action.kind == "B" and action.microbatch != last_mb[action.chunk]:
+        once = (first_mb if action.kind == "F" else last_mb)[action.chunk]
+        if action.microbatch != once:
             events = events[events["per_microbatch"]]
         pieces.append(events.assign(microbatch=action.microbatch))
     optimizer = class_events[class_events["phase"] == "optimizer"]

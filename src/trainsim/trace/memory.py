@@ -4,6 +4,7 @@ Peak = weights + gradients + optimizer states + activations kept for in-flight m
 + the largest single temporary. In-flight activations follow the schedule: walk the rank's actions
 and keep the maximum of the activations saved by forwards whose backward has not run yet
 (GPipe keeps all m micro-batches, 1F1B at most pp - stage; Narayanan et al. 2021, sec. 2.2).
+Parameters include the FP8 copies of the weights under precision fp8 (workloads/fp8.py).
 Allocator fragmentation and framework workspaces are not modelled.
 """
 

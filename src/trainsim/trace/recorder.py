@@ -114,8 +114,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._once_per_step = False
         self._in_communication = False
         self._async_op = False
-        # the model-parallel group has the ranks of the tp or pp group when the other is 1: those names win
-        kinds = ("mp", *(k for k in GROUP_KINDS if k != "mp"))
+        # the model-parallel and amax groups have the ranks of another kind's group when some degrees are 1
+        # (mp = tp when pp = 1, amax = dp when tp = 1, ...): those names win (later entries overwrite)
+        kinds = ("amax", "mp", *(k for k in GROUP_KINDS if k not in ("amax", "mp")))
         self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in kinds}
         self._group_ranks_cache: dict[int, list[int]] = {}
         self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
@@ -157,8 +158,10 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             self._in_communication, self._async_op = previous
 
     def _on_save(self, t: torch.Tensor) -> torch.Tensor:
-        """Count each storage kept for backward once per (micro-batch, chunk); parameters excluded."""
-        if not isinstance(t, torch.nn.Parameter):
+        """Count each storage kept for backward once per (micro-batch, chunk); parameters and views of them
+        (a linear's transposed weight) excluded: they are model states, counted once."""
+        base = t._base if t._base is not None else t
+        if not isinstance(base, torch.nn.Parameter):
             key = (self._microbatch, _storage_key(t))
             if key not in self._saved_storages and self._microbatch == 0:
                 self._saved_storages.add(key)

@@ -27,6 +27,7 @@ from trainsim.trace.expand import rename_for_rank
 from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
 from trainsim.trace.recorder import ExecutionRecorder
 from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
+from trainsim.workloads.fp8 import fp8_weight_bytes
 from trainsim.workloads.layout import Layout
 from trainsim.workloads.observe import observing
 from trainsim.workloads.schedules import pipeline_actions, trace_actions
@@ -78,8 +79,30 @@ class _TracedStage:
     largest_temporary_bytes: int
 
 
+@functools.cache
+def _fake_kernels() -> torch.library.Library:
+    """Meta kernels torch lacks for ops the workload issues. aten._scaled_mm has one, its out= variant (the FP8
+    GEMMs of workloads/fp8.py that write into a buffer: the ring-overlapped tensor-parallel linears) has not,
+    so under FakeTensorMode it would run the real CPU kernel on full-size tensors: seconds per GEMM. Shapes
+    are checked, nothing is computed; the recorder sits above FakeTensorMode, so the trace is the same."""
+
+    def scaled_mm_out(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                      use_fast_accum=False, *, out):
+        torch._check(tuple(out.shape) == (self.shape[0], mat2.shape[1]),
+                     lambda: f"_scaled_mm.out: out {tuple(out.shape)} for {tuple(self.shape)} @ {tuple(mat2.shape)}")
+        return out
+
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        library.impl("_scaled_mm.out", scaled_mm_out, "Meta")
+    except RuntimeError:  # a later torch registers its own
+        pass
+    return library
+
+
 def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> _TracedStage:
     """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
+    _fake_kernels()
     layout = layout_of(par)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
@@ -101,7 +124,9 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> _T
             return _TracedStage(
                 rank=rank,
                 events=recorder.events,
-                parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+                # FP8 training keeps an FP8 copy (and its transpose) of each weight for the step
+                parameter_bytes=sum(p.numel() * p.element_size() for p in params)
+                + sum(fp8_weight_bytes(chunk) for chunk in rm.chunks),
                 gradient_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
                 saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),

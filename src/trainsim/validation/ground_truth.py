@@ -47,7 +47,7 @@ FIELD_MEANINGS = {
     "steps": "steps measured (after warmup discarded steps)", "warmup": "steps discarded",
     "step_times_s": "each measured step's time (slowest rank)",
     "ranks": "per rank: median step, compute (forward+backward minus communication), communication and "
-             "per-phase wall times",
+             "per-phase wall times, and on a GPU the allocator's peak memory over the measured steps",
 }
 
 
@@ -143,6 +143,7 @@ def measure(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig, *, s
             "compute_median_s": statistics.median(run.compute_seconds(i) for i in range(steps)),
             "communication_median_s": statistics.median(sum(c.values()) for c in run.communication_seconds),
             "phase_median_s": {p: statistics.median(s.get(p, 0.0) for s in run.phase_seconds) for p in phases},
+            "peak_memory_bytes": run.peak_memory_bytes,
         })
     summary = {
         "status": "measured", **base,

@@ -5,18 +5,26 @@ Tables (data/published, each file's header names its source):
     32-3072 A100-80GB, seq 2048, vocab 51,200, fp16, full recomputation, interleaved 1F1B.
   * mcore2024_h100: Megatron-Core r0.8 on H100 (README model table): GPT 1.7B-462B, 48-6144 H100, seq 4096,
     vocab 131,072, bf16 (assumed), DP 48 everywhere.
+  * nemo2407_h100_fp8: NeMo 24.07 (Megatron-Core backend) pre-training on DGX-H100 in FP8 (NeMo's performance
+    summary): GPT-3 5B-175B, Llama 2 7B-70B, Nemotron 8B-340B, Llama 3 8B/70B, 8-512 H100, TP/PP/CP and virtual
+    stages per row. The csv has no architecture columns: NEMO_ARCHITECTURES gives each model's, with its source.
 
-Each source reports throughput; its step time follows from the FLOP formula the source states:
+The first two report throughput; their step time follows from the FLOP formula the source states:
   megatron2021: F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))          (counts the recomputed forward)
   mcore2024:    F = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))          (Megatron-LM's num_floating_point_operations
                                                                       for a GPT with 4h MLP, MHA: model FLOPs)
   step_s = F / (gpus * tflops_per_gpu * 1e12)
+The NeMo table carries the step time itself (derived_step_time_s = GBS * seq / (tokens/s/GPU * gpus)): no
+FLOP formula is involved (Table.step_time_column).
+Rows a config cannot express yet (context parallelism, cp > 1) are kept in the table with the reason
+(`skip_reason`) and left out of the fit and the figures, counted (`TableResult.skipped`).
 Settings the sources leave open are stated in ASSUMPTIONS and applied the same way to every row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,55 +38,185 @@ CACHE = Path("artifacts/validation/published/traces")
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """A model's shape and recipe dropout where the table has no architecture columns."""
+
+    family: str
+    """trainsim's model.family: 'gpt' (LayerNorm, GELU, learned positions, biases) or 'llama'"""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int | None
+    """query groups (GQA); None = heads"""
+    ffn: int
+    vocab: int
+    """the tokenizer's vocabulary before padding (trainsim pads to a multiple of 128 * tp as NeMo does)"""
+    dropout: float
+    """hidden and attention dropout of the recipe"""
+    source: str
+
+
+@dataclass(frozen=True)
 class Table:
     name: str
     path: str
     hardware: str
     precision: str
     recompute: str
-    seq: int
-    vocab: int
+    seq: int | None
+    """tokens per sample; None: the csv's seq_len column"""
+    vocab: int | None
+    """None: the architecture's (architectures)"""
     attention: str
     """core attention kernel of that Megatron version: 'unfused' before flash attention (2021), 'fused' after"""
-    most_virtual_stages: int
-    """interleaving: the most virtual stages per pipeline rank that divide its layers, up to this many"""
+    most_virtual_stages: int | None
+    """interleaving: the most virtual stages per pipeline rank that divide its layers, up to this many; None: the
+    csv's vp column"""
     sequence_parallel: bool
     """Megatron-Core's scaling runs use sequence parallelism with TP, its communication overlapped with the
     GEMMs (--tp-comm-overlap, stated in the source); neither existed in 2021"""
-    flops_factor: float
-    """F = flops_factor * B s l h^2 (1 + s/(6h) + V/(vocab_divisor l h))"""
-    vocab_divisor: float
+    distributed_optimizer: bool
+    """Megatron-Core's distributed optimizer with --overlap-param-gather (the source names the flag, which needs
+    --use-distributed-optimizer); Megatron-LM 2021 kept the optimizer replicated"""
+    flops_factor: float | None
+    """F = flops_factor * B s l h^2 (1 + s/(6h) + V/(vocab_divisor l h)); None where step_time_column is set"""
+    vocab_divisor: float | None
+    step_time_column: str | None = None
+    """the csv column holding the measured step time in seconds; None: from the FLOP formula and throughput"""
+    architectures: Mapping[str, Architecture] | None = None
+    """model name -> architecture where the csv has no architecture columns (layers, hidden, attn_heads); with
+    it, seq (None), micro batch, context parallelism and virtual stages come from the csv's seq_len, micro_batch,
+    cp and vp columns"""
+    flash_attention: str | None = None
+    """the flash-attention kernel of that framework release where it differs from the hardware config's
+    (FlashAttention-3 on H100): 'Fav2' = FlashAttention-2's causal H100 measurement (FLASH_ATTENTION_RATES);
+    None: the hardware config's attention efficiencies"""
 
+
+LAUNCHER = "NVIDIA/NeMo-Framework-Launcher tag 24.07, launcher_scripts/conf/training/"
+NEMO_ARCHITECTURES = {
+    "GPT3-5B": Architecture("gpt", 24, 4096, 32, None, 16384, 50257, 0.1,
+                            LAUNCHER + "gpt3/5b.yaml (ffn 4h; GPT2BPETokenizer: 50,257)"),
+    "GPT3-20B": Architecture("gpt", 44, 6144, 48, None, 24576, 50257, 0.1,
+                             LAUNCHER + "gpt3/20b.yaml (ffn 4h; GPT2BPETokenizer)"),
+    "GPT3-175B": Architecture("gpt", 96, 12288, 96, None, 49152, 50257, 0.1,
+                              LAUNCHER + "gpt3/175b.yaml and 175b_fp8.yaml (ffn 4h; GPT2BPETokenizer)"),
+    "LLAMA2-7B": Architecture("llama", 32, 4096, 32, None, 11008, 32000, 0.0,
+                              LAUNCHER + "llama/llama2_7b.yaml (Llama 2 tokenizer: 32,000)"),
+    "LLAMA2-13B": Architecture("llama", 40, 5120, 40, None, 13824, 32000, 0.0, LAUNCHER + "llama/llama2_13b.yaml"),
+    "LLAMA2-70B": Architecture("llama", 80, 8192, 64, 8, 28672, 32000, 0.0, LAUNCHER + "llama/llama2_70b.yaml"),
+    "Nemotron-8B": Architecture("gpt", 32, 4096, 32, None, 16384, 256000, 0.0,
+                                LAUNCHER + "nemotron/nemotron_8b.yaml; NVIDIA/NeMo nemo/collections/llm/gpt/model/"
+                                "nemotron.py Nemotron3Config8B (vocabulary: the 256K SentencePiece of Nemotron)"),
+    "Nemotron-22B": Architecture("gpt", 40, 6144, 48, None, 24576, 256000, 0.0,
+                                 LAUNCHER + "nemotron/nemotron_22b.yaml (vocabulary: 256K as the other Nemotrons)"),
+    "Nemotron-340B": Architecture("gpt", 96, 18432, 96, 8, 73728, 256000, 0.0,
+                                  LAUNCHER + "nemotron/nemotron_340b.yaml (tokenizer nemotron_2_256k); NVIDIA/NeMo "
+                                  "nemotron.py Nemotron4Config340B"),
+    "LLAMA3-8B": Architecture("llama", 32, 4096, 32, 8, 14336, 128256, 0.0,
+                              "conf/model/llama3-8b.yaml (Llama 3 paper, Table 3; released config.json)"),
+    "LLAMA3-70B": Architecture("llama", 80, 8192, 64, 8, 28672, 128256, 0.0,
+                               "conf/model/llama3-70b.yaml (Llama 3 paper, Table 3; released config.json)"),
+}
+"""Architectures of the NeMo 24.07 performance-summary models (the csv names only the model). Nemotron
+(squared-ReLU MLP without gating, LayerNorm1p, rotary on half the head dimensions, no biases) maps to family
+'gpt' with its ffn_hidden_size and query groups: see ASSUMPTIONS['nemotron']."""
 
 TABLES = {
     "megatron2021_a100": Table("megatron2021_a100", "published/megatron-lm_readme_2021_a100_selene_weak_scaling.csv",
-                               "a100-80g-selene", "fp16", "full", 2048, 51200, "unfused", 4, False, 96.0, 16.0),
+                               "a100-80g-selene", "fp16", "full", 2048, 51200, "unfused", 4, False, False, 96.0, 16.0),
     "mcore2024_h100": Table("mcore2024_h100", "published/megatron-lm_readme_2024_h100_core_r0.8.csv",
-                            "h100-sxm-dgx", "bf16", "none", 4096, 131072, "fused", 1024, True, 72.0, 12.0),
+                            "h100-sxm-dgx", "bf16", "none", 4096, 131072, "fused", 1024, True, True, 72.0, 12.0),
+    "nemo2407_h100_fp8": Table("nemo2407_h100_fp8", "published/nemo_24.07_dgx-h100_fp8_pretrain.csv",
+                               "h100-sxm-dgx", "fp8", "none", None, None, "fused", None, True, True, None, None,
+                               step_time_column="derived_step_time_s", architectures=NEMO_ARCHITECTURES,
+                               flash_attention="Fav2"),
 }
 
 DROPOUT = 0.1
 ASSUMPTIONS = {
-    "micro_batch_size": "1 (Megatron's large-model runs; the sources do not state it)",
+    "micro_batch_size": "1 (Megatron's large-model runs; the sources do not state it); NeMo 24.07: the csv's",
     "schedule": "interleaved 1F1B where pp > 1 with the most virtual stages that divide the stage's layers: at "
                 "most 4 in 2021 (SC21), one layer per virtual stage in 2024 (as NVIDIA's NeMo 24.07 recipes in "
-                "data/published use 1-2)",
-    "dropout": "0.1 after attention and MLP and on the attention probabilities (Megatron-LM's argument defaults)",
-    "sequence_parallel": "on for the 2024 H100 runs (Megatron-Core's scaling scripts; not stated in the README)",
-    "dp_bucket": "gradients all-reduced in 25 MiB buckets overlapped with backward (Megatron DDP with overlap)",
+                "data/published use 1-2); NeMo 24.07: the csv's vp column (virtual stages per pipeline rank)",
+    "dropout": "0.1 after attention and MLP and on the attention probabilities (Megatron-LM's argument defaults); "
+               "NeMo 24.07: the recipe's hidden/attention dropout, 0.1 for GPT-3, 0.0 for Llama 2 and Nemotron "
+               "(NEMO_ARCHITECTURES' sources)",
+    "sequence_parallel": "on for the 2024 H100 runs (Megatron-Core's scaling scripts; not stated in the README) "
+                         "and for the NeMo 24.07 rows with tp > 1, with tp_comm_overlap (NeMo's recipes; the "
+                         "24.07 launcher's gpt3/175b and nemotron_340b yamls leave ub_tp_comm_overlap off, the "
+                         "others set it: applied to every tp > 1 row alike)",
+    "dp_bucket": "gradients all-reduced in 25 MiB buckets overlapped with backward (Megatron DDP with overlap); "
+                 "with the distributed optimizer reduce-scattered in the same buckets",
+    "distributed_optimizer": "Megatron-Core r0.8 and NeMo 24.07: zero_stage 1 with overlap_param_gather (NeMo's "
+                             "recipes: optim distributed_fused_adam / mcore_distributed_optim, overlap_grad_sync "
+                             "and overlap_param_sync true)",
+    "recompute_nemo": "NeMo 24.07: none (the performance summary does not state it; the 24.07 launcher recipes "
+                      "set none except nemotron_340b.yaml, selective, at a different layout pp12 vp8)",
+    "fp8": "NeMo 24.07: Transformer Engine FP8 (HYBRID: E4M3 forward, E5M2 backward) on the transformer linears "
+           "with the delayed-scaling recipe (fp8_recipe 'delayed'); the h100-sxm-dgx FP8 peak. The 24.07 launcher "
+           "sets NVTE_DP_AMAX_REDUCE_INTERVAL=0 and NVTE_ASYNC_AMAX_REDUCTION=1 (amax reduced over tp only, "
+           "asynchronously); trainsim all-reduces the amaxes over dp x tp synchronously (workloads/fp8.py)",
+    "attention_nemo": "NeMo 24.07: fused attention timed at FlashAttention-2's causal H100 measurement "
+                      "(data/kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv: forward 284.1, backward 287.1 "
+                      "TFLOP/s of 989), not the h100-sxm-dgx config's FlashAttention-3 rates: the 24.07 launcher "
+                      "(conf/config.yaml) sets NVTE_FUSED_ATTN=0, so Transformer Engine runs the flash-attn 2 "
+                      "package (its FlashAttention-3 support came in later releases)",
+    "nemotron": "Nemotron (squared-ReLU MLP without gating, LayerNorm1p, rotary on half of each head, no biases) "
+                "runs as trainsim's family 'gpt' with its ffn_hidden_size and query groups: the same GEMMs "
+                "(h -> ffn -> h, no gate), GELU in place of squared ReLU (one elementwise kernel either way), "
+                "LayerNorm for LayerNorm1p, learned positions (one embedding add) in place of rotary, and bias adds "
+                "that Nemotron does not have",
+    "context_parallel": "NeMo 24.07 rows with cp > 1 (the two Llama 3 rows) are skipped and counted: context "
+                        "parallelism is not built yet",
 }
 
 
+def _skip_reason(row) -> str | None:
+    """Why a row cannot be expressed as a config yet (None where it can)."""
+    if int(row.get("cp", 1)) > 1:
+        return f"cp={int(row['cp'])}: context parallelism is not built yet"
+    if int(row["layers"]) % (int(row["pp"]) * int(row["virtual_stages"])):
+        return (f"layers={int(row['layers'])} not divisible by pp*vp={int(row['pp'])}*{int(row['virtual_stages'])}")
+    return None
+
+
 def read_table(name: str) -> pd.DataFrame:
+    """One row per published run, normalised to the columns row_configs reads: model, gpus, global_batch,
+    micro_batch, seq, layers, hidden, attn_heads, kv_heads, ffn, vocab, family, dropout, tp, pp, cp, dp,
+    virtual_stages, measured_s, skip_reason (None where the row can run)."""
     table = TABLES[name]
     rows = pd.read_csv(DATA_DIR / table.path, comment="#")
     rows = rows.rename(columns={"attn_heads_unverified": "attn_heads", "tp_unverified": "tp", "pp_unverified": "pp"})
-    rows["dp"] = rows["gpus"] // (rows["tp"] * rows["pp"])
-    b, s, n, h = rows["global_batch"], table.seq, rows["layers"], rows["hidden"]
-    flops = table.flops_factor * b * s * n * h**2 * (1 + s / (6 * h) + table.vocab / (table.vocab_divisor * n * h))
-    tflops = rows["achieved_tflops_per_gpu"] if "achieved_tflops_per_gpu" in rows else rows["tflops_per_gpu"]
-    rows["measured_s"] = flops / (rows["gpus"] * tflops * 1e12)
-    rows["model_flops"] = flops
+    if table.architectures is not None:
+        unknown = set(rows["model"]) - set(table.architectures)
+        if unknown:
+            raise ValueError(f"{table.path}: no architecture for {sorted(unknown)} in the table's architectures")
+        arch = pd.DataFrame([dataclasses.asdict(table.architectures[m]) for m in rows["model"]], index=rows.index)
+        rows = rows.join(arch.rename(columns={"heads": "attn_heads"}).drop(columns="source"))
+    else:
+        rows["family"], rows["kv_heads"], rows["ffn"] = "gpt", None, None
+        rows["vocab"], rows["dropout"] = table.vocab, DROPOUT
+    rows["seq"] = rows["seq_len"] if table.seq is None else table.seq
+    if "micro_batch" not in rows:
+        rows["micro_batch"] = 1
+    if "cp" not in rows:
+        rows["cp"] = 1
+    rows["dp"] = rows["gpus"] // (rows["tp"] * rows["pp"] * rows["cp"])
+    if table.most_virtual_stages is None:
+        rows["virtual_stages"] = rows["vp"]
+    else:
+        rows["virtual_stages"] = [virtual_stages(int(n), int(p), table.most_virtual_stages)
+                                  for n, p in zip(rows["layers"], rows["pp"])]
+    if table.step_time_column is not None:
+        rows["measured_s"] = rows[table.step_time_column].astype(float)
+    else:
+        b, s, n, h, v = rows["global_batch"], rows["seq"], rows["layers"], rows["hidden"], rows["vocab"]
+        flops = table.flops_factor * b * s * n * h**2 * (1 + s / (6 * h) + v / (table.vocab_divisor * n * h))
+        tflops = rows["achieved_tflops_per_gpu"] if "achieved_tflops_per_gpu" in rows else rows["tflops_per_gpu"]
+        rows["measured_s"] = flops / (rows["gpus"] * tflops * 1e12)
+        rows["model_flops"] = flops
+    rows["skip_reason"] = [_skip_reason(row) for _, row in rows.iterrows()]
     return rows
 
 
@@ -91,18 +229,25 @@ def virtual_stages(layers: int, pp: int, most: int = 4) -> int:
 
 def row_configs(table: Table, row, base_model: ModelConfig, base_par: ParallelismConfig
                 ) -> tuple[ModelConfig, ParallelismConfig]:
-    model = dataclasses.replace(base_model, name=f"{table.name}-{row['model']}", family="gpt",
+    """The model and layout of one row of read_table (not for rows with a skip_reason)."""
+    def optional(value):
+        return None if value is None or pd.isna(value) else int(value)
+
+    model = dataclasses.replace(base_model, name=f"{table.name}-{row['model']}", family=row["family"],
                                 hidden_size=int(row["hidden"]), num_attention_heads=int(row["attn_heads"]),
-                                num_layers=int(row["layers"]), seq_length=table.seq, vocab_size=table.vocab,
-                                num_kv_heads=None, ffn_hidden_size=None, attention=table.attention,
-                                dropout=DROPOUT, attention_dropout=DROPOUT)
-    pp = int(row["pp"])
-    v = virtual_stages(int(row["layers"]), pp, table.most_virtual_stages)
-    par = dataclasses.replace(base_par, name=f"{table.name}-{row['model']}", tp=int(row["tp"]), pp=pp,
-                              dp=int(row["dp"]), micro_batch_size=1, global_batch_size=int(row["global_batch"]),
+                                num_layers=int(row["layers"]), seq_length=int(row["seq"]),
+                                vocab_size=int(row["vocab"]), num_kv_heads=optional(row["kv_heads"]),
+                                ffn_hidden_size=optional(row["ffn"]), attention=table.attention,
+                                dropout=float(row["dropout"]), attention_dropout=float(row["dropout"]))
+    tp, pp, v = int(row["tp"]), int(row["pp"]), int(row["virtual_stages"])
+    sp = table.sequence_parallel and tp > 1
+    par = dataclasses.replace(base_par, name=f"{table.name}-{row['model']}", tp=tp, pp=pp,
+                              dp=int(row["dp"]), micro_batch_size=int(row["micro_batch"]),
+                              global_batch_size=int(row["global_batch"]),
                               precision=table.precision, recompute=table.recompute,
-                              sequence_parallel=table.sequence_parallel and int(row["tp"]) > 1,
-                              tp_comm_overlap=table.sequence_parallel and int(row["tp"]) > 1,
+                              sequence_parallel=sp, tp_comm_overlap=sp,
+                              zero_stage=int(table.distributed_optimizer),
+                              overlap_param_gather=table.distributed_optimizer,
                               schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
     return model, par
 
@@ -170,6 +315,10 @@ CEILING_ROW = {"NVIDIA A100-SXM4-80GB": "NVIDIA A100 SXM", "NVIDIA H100 80GB HBM
 """hardware.device_name -> the accelerator row of the best measured matmul throughput (mamf-finder)."""
 
 
+CEILING_DTYPE = {"fp8": "float8_e4m3fn"}
+"""parallelism.precision -> the mamf dtype of its transformer GEMMs (bf16 otherwise)"""
+
+
 def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
     """The highest matmul_efficiency a fit may reach: the best torch.mm throughput measured on this GPU over
     its datasheet peak (no GEMM of a training step beats a brute-force search for the fastest shape); 1
@@ -179,13 +328,14 @@ def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
     return float(row["mamf_tflops"].iloc[0] / row["theory_tflops"].iloc[0]) if len(row) else 1.0
 
 
-def fit_ratios(base: np.ndarray, slopes: np.ndarray, measured: np.ndarray, hw: HardwareConfig) -> dict[str, float]:
+def fit_ratios(base: np.ndarray, slopes: np.ndarray, measured: np.ndarray, hw: HardwareConfig,
+               dtype: str = "bf16") -> dict[str, float]:
     """Least squares on log step time of the linearised rows; efficiencies stay in [0.05, ceiling] (the
-    matmul ceiling of `matmul_ceiling`, 1 for memory)."""
+    matmul ceiling of `matmul_ceiling` for the GEMMs' mamf dtype, 1 for memory)."""
     from scipy.optimize import least_squares
 
     p0 = np.array([getattr(hw.kernel_model, n) for n in FITTED])
-    ceiling = np.array([matmul_ceiling(hw) if n == "matmul_efficiency" else 1.0 for n in FITTED])
+    ceiling = np.array([matmul_ceiling(hw, dtype) if n == "matmul_efficiency" else 1.0 for n in FITTED])
     lower, upper = p0 / ceiling, p0 / 0.05  # ratio r = p0 / p: p <= ceiling <=> r >= p0 / ceiling
 
     def residuals(r):
@@ -202,6 +352,8 @@ class TableResult:
     all_rows_fit: dict[str, float]
     """FITTED from every row (what the hardware config carries)"""
     seconds: float
+    skipped: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
+    """rows that cannot be expressed yet, with their skip_reason (not in rows, the fit or the figures)"""
 
 
 def calibrated_comm(run):
@@ -217,26 +369,65 @@ def calibrated_comm(run):
     return comm_model(run.hardware, directory)
 
 
+FLASH_ATTENTION_RATES = DATA_DIR / "kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv"
+
+
+def table_hardware(table: Table, hw: HardwareConfig) -> HardwareConfig:
+    """`hw` with the table's flash-attention kernel: its causal forward and backward TFLOP/s measured on H100
+    over the bf16 peak (the kernel model's attention_*_efficiency); `hw` itself where the table names none."""
+    if table.flash_attention is None:
+        return hw
+    rates = pd.read_csv(FLASH_ATTENTION_RATES, comment="#")
+    rates = rates[(rates["kernel"] == table.flash_attention) & rates["causal"]].set_index("pass")["tflops"]
+    peak = hw.peak_flops_per_s["bf16"]
+    return dataclasses.replace(hw, kernel_model=dataclasses.replace(
+        hw.kernel_model, attention_forward_efficiency=float(rates["fwd"] * 1e12 / peak),
+        attention_backward_efficiency=float(rates["bwd"] * 1e12 / peak)))
+
+
+def trace_rows(runs: list[RowRun], workers: int = 2) -> list[RowRun]:
+    """Each run with its cached trace directory, tracing the missing ones on `workers` processes."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from trainsim.validation.vtrain import _trace_file, _trace_one
+
+    runs = [dataclasses.replace(r, directory=_trace_file(r.model, r.par, CACHE)) for r in runs]
+    jobs = [(r.model, r.par, str(r.directory)) for r in runs if not (r.directory / "graph.parquet").is_file()]
+    if jobs:
+        CACHE.mkdir(parents=True, exist_ok=True)
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            list(pool.map(_trace_one, jobs, chunksize=1))
+    else:
+        for job in jobs:
+            _trace_one(job)
+    return runs
+
+
 def evaluate_table(name: str, workers: int = 2) -> TableResult:
-    """Leave-one-row-out: for each row, fit FITTED on the other rows, then compose the row with that fit."""
+    """Leave-one-row-out over the rows that can run: for each, fit FITTED on the others, then compose the row
+    with that fit. Rows with a skip_reason are returned in TableResult.skipped, never silently dropped."""
     import time
 
     from trainsim.config import compose_run
 
     started = time.perf_counter()
     table = TABLES[name]
-    rows = read_table(name)
+    table_rows = read_table(name)
+    runnable = table_rows["skip_reason"].isna()
+    rows, skipped = table_rows[runnable].reset_index(drop=True), table_rows[~runnable].reset_index(drop=True)
     run = compose_run([f"hardware={table.hardware}", "model=gpt-small", "parallelism=single"])
     comm = calibrated_comm(run)
     runs = [RowRun(*row_configs(table, row, run.model, run.parallelism), Path()) for _, row in rows.iterrows()]
-    runs = [dataclasses.replace(r, directory=trace_dir(r.model, r.par)) for r in runs]
-    hw = run.hardware
+    runs = trace_rows(runs, workers)
+    hw = table_hardware(table, run.hardware)
+    dtype = CEILING_DTYPE.get(table.precision, "bf16")
     base, slopes = linearise(runs, hw, comm)
     measured = rows["measured_s"].to_numpy()
     predicted, folds = [], []
     for i in range(len(rows)):
         keep = np.arange(len(rows)) != i
-        params = fit_ratios(base[keep], slopes[keep], measured[keep], hw)
+        params = fit_ratios(base[keep], slopes[keep], measured[keep], hw, dtype)
         predicted.append(step_seconds(runs[i], with_kernel_params(hw, params), comm))
         folds.append(params)
     out = rows.copy()
@@ -244,4 +435,4 @@ def evaluate_table(name: str, workers: int = 2) -> TableResult:
     out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)
     for name_ in FITTED:
         out[name_] = [f[name_] for f in folds]
-    return TableResult(out, fit_ratios(base, slopes, measured, hw), time.perf_counter() - started)
+    return TableResult(out, fit_ratios(base, slopes, measured, hw, dtype), time.perf_counter() - started, skipped)

@@ -1,4 +1,5 @@
-"""Data-parallel gradient synchronisation as PyTorch DDP issues it: bucketed, overlapped with backward.
+"""Data-parallel gradient synchronisation as PyTorch DDP and Megatron-Core issue it: bucketed, overlapped
+with backward; with the distributed optimizer, reduce-scattered and followed by a parameter all-gather.
 
 Like DDP's Reducer (torch/csrc/distributed/c10d/reducer.cpp, `gradient_as_bucket_view=True`):
 parameters are packed into buckets of about `bucket_size_bytes` in reverse registration order
@@ -8,9 +9,21 @@ bucket is averaged and all-reduced asynchronously while backward goes on. Unlike
 bucket is not special-cased (Megatron-LM does the same). DDP's C++ reducer calls the process
 group directly and cannot run on fake tensors, hence this Python twin of its schedule. With dp=1
 the buckets still hold the gradients (Megatron's contiguous grad buffer) but nothing is reduced.
+
+Sharded (ZeRO-1, Megatron-Core's distributed optimizer, Rajbhandari et al. 2020): the weights live in a
+flat parameter buffer per bucket too (each weight a view into it). A ready bucket is reduce-scattered in
+place, so this rank's 1/dp slice of the gradient buffer holds the sum, and the optimizer updates only
+that slice (`grad_shards`, `param_shards`); the updated slices are then all-gathered back into every
+replica's parameter buffer, either right after the step or, with `overlap_param_gather`, during the next
+step's first forward: all buckets are issued at once and each layer waits for its own bucket in a
+forward pre-hook (Megatron-Core dispatches them one bucket ahead; on one communication stream the
+order and the waits are the same). Buckets are padded to a multiple of lcm(dp, 128) elements, as
+Megatron-Core pads them so every shard is the same size and aligned.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -20,13 +33,16 @@ from trainsim.workloads.observe import observer
 
 
 class GradientBuckets:
-    def __init__(self, params: list[nn.Parameter], bucket_size_bytes: int, group, dp: int):
-        self.group, self.dp = group, dp
+    def __init__(self, params: list[nn.Parameter], bucket_size_bytes: int, group, dp: int,
+                 shard: bool = False, modules: list[nn.Module] = ()):
+        self.group, self.dp, self.shard = group, dp, shard
         self.sync_enabled = False
         self._buckets: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
+        self._param_buffers: list[torch.Tensor] = []
         self._bucket_of: dict[nn.Parameter, int] = {}
         self._pending: list[int] = []
         self._works: list = []
+        self._gather_works: dict[int, object] = {}
 
         members: list[nn.Parameter] = []
         size = 0
@@ -40,20 +56,47 @@ class GradientBuckets:
             self._add_bucket(members)
         for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if shard:
+            for module in modules:  # layers wait for their weights' all-gather (overlap_param_gather)
+                if any(p in self._bucket_of for p in module.parameters(recurse=False)):
+                    module.register_forward_pre_hook(self._wait_for_weights)
 
     def _add_bucket(self, members: list[nn.Parameter]) -> None:
         index = len(self._buckets)
-        buffer = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype)
+        numel = sum(p.numel() for p in members)
+        if self.shard:
+            numel = math.ceil(numel / math.lcm(self.dp, 128)) * math.lcm(self.dp, 128)
+        buffer = torch.zeros(numel, dtype=members[0].dtype)
+        weights = torch.empty(numel, dtype=members[0].dtype) if self.shard else None
         offset = 0
         for p in members:
             p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            if weights is not None:
+                with torch.no_grad():
+                    weights[offset:offset + p.numel()].copy_(p.detach().flatten())
+                p.data = weights[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
             self._bucket_of[p] = index
         self._buckets.append((buffer, members))
+        if weights is not None:
+            self._param_buffers.append(weights)
 
     @property
     def bucket_sizes_bytes(self) -> list[int]:
         return [b.numel() * b.element_size() for b, _ in self._buckets]
+
+    def _my_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        size = flat.numel() // self.dp
+        me = dist.get_rank(self.group) if self.dp > 1 else 0
+        return flat[me * size:(me + 1) * size]
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's slice of each gradient bucket (after the reduce-scatter: the summed gradients)."""
+        return [self._my_slice(buffer) for buffer, _ in self._buckets]
+
+    def param_shards(self) -> list[torch.Tensor]:
+        """This rank's slice of each parameter buffer: the weights its optimizer updates."""
+        return [self._my_slice(weights) for weights in self._param_buffers]
 
     def zero_grad(self) -> None:
         for buffer, _ in self._buckets:
@@ -74,12 +117,38 @@ class GradientBuckets:
             with observer().once_per_step():
                 buffer.div_(self.dp)  # average (gloo has no AVG reduction; DDP divides before too)
                 with observer().communication():
-                    self._works.append(dist.all_reduce(buffer, group=self.group, async_op=True))
+                    if self.shard:
+                        work = dist.reduce_scatter_single(self._my_slice(buffer), buffer, group=self.group,
+                                                          async_op=True)
+                    else:
+                        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+                    self._works.append(work)
 
     def finish(self) -> None:
-        """Wait for every bucket's all-reduce (before the optimizer step)."""
+        """Wait for every bucket's reduction (before the optimizer step)."""
         with observer().communication():
             for work in self._works:
                 work.wait()
         self._works.clear()
         self.sync_enabled = False
+
+    def gather_params(self, wait: bool) -> None:
+        """All-gather every bucket's updated weights into all replicas, in the order forward uses them (the
+        last bucket holds the first layers); wait=False leaves each bucket to its layers' pre-hooks."""
+        if not self.shard or self.dp == 1:
+            return
+        with observer().once_per_step(), observer().communication(async_op=not wait):
+            for index in reversed(range(len(self._param_buffers))):
+                weights = self._param_buffers[index]
+                work = dist.all_gather_single(weights, self._my_slice(weights), group=self.group, async_op=True)
+                if wait:
+                    work.wait()
+                else:
+                    self._gather_works[index] = work
+
+    def _wait_for_weights(self, module: nn.Module, args) -> None:
+        for p in module.parameters(recurse=False):
+            work = self._gather_works.pop(self._bucket_of.get(p, -1), None)
+            if work is not None:
+                with observer().communication():
+                    work.wait()

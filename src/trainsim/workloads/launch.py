@@ -61,6 +61,9 @@ class RankRun:
     """Per measured step and phase: time spent issuing or waiting for communication."""
     events: list[dict] | None
     """Recorded events of one extra step when recording was requested."""
+    peak_memory_bytes: int | None = None
+    """Most device memory the allocator held for tensors over the measured steps (CUDA's caching allocator's
+    record, model states included); None on a CPU, whose allocator keeps no such record."""
 
     def compute_seconds(self, step: int) -> float:
         """Forward + backward wall time minus the communication inside them, for one measured step."""
@@ -82,7 +85,10 @@ def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: in
     make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
     batches = [make_batch(mb) for mb in range(par.num_microbatches)]  # data loading is not in the step
     result = RankRun(rank, [], [], [], None)
+    on_gpu = torch.get_default_device().type == "cuda"
     for step in range(warmup + steps):
+        if on_gpu and step == warmup:
+            torch.cuda.reset_peak_memory_stats()
         timer = StepTimer()
         dist.barrier()
         synchronize()
@@ -94,6 +100,8 @@ def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: in
             result.step_seconds.append(time.perf_counter() - start)
             result.phase_seconds.append(timer.phase_seconds)
             result.communication_seconds.append(timer.communication_seconds)
+    if on_gpu:
+        result.peak_memory_bytes = torch.cuda.max_memory_allocated()
     return rm, actions, batches, result
 
 

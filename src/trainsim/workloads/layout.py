@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GROUP_KINDS = ("tp", "dp", "pp", "mp")
-"""tp, dp, pp, and mp: the model-parallel group (every tp and pp rank of one replica; Megatron's
-get_model_parallel_group, where the gradient norm is summed)."""
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "amax")
+"""tp, dp, pp; mp: the model-parallel group (every tp and pp rank of one replica; Megatron's
+get_model_parallel_group, where the gradient norm is summed); amax: every dp and tp rank of one pipeline
+stage (Megatron's amax-reduction group, over which FP8 delayed scaling reduces its amaxes)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class Layout:
             return [self.rank_of(p.dp_rank, p.tp_rank, s) for s in range(self.pp)]
         if kind == "mp":
             return [self.rank_of(p.dp_rank, t, s) for s in range(self.pp) for t in range(self.tp)]
+        if kind == "amax":
+            return [self.rank_of(d, t, p.pp_rank) for d in range(self.dp) for t in range(self.tp)]
         raise ValueError(f"group kind {kind!r}; accepted: {', '.join(GROUP_KINDS)}")
 
     def all_groups(self, kind: str) -> list[list[int]]:

@@ -7,11 +7,14 @@ Shapes in comments: b micro-batch, s sequence, h hidden, hl heads on this tp ran
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainsim.config.schema import ModelConfig
+from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
 from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -20,7 +23,9 @@ from trainsim.workloads.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""Weight and activation dtype per parallelism.precision; 'fp8' keeps bf16 tensors and runs the linear layers'
+GEMMs in FP8 (workloads/fp8.py)."""
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
@@ -58,7 +63,7 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, selective_recompute: bool,
-                 sequence_parallel: bool = False, comm_overlap: bool = False):
+                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Region | None = None):
         super().__init__()
         self.seq_length = cfg.seq_length
         self.heads = cfg.num_attention_heads // tp
@@ -70,10 +75,10 @@ class Attention(nn.Module):
         bias = cfg.family == "gpt"
         full_heads = cfg.num_attention_heads + 2 * (cfg.num_kv_heads or cfg.num_attention_heads)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, full_heads * self.head_dim, tp, tp_group, dtype, bias,
-                                        sequence_parallel, comm_overlap)
+                                        sequence_parallel, comm_overlap, fp8_region=fp8)
         self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, tp_group,
                                       dtype, bias, num_layers=cfg.num_layers, sequence_parallel=sequence_parallel,
-                                      comm_overlap=comm_overlap)
+                                      comm_overlap=comm_overlap, fp8_region=fp8)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.fused:  # attention dropout is inside the CUDA flash kernel; torch's CPU flash kernel has none
@@ -120,16 +125,16 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, sequence_parallel: bool = False,
-                 comm_overlap: bool = False):
+                 comm_overlap: bool = False, fp8: Fp8Region | None = None):
         super().__init__()
         ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
         self.swiglu = cfg.family == "llama"
         bias = not self.swiglu
         up_width = 2 * ffn if self.swiglu else ffn  # SwiGLU fuses gate and up projections
         self.up = ColumnParallelLinear(cfg.hidden_size, up_width, tp, tp_group, dtype, bias, sequence_parallel,
-                                       comm_overlap)
+                                       comm_overlap, fp8_region=fp8)
         self.down = RowParallelLinear(ffn, cfg.hidden_size, tp, tp_group, dtype, bias, num_layers=cfg.num_layers,
-                                      sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
+                                      sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8_region=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
@@ -143,14 +148,14 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute: str, sequence_parallel: bool = False,
-                 comm_overlap: bool = False):
+                 comm_overlap: bool = False, fp8: Fp8Region | None = None):
         super().__init__()
         self.dropout = cfg.dropout
         self.norm1 = _norm(cfg, dtype, sequence_parallel)
         self.attn = Attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
-                              sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
+                              sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8)
         self.norm2 = _norm(cfg, dtype, sequence_parallel)
-        self.mlp = MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap)
+        self.mlp = MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.dropout) if self.dropout else x
@@ -167,19 +172,24 @@ class TransformerChunk(nn.Module):
     vocab-parallel output layer and the loss. Embedding and output weights are untied. With sequence
     parallelism the hidden states between blocks (and between pipeline stages) are this tp rank's shard of
     the micro-batch's tokens, [b s / tp, h]: the embedding output is split after its all-reduce, as
-    Megatron-Core does, and the output layer all-gathers the shards.
+    Megatron-Core does, and the output layer all-gathers the shards. With `fp8` the blocks' linears run FP8
+    GEMMs and the layers run inside the chunk's FP8 autocast region (workloads/fp8.py); the output layer
+    stays bf16, as in Transformer Engine.
     """
 
     def __init__(self, cfg: ModelConfig, *, layers: range, first: bool, last: bool, tp: int, tp_rank: int,
                  tp_group, dtype: torch.dtype, recompute: str, loss_scale: float, sequence_parallel: bool = False,
-                 tp_comm_overlap: bool = False):
+                 tp_comm_overlap: bool = False, fp8: Fp8Settings | None = None):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.tp, self.tp_group, self.recompute_full = tp, tp_group, recompute == "full"
         self.sequence_parallel = sequence_parallel and tp > 1
         self.loss_scale = loss_scale  # 1 / num_microbatches: gradients accumulate to the batch mean
+        self.fp8 = Fp8Region(fp8) if fp8 is not None else None
         self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
-                                          tp_comm_overlap) for _ in layers)
+                                          tp_comm_overlap, self.fp8) for _ in layers)
+        if self.fp8 is not None:
+            self.fp8.allocate()
         vocab = padded_vocab_size(cfg.vocab_size, tp)
         if cfg.family == "llama":
             cos, sin = _rotary_tables(cfg, dtype)
@@ -206,11 +216,12 @@ class TransformerChunk(nn.Module):
             if self.sequence_parallel:
                 x = scatter_to_sp(x, self.tp_group, self.tp)
         rotary = (self.rotary_cos, self.rotary_sin) if self.cfg.family == "llama" else None
-        for block in self.layers:
-            if self.recompute_full:
-                x = checkpoint(block, x, rotary, use_reentrant=False)
-            else:
-                x = block(x, rotary)
+        with self.fp8.autocast() if self.fp8 is not None else contextlib.nullcontext():
+            for block in self.layers:
+                if self.recompute_full:
+                    x = checkpoint(block, x, rotary, use_reentrant=False)
+                else:
+                    x = block(x, rotary)
         if not self.last:
             return x
         logits = self.head(self.final_norm(x))  # [b, s, vocab / tp] ([b s, vocab / tp] sequence-parallel)

@@ -10,14 +10,19 @@ applies it: gradients are copied to fp32, Adam updates the fp32 master weights, 
 copied back into the bf16/fp16 model weights. Both copies are one multi-tensor op each, as Megatron
 (apex's multi_tensor_scale, fp32 main_grad buffers) and DeepSpeed (flat buffers) do them: a copy per
 parameter would cost the host a dispatch per parameter (~450 ops for a 12-layer GPT) that those
-optimizers do not have. Memory per parameter: 2 (weight) + 2 (grad) + 4 (master) + 8 (Adam moments)
-bytes. Dynamic loss scaling for fp16 is not modelled.
+optimizers do not have. Memory per parameter: 2 (weight) + 2 (grad) + 4 (master) + 4 (master grad) +
+8 (Adam moments) bytes. Dynamic loss scaling for fp16 is not modelled.
 
 Gradient clipping as Megatron's clip_grad_norm_fp32: the L2 norm of this rank's gradients (one
 multi-tensor norm), squared and summed over the model-parallel group (one all-reduce: every tensor
 and pipeline rank of the replica holds a different part of the gradients), then every gradient scaled
 by min(1, max_norm / norm) (one multi-tensor scale). Megatron skips the scale when the factor is 1;
 that choice depends on the data, so it is always issued here.
+
+With the distributed optimizer the weights and gradients handed in are this rank's slices of the flat
+parameter and gradient buffers (data_parallel.GradientBuckets), so master weights and Adam moments exist
+for 1/dp of the parameters; the norm is then summed over every rank (Megatron-Core's distributed
+optimizer reduces it over the whole world: each rank holds a different slice of a different stage).
 """
 
 from __future__ import annotations
@@ -30,17 +35,23 @@ from trainsim.workloads.observe import observer
 
 
 class MixedPrecisionAdamW:
-    def __init__(self, params: list[nn.Parameter], lr: float = 1e-4, weight_decay: float = 0.01,
-                 clip_grad: float = 0.0, norm_group=None):
-        self.params = [p for p in params if p.requires_grad]
-        self.clip_grad, self.norm_group = clip_grad, norm_group
+    def __init__(self, weights: list[torch.Tensor], grads: list[torch.Tensor], lr: float = 1e-4,
+                 weight_decay: float = 0.01, clip_grad: float = 0.0, norm_group=None, reduce_norm: bool = False):
+        """weights[i] is updated from grads[i] (model parameters and their gradients, or the distributed
+        optimizer's slices of the flat buffers); the norm is all-reduced over `norm_group` when
+        `reduce_norm` (None = every rank)."""
+        self.params, self.grads = list(weights), list(grads)
+        self.clip_grad, self.norm_group, self.reduce_norm = clip_grad, norm_group, reduce_norm
         self.mixed = bool(self.params) and self.params[0].dtype != torch.float32
         if self.mixed:
             self.master = [nn.Parameter(p.detach().float()) for p in self.params]
             for m in self.master:
                 m.grad = torch.zeros_like(m)
         else:
-            self.master = self.params
+            self.master = [p if isinstance(p, nn.Parameter) else nn.Parameter(p, requires_grad=False)
+                           for p in self.params]
+            for m, g in zip(self.master, self.grads):
+                m.grad = g
         self.inner = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, fused=True)
         # Create Adam's state now rather than lazily in the first step, so every traced or timed step
         # is a steady-state step (and the state's memory is there from the start, as in Megatron-LM).
@@ -54,7 +65,7 @@ class MixedPrecisionAdamW:
     def step(self) -> None:
         with torch.no_grad():
             if self.mixed:
-                torch._foreach_copy_([m.grad for m in self.master], [p.grad for p in self.params])
+                torch._foreach_copy_([m.grad for m in self.master], self.grads)
             if self.clip_grad > 0 and self.master:
                 self._clip([m.grad for m in self.master])
             self.inner.step()
@@ -64,16 +75,18 @@ class MixedPrecisionAdamW:
     def _clip(self, grads: list[torch.Tensor]) -> None:
         norms = torch.stack(torch._foreach_norm(grads))
         squared = torch.dot(norms, norms)
-        if self.norm_group is not None:
+        if self.reduce_norm:
             with observer().communication():
                 dist.all_reduce(squared, group=self.norm_group)
         scale = torch.clamp(squared.rsqrt() * self.clip_grad, max=1.0)  # a zero norm gives inf -> 1
         torch._foreach_mul_(grads, scale)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer-owned tensors: Adam moments, plus fp32 master weights when mixed."""
+        """Bytes of optimizer-owned tensors: Adam moments, plus fp32 master weights and their fp32 gradients
+        when mixed (12 + 4 bytes per parameter; the CUDA allocator's peak of a real step on an H100 showed
+        the gradients' 4 bytes missing when only the states were counted)."""
         total = sum(t.numel() * t.element_size() for s in self.inner.state.values() for t in s.values()
                     if isinstance(t, torch.Tensor) and t.dim() > 0)
         if self.mixed:
-            total += sum(m.numel() * m.element_size() for m in self.master)
+            total += sum(m.numel() * m.element_size() + m.grad.numel() * m.grad.element_size() for m in self.master)
         return total

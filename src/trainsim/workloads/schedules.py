@@ -68,6 +68,15 @@ def trace_actions(virtual_stages: int) -> list[Action]:
     ]
 
 
+def first_forward_microbatch(actions: list[Action]) -> dict[int, int]:
+    """Per chunk, the micro-batch whose forward runs first (the overlapped parameter all-gather is issued in it)."""
+    first: dict[int, int] = {}
+    for a in actions:
+        if a.kind == "F":
+            first.setdefault(a.chunk, a.microbatch)
+    return first
+
+
 def last_backward_microbatch(actions: list[Action]) -> dict[int, int]:
     """Per chunk, the micro-batch whose backward runs last (gradient sync is issued during it)."""
     last: dict[int, int] = {}

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainsim.workloads import fp8
 from trainsim.workloads.observe import observer
 
 
@@ -113,6 +114,7 @@ def _reduce_scatter_tokens(x: torch.Tensor, group, tp: int) -> torch.Tensor:
 def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tp: int) -> list:
     """Start sending `send` to the next tp rank and receiving `recv` from the previous one (async)."""
     me = dist.get_rank(group)
+    send, recv = fp8.as_bytes(send), fp8.as_bytes(recv)
     with observer().communication(async_op=True):
         return [dist.isend(send, group=group, group_dst=(me + 1) % tp),
                 dist.irecv(recv, group=group, group_src=(me - 1) % tp)]
@@ -124,13 +126,18 @@ def _wait(works: list) -> None:
             work.wait()
 
 
-def ring_all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group, tp: int, mm=None,
+                           out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(all-gather(x) @ weight^T, all-gather(x)) with the gather overlapped: tp steps, each multiplying the
     token block it holds while the next block travels one hop around the ring (Transformer Engine's
-    ring-exchange all-gather overlap, Megatron-Core --tp-comm-overlap). x: [t, k] -> [tp t, n]."""
+    ring-exchange all-gather overlap, Megatron-Core --tp-comm-overlap). x: [t, k] -> [tp t, n].
+    mm(block, out): the block GEMM (default torch.mm with weight^T; FP8 layers pass theirs, fp8.py)."""
     me, t = dist.get_rank(group), x.shape[0]
+    if mm is None:
+        def mm(block, out):
+            return torch.mm(block, weight.t(), out=out)
     gathered = torch.empty((tp * t, x.shape[1]), dtype=x.dtype, device=x.device)
-    out = torch.empty((tp * t, weight.shape[0]), dtype=x.dtype, device=x.device)
+    out = torch.empty((tp * t, weight.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
     gathered[me * t:(me + 1) * t].copy_(x)
     for step in range(tp):
         block = (me - step) % tp
@@ -139,20 +146,24 @@ def ring_all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group, tp: int
             incoming = (me - step - 1) % tp
             works = _ring_exchange(gathered[block * t:(block + 1) * t], gathered[incoming * t:(incoming + 1) * t],
                                    group, tp)
-        torch.mm(gathered[block * t:(block + 1) * t], weight.t(), out=out[block * t:(block + 1) * t])
+        mm(gathered[block * t:(block + 1) * t], out[block * t:(block + 1) * t])
         _wait(works)
     return out, gathered
 
 
-def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp: int) -> torch.Tensor:
+def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp: int, mm=None) -> torch.Tensor:
     """reduce-scatter(x @ weight^T) over tokens with the reduction overlapped: at each of tp steps a rank
     multiplies one token block, adds the partial sum the previous rank passed on and sends it on; after
-    the last step it holds the full sum of its own block. x: [tp t, k] -> [t, n]."""
+    the last step it holds the full sum of its own block. x: [tp t, k] -> [t, n]. mm(block): the block
+    GEMM (default torch.mm with weight^T)."""
     me, t = dist.get_rank(group), x.shape[0] // tp
+    if mm is None:
+        def mm(block):
+            return torch.mm(block, weight.t())
     incoming: tuple[torch.Tensor, list] | None = None  # the partial sum on its way from the previous rank
     for step in range(tp):
         block = (me - 1 - step) % tp  # the last step is this rank's own block
-        product = torch.mm(x[block * t:(block + 1) * t], weight.t())
+        product = mm(x[block * t:(block + 1) * t])
         if incoming is not None:
             received, works = incoming
             _wait(works)
@@ -163,22 +174,64 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
     return product
 
 
+def _start_all_gather_tokens(x: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
+    """Start all-gathering token shards [t, h] -> [tp t, h]; the caller waits where it needs them."""
+    out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    with observer().communication(async_op=True):
+        return out, [dist.all_gather_single(out, x, group=group, async_op=True)]
+
+
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """Sequence-parallel column-parallel linear as Megatron-LM's LinearWithGradAccumulationAndAsync-
+    Communication runs it: forward all-gathers the token shards and multiplies, keeping only the shard for
+    backward (Korthikanti et al. 2022, sec. 4.2.3: the gathered input is not stored); backward all-gathers
+    it again behind the input-gradient GEMM, then reduce-scatters the input gradient behind the weight-
+    gradient GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, tp):
+        x = x.contiguous()
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.tp, ctx.has_bias = group, tp, bias is not None
+        return nn.functional.linear(_all_gather_tokens(x, group, tp), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        gathered, gathering = _start_all_gather_tokens(x, ctx.group, ctx.tp)
+        grad_input = grad.mm(weight)
+        _wait(gathering)
+        grad_x = torch.empty_like(x)
+        with observer().communication(async_op=True):
+            scattering = [dist.reduce_scatter_single(grad_x, grad_input, group=ctx.group, async_op=True)]
+        grad_weight = grad.t().mm(gathered)
+        grad_bias = grad.sum(0) if ctx.has_bias else None
+        _wait(scattering)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
 class _OverlappedColumnLinear(torch.autograd.Function):
     """Sequence-parallel column-parallel linear with its communication overlapped by ring exchange:
-    forward all-gather + GEMM, backward GEMM + reduce-scatter of the input gradient."""
+    forward all-gather + GEMM, backward GEMM + reduce-scatter of the input gradient. Only the token shard
+    is kept for backward, which all-gathers it again behind the input-gradient GEMM (Transformer Engine's
+    bulk all-gather overlap)."""
 
     @staticmethod
     def forward(ctx, x, weight, group, tp):
-        out, gathered = ring_all_gather_matmul(x.contiguous(), weight, group, tp)
-        ctx.save_for_backward(gathered, weight)
+        x = x.contiguous()
+        out, _ = ring_all_gather_matmul(x, weight, group, tp)
+        ctx.save_for_backward(x, weight)
         ctx.group, ctx.tp = group, tp
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        gathered, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         grad = grad.contiguous()
+        gathered, gathering = _start_all_gather_tokens(x, ctx.group, ctx.tp)
         grad_x = ring_matmul_reduce_scatter(grad, weight.t(), ctx.group, ctx.tp)
+        _wait(gathering)
         return grad_x, grad.t().mm(gathered), None, None
 
 
@@ -232,18 +285,26 @@ class ColumnParallelLinear(nn.Module):
     output is then [t, out / tp], tokens flattened)."""
 
     def __init__(self, in_features: int, out_features: int, tp: int, group, dtype, bias: bool = True,
-                 sequence_parallel: bool = False, comm_overlap: bool = False):
+                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8_region=None):
         super().__init__()
         self.tp, self.group, self.sequence_parallel = tp, group, sequence_parallel and tp > 1
         self.comm_overlap = comm_overlap and self.sequence_parallel
         self.weight = _init_weight(out_features // tp, in_features, dtype, std=0.02)
         self.bias = nn.Parameter(torch.zeros(out_features // tp, dtype=dtype)) if bias else None
+        self.fp8 = fp8.Fp8Linear(fp8_region, group) if fp8_region is not None else None  # FP8 GEMMs (fp8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
-            y = _OverlappedColumnLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.group, self.tp)
+            x = x.reshape(-1, x.shape[-1])
+            y = (fp8.fp8_overlapped_column_linear(x, self.weight, self.fp8, self.group, self.tp) if self.fp8
+                 else _OverlappedColumnLinear.apply(x, self.weight, self.group, self.tp))
             return y + self.bias if self.bias is not None else y
+        if self.sequence_parallel and not self.fp8:
+            return _SequenceParallelColumnLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
+                                                       self.group, self.tp)
         x = gather_from_sp(x, self.group, self.tp) if self.sequence_parallel else copy_to_tp(x, self.group, self.tp)
+        if self.fp8:
+            return fp8.fp8_linear(x, self.weight, self.bias, self.fp8)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -252,7 +313,7 @@ class RowParallelLinear(nn.Module):
     sequence parallelism they are reduce-scattered over tokens instead: y is this rank's [t / tp, out]."""
 
     def __init__(self, in_features: int, out_features: int, tp: int, group, dtype, bias: bool = True,
-                 num_layers: int = 1, sequence_parallel: bool = False, comm_overlap: bool = False):
+                 num_layers: int = 1, sequence_parallel: bool = False, comm_overlap: bool = False, fp8_region=None):
         super().__init__()
         self.tp, self.group, self.sequence_parallel = tp, group, sequence_parallel and tp > 1
         self.comm_overlap = comm_overlap and self.sequence_parallel
@@ -261,12 +322,15 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True  # added to a token shard: its gradient is partial
+        self.fp8 = fp8.Fp8Linear(fp8_region, group) if fp8_region is not None else None  # FP8 GEMMs (fp8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
-            y = _OverlappedRowLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.group, self.tp)
+            x = x.reshape(-1, x.shape[-1])
+            y = (fp8.fp8_overlapped_row_linear(x, self.weight, self.fp8, self.group, self.tp) if self.fp8
+                 else _OverlappedRowLinear.apply(x, self.weight, self.group, self.tp))
             return y + self.bias if self.bias is not None else y
-        y = nn.functional.linear(x, self.weight)
+        y = fp8.fp8_linear(x, self.weight, None, self.fp8) if self.fp8 else nn.functional.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(y, self.group, self.tp)
         else:

@@ -14,11 +14,12 @@ import torch.distributed as dist
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
 from trainsim.workloads.data_parallel import GradientBuckets
-from trainsim.workloads.layout import Layout
+from trainsim.workloads.fp8 import fp8_settings
+from trainsim.workloads.layout import GROUP_KINDS, Layout
 from trainsim.workloads.model import DTYPES, TransformerChunk
 from trainsim.workloads.observe import observer
 from trainsim.workloads.optimizer import MixedPrecisionAdamW
-from trainsim.workloads.schedules import Action, last_backward_microbatch
+from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
 
 
 def layout_of(par: ParallelismConfig) -> Layout:
@@ -26,17 +27,19 @@ def layout_of(par: ParallelismConfig) -> Layout:
 
 
 def create_groups(layout: Layout, rank: int, every_group: bool) -> dict[str, object]:
-    """Process groups of `rank` by kind ('tp', 'dp', 'pp', 'mp').
+    """Process groups of `rank` by kind (GROUP_KINDS).
 
     A real run must create every group on every rank in the same order (every_group=True);
-    a traced rank only creates its own (the fake store needs no agreement).
+    a traced rank only creates its own (the fake store needs no agreement). A kind whose group has the
+    ranks of an earlier kind's (mp = pp when tp = 1, amax = tp when dp = 1, ...) reuses that group.
     """
     mine: dict[str, object] = {}
-    for kind in ("tp", "dp", "pp", "mp"):
-        if kind == "mp" and (layout.tp == 1 or layout.pp == 1):  # the same ranks as tp or pp (or alone)
-            mine["mp"] = mine["tp"] if layout.pp == 1 else mine["pp"]
-            continue
+    for kind in GROUP_KINDS:
         own = layout.group_ranks(rank, kind)
+        same = next((k for k in mine if layout.group_ranks(rank, k) == own), None)
+        if same is not None:  # (for every rank at once: the degrees decide it)
+            mine[kind] = mine[same]
+            continue
         candidates = layout.all_groups(kind) if every_group else [own]
         for ranks in candidates:
             group = dist.new_group(ranks, use_local_synchronization=not every_group)
@@ -74,6 +77,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     v = par.virtual_stages
     layers_per_chunk = model_cfg.num_layers // (par.pp * v)
     dtype = DTYPES[par.precision]
+    fp8 = fp8_settings(par, groups["amax"])
     chunks = []
     try:
         for c in range(v):
@@ -86,15 +90,23 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                 last=virtual_stage == par.pp * v - 1,
                 tp=par.tp, tp_rank=pos.tp_rank, tp_group=groups["tp"],
                 dtype=dtype, recompute=par.recompute, loss_scale=1.0 / par.num_microbatches,
-                sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap,
+                sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap, fp8=fp8,
             ))
     except (RuntimeError, ValueError) as exc:
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
                          f"tp_rank={pos.tp_rank}) for {model_cfg.name}: {exc}") from exc
-    buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.dp)
-               for chunk in chunks]
-    optimizer = MixedPrecisionAdamW([p for chunk in chunks for p in chunk.parameters()], clip_grad=par.clip_grad,
-                                    norm_group=groups["mp"] if layout.tp * layout.pp > 1 else None)
+    shard = par.zero_stage >= 1
+    buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.dp,
+                               shard=shard, modules=list(chunk.modules())) for chunk in chunks]
+    if shard:  # the distributed optimizer: this rank's slices of the flat buffers, the norm over every rank
+        weights = [w for b in buckets for w in b.param_shards()]
+        grads = [g for b in buckets for g in b.grad_shards()]
+        optimizer = MixedPrecisionAdamW(weights, grads, clip_grad=par.clip_grad, norm_group=None,
+                                        reduce_norm=layout.world_size > 1)
+    else:
+        params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        optimizer = MixedPrecisionAdamW(params, [p.grad for p in params], clip_grad=par.clip_grad,
+                                        norm_group=groups["mp"], reduce_norm=layout.tp * layout.pp > 1)
     return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer)
 
 
@@ -182,11 +194,15 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
     """
     obs = observer()
     last_mb = last_backward_microbatch(actions)
+    first_mb = first_forward_microbatch(actions)
+    overlap_gather = rm.par.zero_stage >= 1 and rm.par.overlap_param_gather
     saved: dict = {}
     for action in actions:
         phase = "forward" if action.kind == "F" else "backward"
         with obs.section(phase, action.chunk, action.microbatch):
             if action.kind == "F":
+                if overlap_gather and action.microbatch == first_mb[action.chunk]:
+                    rm.buckets[action.chunk].gather_params(wait=False)  # the last step's update, layer by layer
                 run_forward(rm, action, batch, saved)
             else:
                 run_backward(rm, action, saved, sync_grads=action.microbatch == last_mb[action.chunk])
@@ -197,6 +213,8 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
         rm.optimizer.step()
         for buckets in rm.buckets:  # zero after the step (buffers start at zero), as torch's idiom
             buckets.zero_grad()
+            if not overlap_gather:
+                buckets.gather_params(wait=True)
     with obs.communication():
         for work in rm.pending_sends:
             work.wait()

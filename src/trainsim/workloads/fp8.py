@@ -1,0 +1,318 @@
+"""FP8 linear layers as NVIDIA Transformer Engine (TE) runs them under `fp8_autocast`.
+
+What TE does (transformer_engine/pytorch: module/linear.py, quantization.py / fp8.py, common/recipe),
+and what this module reproduces with plain torch ops, so the tracer records every kernel it adds:
+
+* Weights and activations stay bf16 (fp32 master weights in the optimizer). Only the GEMMs of the
+  transformer's linear layers run in FP8: forward casts the input and the weight to E4M3 with one fp32
+  scale per tensor and multiplies them with an FP8 GEMM (bf16 output); backward casts the output
+  gradient to E5M2 (the HYBRID format) and computes dgrad and wgrad with FP8 GEMMs. Embedding, output
+  layer / loss, attention core and norms stay bf16. Here the GEMM is `torch._scaled_mm` (cuBLASLt's FP8
+  GEMM on CUDA, a reference kernel on CPU). Hopper's FP8 GEMM wants both operands K-major, so TE keeps a
+  transposed FP8 copy where the backward needs one (the input for wgrad, the weight for dgrad, the
+  gradient for wgrad); each is one `clone` of an FP8 tensor here (TE fuses cast and transpose).
+* Weight copies: with `is_first_microbatch` (Megatron-Core sets it on each step's first micro-batch) TE
+  casts each weight, and its transpose, once per step and keeps them for the step's other micro-batches.
+  Here the cache is refreshed when the weight's version counter changes (the optimizer wrote it); the
+  cast is marked once-per-step for the recorder. The copies are 2 bytes per weight element
+  (`fp8_weight_bytes`).
+* DelayedScaling ('delayed', TE's default recipe: amax_history_len=1024, amax_compute_algo='max',
+  margin=0): a tensor is cast with a scale computed from the amax history of earlier casts; the cast
+  kernel records the tensor's amax as it reads it. The amaxes of all FP8 tensors of a forward pass are
+  all-reduced (MAX) in one message when the outermost `fp8_autocast` exits
+  (FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True)), those of a backward pass at the
+  end of the backward of the pass's first FP8 module (`reduce_and_update_bwd_fp8_tensors`); then every
+  scale is updated from its history (scale = fp8_max / max(history) / 2^margin, unchanged where the amax
+  is 0) and the history rolls by one. The group is `fp8_group`: Megatron-LM passes its amax-reduction
+  group, the data-parallel x tensor-parallel ranks of one pipeline stage (parallel_state.py, "Build the
+  amax-reduction groups"). So there is one amax all-reduce per forward and per backward pass of every
+  model chunk and micro-batch, not one per step. Here the amax is one `linalg_vector_norm(ord=inf)` op
+  writing into the history (TE fuses it into the cast: one extra read of the tensor here).
+* Float8CurrentScaling ('current'): each cast first computes its tensor's amax (a separate kernel in TE
+  too), derives the scale from it (no history, no amax all-reduce), then casts. Tensors that are
+  all-gathered in FP8 (sequence-parallel inputs under tp_comm_overlap) reduce their amax over the tp
+  group first, so every shard has the same scale, as TE's quantizers with amax reduction do.
+
+Sequence parallelism without tp_comm_overlap all-gathers the bf16 input before the FP8 cast here (TE
+gathers FP8 shards, half the bytes); with tp_comm_overlap the ring exchange carries FP8 blocks as TE's
+userbuffers do. FP8 tensors travel over c10d as uint8 views (NCCL and gloo have no FP8 type; TE does
+the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainsim.workloads.observe import observer
+
+FORWARD_DTYPE = torch.float8_e4m3fn
+"""Inputs and weights (HYBRID format: E4M3 forward, more mantissa)."""
+BACKWARD_DTYPE = torch.float8_e5m2
+"""Output gradients (HYBRID format: E5M2 backward, more range)."""
+FP8_MAX = {FORWARD_DTYPE: 448.0, BACKWARD_DTYPE: 57344.0}
+RECIPES = ("delayed", "current")
+AMAX_HISTORY_LEN = 1024
+"""TE DelayedScaling's default amax_history_len."""
+
+
+@dataclass(frozen=True)
+class Fp8Settings:
+    """What one rank's FP8 layers need: the recipe and the amax reduction group (None: no reduction)."""
+
+    recipe: str
+    amax_group: object | None = None
+    history_len: int = AMAX_HISTORY_LEN
+
+
+def fp8_settings(par, amax_group) -> Fp8Settings | None:
+    """The FP8 settings of a rank (None unless parallelism.precision is 'fp8'); amax_group: its group of kind
+    'amax' (workloads/layout.py), used by the delayed recipe when it has more than one rank."""
+    if par.precision != "fp8":
+        return None
+    if par.fp8_recipe not in RECIPES:
+        raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(RECIPES)}")
+    reduce = par.fp8_recipe == "delayed" and par.dp * par.tp > 1
+    return Fp8Settings(par.fp8_recipe, amax_group if reduce else None)
+
+
+def _amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """max |x| in fp32, one read of x."""
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=out)
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale rounded to `dtype` (saturating), one kernel."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    return torch.mul(x, scale, out=out)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as uint8 for c10d (no FP8 type in NCCL or gloo); other tensors unchanged."""
+    return t.view(torch.uint8) if t.dtype in FP8_MAX else t
+
+
+class Fp8Region:
+    """The FP8 state of one model chunk: TE's fp8_meta of its linears and its `fp8_autocast` region.
+
+    Delayed scaling keeps one amax history and one scale per FP8 tensor, stacked per direction (forward:
+    input and weight of each linear; backward: output gradient), so a reduction is one all-reduce of the
+    history's current row, as TE's concatenated global amax buffer.
+    """
+
+    def __init__(self, settings: Fp8Settings):
+        self.settings = settings
+        self.delayed = settings.recipe == "delayed"
+        self.num_linears = 0
+        self._first_pending = False
+        self.history: dict[bool, torch.Tensor] = {}  # forward? -> [history_len, tensors] fp32
+        self.scale: dict[bool, torch.Tensor] = {}
+        self.fp8_max: dict[bool, torch.Tensor] = {}
+
+    def register(self) -> int:
+        """A new linear's index (call while building, before `allocate`)."""
+        self.num_linears += 1
+        return self.num_linears - 1
+
+    def allocate(self) -> None:
+        """Amax histories and scales (delayed scaling: start at amax 0, scale 1, as TE)."""
+        if not self.delayed or not self.num_linears:
+            return
+        for forward, tensors in ((True, 2 * self.num_linears), (False, self.num_linears)):
+            self.history[forward] = torch.zeros(self.settings.history_len, tensors, dtype=torch.float32)
+            self.scale[forward] = torch.ones(tensors, dtype=torch.float32)
+            self.fp8_max[forward] = torch.full((tensors,), FP8_MAX[FORWARD_DTYPE if forward else BACKWARD_DTYPE])
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """TE's fp8_autocast around a chunk's forward: the first FP8 linear run inside it triggers the backward
+        amax reduction at the end of its backward; leaving it reduces the forward amaxes."""
+        self._first_pending = True
+        try:
+            yield
+        finally:
+            self._first_pending = False
+        self.reduce_and_update(forward=True)
+
+    def claim_first(self) -> bool:
+        first, self._first_pending = self._first_pending, False
+        return first
+
+    def quantize(self, x: torch.Tensor, forward: bool, slot: int, tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x in FP8, the inverse scale for the GEMM). `slot`: the tensor's row in this direction's history;
+        `tp_group`: reduce a current-scaling amax over it (shards gathered in FP8 must share one scale)."""
+        dtype = FORWARD_DTYPE if forward else BACKWARD_DTYPE
+        if self.delayed:
+            _amax(x, out=self.history[forward][0, slot])  # recorded for the next scale (TE: inside the cast)
+            scale = self.scale[forward][slot]
+        else:
+            amax = _amax(x)
+            if tp_group is not None:
+                with observer().communication():
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
+            scale = amax.clamp(min=1e-12).reciprocal().mul(FP8_MAX[dtype])
+        return _cast(x, scale, dtype), scale.reciprocal()
+
+    def reduce_and_update(self, forward: bool) -> None:
+        """Delayed scaling: all-reduce (MAX) this direction's current amaxes over the amax group, then new
+        scales from the histories and roll them (TE's reduce_and_update_fp8_tensors)."""
+        if not self.delayed or not self.num_linears:
+            return
+        history, scale = self.history[forward], self.scale[forward]
+        if self.settings.amax_group is not None:
+            with observer().communication():
+                dist.all_reduce(history[0], op=dist.ReduceOp.MAX, group=self.settings.amax_group)
+        amax = history.amax(dim=0)
+        scale.copy_(torch.where(amax > 0, self.fp8_max[forward] / amax, scale))  # margin 0
+        history.copy_(history.roll(-1, 0))
+        history[0].zero_()
+
+
+class Fp8Linear:
+    """The FP8 state of one linear layer: its slots in the chunk's region and its cached FP8 weight."""
+
+    def __init__(self, region: Fp8Region, tp_group=None):
+        self.region = region
+        self.index = region.register()
+        self.tp_group = tp_group
+        self._weight_version: int | None = None
+        self._weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def quantize_input(self, x: torch.Tensor, gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.region.quantize(x, True, 2 * self.index, self.tp_group if gathered else None)
+
+    def quantize_grad(self, g: torch.Tensor, gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.region.quantize(g, False, self.index, self.tp_group if gathered else None)
+
+    def weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W, W^T contiguous, inverse scale) in FP8, cast when the weight changed since the last cast: once
+        per step, on its first micro-batch (TE with is_first_microbatch)."""
+        if self._weight is None or self._weight_version != weight._version:
+            with observer().once_per_step(), torch.no_grad():
+                w_fp8, scale_inv = self.region.quantize(weight.detach(), True, 2 * self.index + 1)
+                self._weight = w_fp8, w_fp8.t().contiguous(), scale_inv
+            self._weight_version = weight._version
+        return self._weight
+
+    def cached_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._weight) if self._weight else 0
+
+
+def fp8_weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the FP8 weight copies (and transposes) the linears of `module` hold between micro-batches."""
+    return sum(m.fp8.cached_bytes() for m in module.modules() if isinstance(getattr(m, "fp8", None), Fp8Linear))
+
+
+def _gemm(a: torch.Tensor, b_t: torch.Tensor, scale_a, scale_b, out_dtype, bias=None, out=None) -> torch.Tensor:
+    """a @ b_t.t() in FP8: `a` row-major [m, k], `b_t` row-major [n, k] (so the second operand is K-major)."""
+    return torch._scaled_mm(a, b_t.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, out=out)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with FP8 GEMMs in forward (fprop) and backward (dgrad, wgrad), as TE's _Linear."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear):
+        shape = x.shape
+        x_fp8, x_inv = fp8.quantize_input(x.reshape(-1, shape[-1]))
+        w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
+        y = _gemm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, bias=bias)
+        ctx.save_for_backward(x_fp8.t().contiguous(), x_inv)  # the FP8 input, K-major for wgrad
+        ctx.fp8, ctx.weight_t, ctx.weight_inv = fp8, w_t_fp8, w_inv  # the module's cache, not an activation
+        ctx.shape, ctx.has_bias = shape, bias is not None
+        ctx.reduce_backward = fp8.region.claim_first()
+        return y.view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_t_fp8, x_inv = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        g_fp8, g_inv = ctx.fp8.quantize_grad(g)
+        dgrad = _gemm(g_fp8, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype)
+        wgrad = _gemm(g_fp8.t().contiguous(), x_t_fp8, g_inv, x_inv, grad.dtype)
+        dbias = g.sum(0) if ctx.has_bias else None
+        if ctx.reduce_backward:
+            ctx.fp8.region.reduce_and_update(forward=False)
+        return dgrad.view(*ctx.shape), wgrad, dbias, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Linear) -> torch.Tensor:
+    return _Fp8LinearFunction.apply(x, weight, bias, fp8)
+
+
+class _Fp8OverlappedColumnLinear(torch.autograd.Function):
+    """FP8 twin of tensor_parallel._OverlappedColumnLinear: the token shard is cast to FP8 and the ring
+    carries FP8 blocks (TE userbuffers' all-gather overlap); backward casts the output gradient once, runs
+    dgrad block by block into the ring reduce-scatter and wgrad on the gathered FP8 input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fp8: Fp8Linear, group, tp):
+        from trainsim.workloads.tensor_parallel import ring_all_gather_matmul
+
+        x_fp8, x_inv = fp8.quantize_input(x.contiguous(), gathered=True)
+        w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
+        out, gathered = ring_all_gather_matmul(
+            x_fp8, w_fp8, group, tp, out_dtype=x.dtype,
+            mm=lambda block, out: _gemm(block, w_fp8, x_inv, w_inv, x.dtype, out=out))
+        ctx.save_for_backward(gathered.t().contiguous(), x_inv)
+        ctx.fp8, ctx.weight_t, ctx.weight_inv, ctx.group, ctx.tp = fp8, w_t_fp8, w_inv, group, tp
+        ctx.reduce_backward = fp8.region.claim_first()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from trainsim.workloads.tensor_parallel import ring_matmul_reduce_scatter
+
+        gathered_t, x_inv = ctx.saved_tensors
+        g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
+        grad_x = ring_matmul_reduce_scatter(
+            g_fp8, ctx.weight_t, ctx.group, ctx.tp,
+            mm=lambda block: _gemm(block, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype))
+        wgrad = _gemm(g_fp8.t().contiguous(), gathered_t, g_inv, x_inv, grad.dtype)
+        if ctx.reduce_backward:
+            ctx.fp8.region.reduce_and_update(forward=False)
+        return grad_x, wgrad, None, None, None
+
+
+class _Fp8OverlappedRowLinear(torch.autograd.Function):
+    """FP8 twin of tensor_parallel._OverlappedRowLinear: FP8 GEMM per token block into the ring
+    reduce-scatter (bf16 partial sums); backward all-gathers the FP8 output gradient around the ring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fp8: Fp8Linear, group, tp):
+        from trainsim.workloads.tensor_parallel import ring_matmul_reduce_scatter
+
+        x_fp8, x_inv = fp8.quantize_input(x.contiguous())
+        w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
+        y = ring_matmul_reduce_scatter(x_fp8, w_fp8, group, tp,
+                                       mm=lambda block: _gemm(block, w_fp8, x_inv, w_inv, x.dtype))
+        ctx.save_for_backward(x_fp8.t().contiguous(), x_inv)
+        ctx.fp8, ctx.weight_t, ctx.weight_inv, ctx.group, ctx.tp = fp8, w_t_fp8, w_inv, group, tp
+        ctx.reduce_backward = fp8.region.claim_first()
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        from trainsim.workloads.tensor_parallel import ring_all_gather_matmul
+
+        x_t_fp8, x_inv = ctx.saved_tensors
+        g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous(), gathered=True)
+        grad_x, gathered = ring_all_gather_matmul(
+            g_fp8, ctx.weight_t, ctx.group, ctx.tp, out_dtype=grad.dtype,
+            mm=lambda block, out: _gemm(block, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype, out=out))
+        wgrad = _gemm(gathered.t().contiguous(), x_t_fp8, g_inv, x_inv, grad.dtype)
+        if ctx.reduce_backward:
+            ctx.fp8.region.reduce_and_update(forward=False)
+        return grad_x, wgrad, None, None, None
+
+
+def fp8_overlapped_column_linear(x, weight, fp8: Fp8Linear, group, tp: int) -> torch.Tensor:
+    return _Fp8OverlappedColumnLinear.apply(x, weight, fp8, group, tp)
+
+
+def fp8_overlapped_row_linear(x, weight, fp8: Fp8Linear, group, tp: int) -> torch.Tensor:
+    return _Fp8OverlappedRowLinear.apply(x, weight, fp8, group, tp)
