@@ -387,20 +387,11 @@ def table_hardware(table: Table, hw: HardwareConfig) -> HardwareConfig:
 
 def trace_rows(runs: list[RowRun], workers: int = 2) -> list[RowRun]:
     """Each run with its cached trace directory, tracing the missing ones on `workers` processes."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    from trainsim.validation.vtrain import _trace_file, _trace_one
+    from trainsim.validation.vtrain import _trace_file, trace_jobs
 
     runs = [dataclasses.replace(r, directory=_trace_file(r.model, r.par, CACHE)) for r in runs]
-    jobs = [(r.model, r.par, str(r.directory)) for r in runs if not (r.directory / "graph.parquet").is_file()]
-    if jobs:
-        CACHE.mkdir(parents=True, exist_ok=True)
-    if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            list(pool.map(_trace_one, jobs, chunksize=1))
-    else:
-        for job in jobs:
-            _trace_one(job)
+    trace_jobs([(r.model, r.par, str(r.directory)) for r in runs if not (r.directory / "graph.parquet").is_file()],
+               CACHE, workers)
     return runs
 
 

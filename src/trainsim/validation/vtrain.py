@@ -134,15 +134,21 @@ def ensure_traces(rows: pd.DataFrame, model: ModelConfig, par: ParallelismConfig
         dirs[key] = path
         if not (path / "graph.parquet").is_file():
             jobs.append((m, p, str(path)))
-    if jobs:
-        cache.mkdir(parents=True, exist_ok=True)
-        if workers > 1 and len(jobs) > 1:
-            with ProcessPoolExecutor(workers) as pool:
-                list(pool.map(_trace_one, jobs, chunksize=4))
-        else:
-            for job in jobs:
-                _trace_one(job)
+    trace_jobs(jobs, cache, workers)
     return dirs
+
+
+def trace_jobs(jobs: list[tuple], cache: Path, workers: int = 2) -> None:
+    """Trace each (model, parallelism, directory) job into `cache`, on `workers` processes when there are several."""
+    if not jobs:
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            list(pool.map(_trace_one, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+    else:
+        for job in jobs:
+            _trace_one(job)
 
 
 @dataclasses.dataclass
