@@ -36,6 +36,7 @@ from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step
 from trainsim.workloads.launch import run_real_step
 from trainsim.workloads.schedules import pipeline_actions
+from trainsim.workloads.train_step import layout_of
 
 # dp1 occupies one core, so its hardware is a one-device node (nothing else shares the caches)
 LAYOUTS = {
@@ -113,7 +114,7 @@ def main() -> None:
         drift = (reference_before + reference_kernel_seconds()) / 2 / reference_at_profile
         errors, corrected = [], []
         for rank_run in ranks:
-            pp_rank = rank_run.rank // (par.dp * par.tp)
+            pp_rank = layout_of(par).position(rank_run.rank).pp_rank
             measured = statistics.median(rank_run.compute_seconds(i) for i in range(STEPS))
             predicted = predicted_compute_seconds(graph, times, par, pp_rank)
             errors.append(100 * abs(predicted / measured - 1))

@@ -2,8 +2,9 @@
 
 Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2,
 tp2, pp2 with 1F1B over 4 micro-batches, sp2 = tp2 with sequence parallelism, zero1 = dp2 with the
-distributed optimizer) the layout's ops are timed again (`--remeasure`) and its
-hardware's gloo model and system noise calibrated again (once per run); then the real step is measured
+distributed optimizer, cp2 = context parallelism over 2 ranks, ring attention) the layout's ops are timed
+again (`--remeasure`) and its hardware's gloo model and system noise calibrated again (once per run); then
+the real step is measured
 (trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as
 spread; published at artifacts/ground_truth/local-cpu/...) and predicted by the pipeline (`trainsim
 compose`: trace, profile on this CPU, calibrated gloo model, slowdown model; every missing artifact is
@@ -53,6 +54,7 @@ LOCAL = {
     "pp2": ["parallelism=pp2"],
     "sp2": ["parallelism=tp2", "parallelism.sequence_parallel=true"],
     "zero1": ["parallelism=dp2", "parallelism.zero_stage=1"],
+    "cp2": ["parallelism=cp2"],
 }
 
 

@@ -3,6 +3,13 @@
 Prints `figure trace_seconds_gpt175b_<N>gpu <seconds> s` for 96, 1024 and 8192 GPUs, each the wall
 time of `trace_layout` (all rank classes, including the fake-world set-up) in one fresh process,
 so no warm-up from an earlier layout is counted. Target: 8192 GPUs in under 60 s on 2 cores.
+
+Then Llama 3.1 405B's long-context stage (Llama 3 paper, Table 4: TP8 CP16 PP16 DP8, 131,072-token sequences;
+PP18 here, as trainsim splits layers evenly: conf/parallelism/tp8-sp-cp16-pp18-dp8.yaml, 18,432 GPUs, sequence
+parallelism, ring attention, full recomputation, distributed optimizer): `figure
+trace_seconds_llama405b_18432gpu` and `figure compose_seconds_llama405b_18432gpu` (reading nothing: the traced
+tables in memory, kernels priced by h100-sxm-dgx's analytical model, the NCCL model uncalibrated, a constant
+overlap slowdown). Targets: <= 60 s and <= 30 s.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from trainsim.config import compose_run
 from trainsim.trace import trace_layout
 
 LAYOUTS = [(96, "pp12-tp8-dp1"), (1024, "pp16-tp8-dp8"), (8192, "pp16-tp8-dp64")]
+LLAMA_405B_LONG_CONTEXT = ["hardware=h100-sxm-dgx", "hardware.num_nodes=2304", "model=llama3.1-405b",
+                           "model.seq_length=131072", "parallelism=tp8-sp-cp16-pp18-dp8"]
 
 
 def measure(parallelism: str) -> None:
@@ -23,6 +32,29 @@ def measure(parallelism: str) -> None:
     result = trace_layout(run.model, run.parallelism)
     seconds = time.perf_counter() - start
     print(f"{seconds:.3f} {result.graph.num_rows} {run.parallelism.pp} {result.rank_classes.num_rows}")
+
+
+def measure_llama_long_context() -> None:
+    from trainsim.profile.analytical import predict_rows
+    from trainsim.profile.stage import distinct_ops
+    from trainsim.timeline import compose_step
+    from trainsim.timeline.costs import ConstantSlowdown
+    from trainsim.timeline.stage import comm_model
+
+    run = compose_run(LLAMA_405B_LONG_CONTEXT)
+    start = time.perf_counter()
+    result = trace_layout(run.model, run.parallelism)
+    trace_s = time.perf_counter() - start
+    graph, rank_classes = result.graph.to_pandas(), result.rank_classes.to_pandas()
+    ops = distinct_ops(graph)
+    times = dict(zip(ops["signature"], predict_rows(ops, run.hardware)))
+    start = time.perf_counter()
+    timeline = compose_step(graph, rank_classes, run.parallelism, run.hardware, times, comm_model(run.hardware, None),
+                            ConstantSlowdown(0.2, name="constant s = 0.2"))
+    compose_s = time.perf_counter() - start
+    peak = result.memory.to_pandas()["peak_bytes"].max() / 2**30
+    print(f"{trace_s:.3f} {compose_s:.3f} {result.graph.num_rows} {run.parallelism.world_size} "
+          f"{timeline.step_time_s:.3f} {peak:.2f}")
 
 
 def main() -> None:
@@ -35,12 +67,22 @@ def main() -> None:
         assert ranks == gpus
         print(f"{gpus:>6} {parallelism:>15} {classes:>8} {events:>8} {seconds:>8.2f}")
         figures.append((gpus, seconds))
+    out = subprocess.run([sys.executable, __file__, "--llama-long-context"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
+        int(out[3]), float(out[4]), float(out[5])
+    print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 CP16 PP18 DP8, 128K tokens): {events} events traced in "
+          f"{trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, peak memory {peak_gib:.1f} GiB")
     for gpus, seconds in figures:
         print(f"figure trace_seconds_gpt175b_{gpus}gpu {seconds:.2f} s")
+    print(f"figure trace_seconds_llama405b_{gpus_405b}gpu {trace_s:.2f} s")
+    print(f"figure compose_seconds_llama405b_{gpus_405b}gpu {compose_s:.2f} s")
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--one":
         measure(sys.argv[2])
+    elif len(sys.argv) == 2 and sys.argv[1] == "--llama-long-context":
+        measure_llama_long_context()
     else:
         main()

@@ -20,6 +20,24 @@ def _comm_rows(events: pd.DataFrame) -> list[tuple]:
     return [(c, tuple(g), int(b), d, int(p)) for c, g, b, d, p in comm[COMM].itertuples(index=False)]
 
 
+def _same_work_as_traced_rank(recorded: pd.DataFrame, expected: pd.DataFrame) -> None:
+    """A context-parallel rank other than the traced one attends over other blocks of the sequence: the same
+    attention work in blocks of other shapes (ring: a 2c x c block where the traced rank has c x 2c; all-gather:
+    the first rank's first chunk has no earlier keys, one block less), so the merges of the blocks' results
+    differ in size and number. Everything else is the same kernels in the same order."""
+    mine, traced = recorded[~recorded["no_kernel"]], expected[~expected["no_kernel"]]
+    attention = [frame["op"].str.contains("scaled_dot_product") for frame in (mine, traced)]
+    assert attention[0].any()
+    assert mine["flops"][attention[0]].sum() == traced["flops"][attention[1]].sum()
+    assert mine["flops"].sum() == pytest.approx(traced["flops"].sum(), rel=0.05)
+    outside = [frame[~frame["op"].isin(RING_MERGE_OPS) & ~att] for frame, att in zip((mine, traced), attention)]
+    assert list(outside[0]["op"]) == list(outside[1]["op"])
+
+
+RING_MERGE_OPS = ("aten::logaddexp", "aten::sub.Tensor", "aten::exp", "aten::mul_.Tensor", "aten::mul.Tensor",
+                  "aten::add_.Tensor", "aten::copy_", "aten::zeros", "aten::zero_", "aten::fill_")
+
+
 def _op_rows(events: pd.DataFrame) -> list[tuple]:
     """What a kernel's time depends on: op, shapes, strides and dtypes (the signature also holds scalar
     arguments, which differ by rank and step: a tensor-parallel rank's vocabulary offset, Adam's step)."""
@@ -49,6 +67,14 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
     pytest.param(["parallelism=tp2", "parallelism.precision=fp8", "parallelism.sequence_parallel=true",
                   "parallelism.tp_comm_overlap=true", "parallelism.recompute=full"],
                  id="tp2-sp-overlap-full-recompute-fp8"),
+    pytest.param(["parallelism=cp2"], id="cp2-ring"),
+    pytest.param(["parallelism=cp2", "parallelism.cp_comm_type=all_gather", "parallelism.recompute=selective"],
+                 id="cp2-all-gather-selective"),
+    pytest.param(["parallelism=cp2", "parallelism.tp=2", "parallelism.sequence_parallel=true",
+                  "parallelism.zero_stage=1", "hardware.devices_per_node=4", "model=llama3-8b", "model.num_layers=2",
+                  "model.hidden_size=128", "model.num_attention_heads=8", "model.num_kv_heads=4",
+                  "model.ffn_hidden_size=256", "model.seq_length=64", "model.vocab_size=512"],
+                 id="cp2-tp2-sp-zero1-llama"),
 ])
 def test_real_gloo_step_matches_ex_situ_trace(overrides):
     run = compose_run(overrides)
@@ -65,6 +91,9 @@ def test_real_gloo_step_matches_ex_situ_trace(overrides):
                                    layout.stage_representative(pos.pp_rank), rank_run.rank)
         recorded = pd.DataFrame(rank_run.events)
         assert _comm_rows(recorded) == _comm_rows(expected), f"collectives of rank {rank_run.rank} differ"
-        assert _op_rows(recorded) == _op_rows(expected), f"ops of rank {rank_run.rank} differ"
+        if pos.cp_rank == 0:
+            assert _op_rows(recorded) == _op_rows(expected), f"ops of rank {rank_run.rank} differ"
+        else:
+            _same_work_as_traced_rank(recorded, expected)
         assert rank_run.step_seconds[0] > 0
         assert (recorded["wall_s"] >= 0).all() and recorded["wall_s"].sum() > 0

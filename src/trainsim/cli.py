@@ -213,13 +213,14 @@ def _cmd_compose(args, console: Console) -> int:
     summary = result.summary
     table = Table(title=f"step {result.step_time_s:.4f} s: breakdown per rank class (seconds)")
     for column in ("class", "ranks", "stage", "compute", "slowdown", "exposed tp", "exposed dp", "exposed pp",
-                   "bubble", "idle", "of which optimizer", "NIC contention", "memory"):
+                   "exposed other", "bubble", "idle", "of which optimizer", "NIC contention", "memory"):
         table.add_column(column, justify="right")
     for row in summary["classes"]:
         exposed = row["exposed_comm_s"]
+        other = sum(v for k, v in exposed.items() if k not in ("tp", "dp", "pp"))  # cp ring, amax, ...
         table.add_row(str(row["rank_class"]), str(row["ranks"]), str(row["pp_rank"]),
                       *(f"{v:.4f}" for v in (row["compute_s"], row["slowdown_added_s"], exposed["tp"], exposed["dp"],
-                                             exposed["pp"], row["pipeline_bubble_s"], row["idle_s"],
+                                             exposed["pp"], other, row["pipeline_bubble_s"], row["idle_s"],
                                              row["optimizer_step_s"], row.get("contention_added_s", 0.0))),
                       "[red]OOM[/red]" if row["oom"] else "fits")
     console.print(table)
@@ -241,7 +242,7 @@ def _cmd_search(args, console: Console) -> int:
 
     run = compose_run(args.overrides, check="layout")
     space = SearchSpace(micro_batch_sizes=tuple(args.micro_batch_sizes), schedules=tuple(args.schedules),
-                        recompute=tuple(args.recompute), min_world_size=args.min_gpus)
+                        recompute=tuple(args.recompute), min_world_size=args.min_gpus, cp_sizes=tuple(args.cp_sizes))
     calibration = Path(STAGES["calibration"].path(run.keys))
     if not args.quick and not (calibration / "manifest.json").is_file():
         from trainsim.comm.calibration import write_calibration_artifact
@@ -337,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"])
     p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"])
+    p.add_argument("--cp-sizes", type=int, nargs="+", default=[1],
+                   help="context-parallel degrees to try, e.g. 1 2 4 8 for long sequences (default: 1, none)")
     p.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
     p.add_argument("--top", type=int, default=5, help="fastest layouts shown and written to sweep.yaml")
     p.add_argument("--output", help="artifact directory (default artifacts/search/{hardware}/{model}/{gpus}gpu)")

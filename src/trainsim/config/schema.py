@@ -378,7 +378,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelismConfig:
-    """How one training step is laid out on dp * tp * pp devices (Megatron-LM terminology)."""
+    """How one training step is laid out on dp * cp * tp * pp devices (Megatron-LM terminology)."""
 
     name: str = "???"
     """Identifier used in artifact paths (the YAML file name)."""
@@ -388,6 +388,14 @@ class ParallelismConfig:
     """Tensor-parallel degree (Megatron column/row sharding of every layer)."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
+    cp: int = 1
+    """Context-parallel degree (Megatron-Core/Transformer Engine): each sequence is split over cp ranks, which
+    hold the same weights and run attention as a ring exchanging keys and values (workloads/context_parallel.py);
+    the gradients are reduced over the dp * cp ranks of a model shard."""
+    cp_comm_type: str = "p2p"
+    """How context-parallel attention gets the other ranks' keys and values: 'p2p' (ring attention: cp steps,
+    each overlapping one block's attention with the next block's send/receive; Megatron-Core's default) or
+    'all_gather' (one all-gather of K and V before attention, a reduce-scatter of their gradients after)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B); 1 for gpipe and 1f1b."""
     micro_batch_size: int = 1
@@ -431,7 +439,7 @@ class ParallelismConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def num_microbatches(self) -> int:

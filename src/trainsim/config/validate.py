@@ -18,6 +18,7 @@ FP8_RECIPES = ("delayed", "current")
 FAMILIES = ("gpt", "llama")
 ATTENTION_KERNELS = ("fused", "unfused")
 ZERO_STAGES = (0, 1)
+CP_COMM_TYPES = ("p2p", "all_gather")
 """ZeRO-2 (gradients sharded) and ZeRO-3 / FSDP (weights sharded) are not built yet."""
 DEVICE_KINDS = ("cpu", "cuda")
 PROFILE_BACKENDS = ("auto", "measure", "analytical")
@@ -68,7 +69,7 @@ def validate_model(model: ModelConfig) -> None:
 def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     """Rules tying the parallel layout to the model (enough to trace; no hardware needed)."""
     validate_model(model)
-    _positive("parallelism", par, "dp", "tp", "pp", "virtual_stages", "micro_batch_size", "global_batch_size")
+    _positive("parallelism", par, "dp", "cp", "tp", "pp", "virtual_stages", "micro_batch_size", "global_batch_size")
     _one_of("parallelism", "schedule", par.schedule, SCHEDULES)
     _one_of("parallelism", "recompute", par.recompute, RECOMPUTE_MODES)
     _one_of("parallelism", "precision", par.precision, PRECISIONS)
@@ -85,6 +86,19 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
                           f"parallelism.sequence_parallel=true and tp > 1 (got sequence_parallel="
                           f"{par.sequence_parallel}, tp={par.tp})")
     _one_of("parallelism", "zero_stage", par.zero_stage, ZERO_STAGES)
+    _one_of("parallelism", "cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
+    if par.cp > 1:
+        if model.seq_length % (2 * par.cp):
+            raise ConfigError(f"parallelism.cp={par.cp} cuts each sequence into 2 * cp = {2 * par.cp} chunks "
+                              f"(load-balanced causal split): model.seq_length={model.seq_length} is not divisible "
+                              f"by {2 * par.cp}")
+        if model.attention != "fused":
+            raise ConfigError(f"parallelism.cp={par.cp} runs attention as flash-attention blocks: it needs "
+                              f"model.attention='fused' (got {model.attention!r})")
+        if par.sequence_parallel and (par.micro_batch_size * model.seq_length // par.cp) % par.tp:
+            raise ConfigError(f"parallelism.sequence_parallel=true splits each context-parallel rank's "
+                              f"{par.micro_batch_size * model.seq_length // par.cp} tokens per micro-batch over "
+                              f"tp={par.tp}: not divisible")
     if par.overlap_param_gather and par.zero_stage < 1:
         raise ConfigError("parallelism.overlap_param_gather=true overlaps the distributed optimizer's parameter "
                           f"all-gather: it needs parallelism.zero_stage >= 1 (got {par.zero_stage})")
@@ -201,7 +215,7 @@ def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig)
     devices = hw.num_nodes * hw.devices_per_node
     if par.world_size > devices:
         raise ConfigError(
-            f"parallelism dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {par.world_size} devices, but hardware "
+            f"parallelism dp*cp*tp*pp = {par.dp}*{par.cp}*{par.tp}*{par.pp} = {par.world_size} devices, but hardware "
             f"'{hw.name}' has {devices} (num_nodes={hw.num_nodes} x devices_per_node={hw.devices_per_node}); "
-            f"lower dp/tp/pp or raise hardware.num_nodes to {-(-par.world_size // hw.devices_per_node)}"
+            f"lower dp/cp/tp/pp or raise hardware.num_nodes to {-(-par.world_size // hw.devices_per_node)}"
         )

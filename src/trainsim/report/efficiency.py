@@ -40,7 +40,7 @@ def efficiency(step_time_s: float, hardware: dict[str, Any], model: dict[str, An
                par: dict[str, Any]) -> dict[str, float | None]:
     """tokens/s, MFU (None without a peak rate for the precision), cost per step and per million tokens
     (None without hardware.price_per_device_hour)."""
-    world = par["dp"] * par["tp"] * par["pp"]
+    world = par["dp"] * par.get("cp", 1) * par["tp"] * par["pp"]
     tokens = tokens_per_step(model, par)
     precision = "bf16" if par["precision"] == "fp8" else par["precision"]  # see the module docstring
     peak = hardware.get("peak_flops_per_s", {}).get(precision)

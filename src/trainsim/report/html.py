@@ -63,7 +63,7 @@ def setup_section(data: dict[str, Any]) -> str:
     setup = {"hardware": data["keys"]["hardware"], "device": hw.get("device_name"), "nodes": hw.get("num_nodes"),
              "devices per node": hw.get("devices_per_node"), "model": data["keys"]["model"],
              "layout": data["keys"]["parallelism"],
-             "tp / pp / dp": f"{par.get('tp')} / {par.get('pp')} / {par.get('dp')}",
+             "tp / cp / pp / dp": f"{par.get('tp')} / {par.get('cp', 1)} / {par.get('pp')} / {par.get('dp')}",
              "schedule": summary.get("schedule"), "micro-batches": summary.get("num_microbatches"),
              "precision": par.get("precision"), "code version": data["code_version"]}
     backends = {"compute kernels": ", ".join(f"{k}: {v} ops" for k, v in summary.get("compute_backends", {}).items()),

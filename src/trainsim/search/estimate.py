@@ -57,6 +57,20 @@ def _collective_seconds(counts: dict[str, int], comm: CommModel, tp: int, tp_nod
     return total + (calls * comm.sync_wait_s(compute_s / calls, tp) if calls else 0.0)
 
 
+def _context_parallel_seconds(counts: dict[str, int], comm: CommModel, cp: int, cp_nodes: int,
+                              attention_s: float) -> float:
+    """A pass's context-parallel communication left exposed: the ring's sends run beside the attention blocks
+    (exposed where they take longer); the all-gather variant waits for its collectives."""
+    ring = other = 0.0
+    for label, count in counts.items():
+        collective, message_bytes = label.split(":")
+        if collective == "send":
+            ring += count * comm.p2p_seconds(int(message_bytes), same_node=cp_nodes == 1)
+        else:
+            other += count * comm.collective_seconds(collective, int(message_bytes), cp, cp_nodes)
+    return max(ring - attention_s, 0.0) + other
+
+
 def _chunk_parts(pp: int, v: int) -> dict[tuple[int, int], list[str]]:
     """(stage, chunk) -> the end parts it carries: the embedding on virtual stage 0, the head on the last."""
     parts = {(s, c): [] for s in range(pp) for c in range(v)}
@@ -141,8 +155,8 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
 
 
 def optimizer_shards(par: ParallelismConfig) -> int:
-    """Over how many replicas the optimizer's states and update are split."""
-    return par.dp if par.zero_stage >= 1 else 1
+    """Over how many replicas (ranks with the same weights) the optimizer's states and update are split."""
+    return par.dp * par.cp if par.zero_stage >= 1 else 1
 
 
 def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig,
@@ -150,7 +164,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     """Fast step-time and memory estimate of one layout. Memory comes first: a layout that does not fit
     (or memory_only) is returned without timing (step fields NaN)."""
     pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
-    layout = Layout(par.dp, par.tp, par.pp)
+    layout = Layout(par.dp, par.tp, par.pp, par.cp)
     layers_per_chunk = model.num_layers // (pp * v)
     parts = _chunk_parts(pp, v)
     peak = max(_stage_memory(costs, parts, s, v, layers_per_chunk, par) for s in range(pp))
@@ -160,12 +174,19 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
 
     domain = domain_size(hw)  # the collective model's node: an NVLink domain
     tp_nodes = nodes_spanned(layout.group_ranks(0, "tp"), hw)
+    cp_nodes = nodes_spanned(layout.group_ranks(0, "cp"), hw)
 
     def pass_seconds(part: PartCost, phase: str) -> tuple[float, float, float]:
-        compute = part.forward_s if phase == "F" else part.backward_s
-        counts = part.forward_collectives if phase == "F" else part.backward_collectives
-        host = part.host_ops.get("forward" if phase == "F" else "backward", 0) * hw.host_dispatch_s
-        return compute, _collective_seconds(counts, comm, par.tp, tp_nodes, compute) if par.tp > 1 else 0.0, host
+        forward = phase == "F"
+        compute = part.forward_s if forward else part.backward_s
+        counts = part.forward_collectives if forward else part.backward_collectives
+        host = part.host_ops.get("forward" if forward else "backward", 0) * hw.host_dispatch_s
+        comm_s = _collective_seconds(counts, comm, par.tp, tp_nodes, compute) if par.tp > 1 else 0.0
+        if par.cp > 1:
+            comm_s += _context_parallel_seconds(part.forward_cp if forward else part.backward_cp, comm, par.cp,
+                                                cp_nodes, part.forward_attention_s if forward else
+                                                part.backward_attention_s)
+        return compute, comm_s, host
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in ("layer", "first",
                                                                                                 "last")}
@@ -188,13 +209,14 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
                                                                  for p in parts[(s, c)]]
         grads = sum(part.gradient_bytes for part in stage_parts)
         end, gather_s = ends[s], 0.0
-        if par.dp > 1 and grads > 0:
+        replicas = par.dp * par.cp  # ranks with the same weights: the gradient group
+        if replicas > 1 and grads > 0:
             buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
             dp_nodes = nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), hw)
             reduction = "reduce_scatter" if par.zero_stage >= 1 else "all_reduce"
-            bucket_s = comm.collective_seconds(reduction, math.ceil(grads / buckets), par.dp, dp_nodes)
+            bucket_s = comm.collective_seconds(reduction, math.ceil(grads / buckets), replicas, dp_nodes)
             if par.zero_stage >= 1 and not par.overlap_param_gather:
-                gather_s = buckets * comm.collective_seconds("all_gather", math.ceil(grads / buckets), par.dp,
+                gather_s = buckets * comm.collective_seconds("all_gather", math.ceil(grads / buckets), replicas,
                                                              dp_nodes)
             clock = backward_start[s]
             for i in range(buckets):  # bucket i is ready after (i+1)/buckets of the last backward

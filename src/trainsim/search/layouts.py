@@ -29,6 +29,8 @@ class SearchSpace:
     """0: one node"""
     tp_sizes: tuple[int, ...] = field(default=())
     """empty: every divisor of the heads up to the devices per node"""
+    cp_sizes: tuple[int, ...] = (1,)
+    """context-parallel degrees to try (1: none; e.g. (1, 2, 4, 8) for long sequences)"""
 
     def __post_init__(self):
         for name, values, accepted in (("schedules", self.schedules, SCHEDULES),
@@ -36,9 +38,10 @@ class SearchSpace:
             unknown = [v for v in values if v not in accepted]
             if unknown or not values:
                 raise ConfigError(f"search space {name}={list(values)}: accepted values are {', '.join(accepted)}")
-        bad = [b for b in (*self.micro_batch_sizes, *self.virtual_stages, *self.tp_sizes) if b < 1]
-        if bad or not self.micro_batch_sizes:
-            raise ConfigError(f"search space: micro-batch sizes, virtual stages and tp sizes must be >= 1, got {bad}")
+        bad = [b for b in (*self.micro_batch_sizes, *self.virtual_stages, *self.tp_sizes, *self.cp_sizes) if b < 1]
+        if bad or not self.micro_batch_sizes or not self.cp_sizes:
+            raise ConfigError(f"search space: micro-batch sizes, virtual stages, tp and cp sizes must be >= 1, "
+                              f"got {bad}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -58,29 +61,28 @@ def world_sizes(budget: int, hw: HardwareConfig, space: SearchSpace) -> list[int
 
 def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareConfig, budget: int,
                       space: SearchSpace) -> list[ParallelismConfig]:
-    """Every valid layout within the budget, in a stable order (world size, tp, pp, mbs, schedule, recompute)."""
+    """Every valid layout within the budget, in a stable order (world size, tp, cp, pp, mbs, schedule, recompute)."""
     if budget < 1:
         raise ConfigError(f"GPU budget {budget} must be positive")
     heads = model.num_attention_heads
     tps = space.tp_sizes or tuple(t for t in _divisors(heads) if t <= hw.devices_per_node)
     layouts = []
-    for world in world_sizes(budget, hw, space):
-        for tp in tps:
-            for pp in _divisors(model.num_layers):
-                if world % (tp * pp):
-                    continue
-                dp = world // (tp * pp)
-                for mbs in space.micro_batch_sizes:
-                    for schedule in space.schedules:
-                        for v in (space.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
-                            for recompute in space.recompute:
-                                par = dataclasses.replace(
-                                    base, name=f"dp{dp}-tp{tp}-pp{pp}-mbs{mbs}-{schedule}-v{v}-{recompute}",
-                                    dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, schedule=schedule,
-                                    virtual_stages=v, recompute=recompute)
-                                try:
-                                    validate_layout(model, par)
-                                except ConfigError:
-                                    continue
-                                layouts.append(par)
+    grid = [(world, tp, cp, pp) for world in world_sizes(budget, hw, space) for tp in tps for cp in space.cp_sizes
+            for pp in _divisors(model.num_layers) if world % (tp * cp * pp) == 0]
+    for world, tp, cp, pp in grid:
+        dp = world // (tp * cp * pp)
+        context = f"-cp{cp}" if cp > 1 else ""
+        for mbs in space.micro_batch_sizes:
+            for schedule in space.schedules:
+                for v in (space.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
+                    for recompute in space.recompute:
+                        par = dataclasses.replace(
+                            base, name=f"dp{dp}-tp{tp}{context}-pp{pp}-mbs{mbs}-{schedule}-v{v}-{recompute}",
+                            dp=dp, tp=tp, cp=cp, pp=pp, micro_batch_size=mbs, schedule=schedule,
+                            virtual_stages=v, recompute=recompute)
+                        try:
+                            validate_layout(model, par)
+                        except ConfigError:
+                            continue
+                        layouts.append(par)
     return layouts

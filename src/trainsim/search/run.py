@@ -100,7 +100,7 @@ def _evaluate(par: ParallelismConfig) -> dict:
     """One layout's row: memory screen and, when it fits, the step estimate and efficiency figures."""
     w = _WORKER
     est = estimate_layout(w["costs"][slice_key(par)], w["model"], par, w["hw"], w["comm"])
-    row = {"layout": par.name, "world_size": par.world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
+    row = {"layout": par.name, "world_size": par.world_size, "dp": par.dp, "tp": par.tp, "cp": par.cp, "pp": par.pp,
            "micro_batch_size": par.micro_batch_size, "num_microbatches": par.num_microbatches,
            "schedule": par.schedule, "virtual_stages": par.virtual_stages, "recompute": par.recompute,
            "peak_memory_gib": est.peak_memory_bytes / 2**30}
@@ -168,7 +168,8 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
 
 def layout_overrides(row: pd.Series, num_nodes: int) -> list[str]:
     """Hydra overrides that reproduce one searched layout in the full pipeline."""
-    return [f"parallelism.dp={row.dp}", f"parallelism.tp={row.tp}", f"parallelism.pp={row.pp}",
+    return [f"parallelism.dp={row.dp}", f"parallelism.tp={row.tp}", f"parallelism.cp={row.cp}",
+            f"parallelism.pp={row.pp}",
             f"parallelism.micro_batch_size={row.micro_batch_size}", f"parallelism.schedule={row.schedule}",
             f"parallelism.virtual_stages={row.virtual_stages}", f"parallelism.recompute={row.recompute}",
             f"hardware.num_nodes={num_nodes}"]

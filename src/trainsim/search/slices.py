@@ -44,6 +44,13 @@ class PartCost:
     forward_collectives: dict[str, int] = field(default_factory=dict)
     """'collective:message_bytes' -> count, tensor-parallel collectives in the forward pass"""
     backward_collectives: dict[str, int] = field(default_factory=dict)
+    forward_cp: dict[str, int] = field(default_factory=dict)
+    """'collective:message_bytes' -> count, context-parallel communication in the forward pass (ring sends,
+    all-gathers, reduce-scatters)"""
+    backward_cp: dict[str, int] = field(default_factory=dict)
+    forward_attention_s: float = 0.0
+    """the attention kernels' time, which the context-parallel ring's sends run beside"""
+    backward_attention_s: float = 0.0
     parameter_bytes: int = 0
     gradient_bytes: int = 0
     optimizer_state_bytes: int = 0
@@ -62,6 +69,10 @@ class PartCost:
             optimizer_s=max(self.optimizer_s - other.optimizer_s, 0.0),
             forward_collectives=counts(self.forward_collectives, other.forward_collectives),
             backward_collectives=counts(self.backward_collectives, other.backward_collectives),
+            forward_cp=counts(self.forward_cp, other.forward_cp),
+            backward_cp=counts(self.backward_cp, other.backward_cp),
+            forward_attention_s=max(self.forward_attention_s - other.forward_attention_s, 0.0),
+            backward_attention_s=max(self.backward_attention_s - other.backward_attention_s, 0.0),
             host_ops=counts(self.host_ops, other.host_ops),
             **{f: max(getattr(self, f) - getattr(other, f), 0) for f in MEMORY_FIELDS})
 
@@ -92,19 +103,31 @@ def slice_key(par: ParallelismConfig) -> str:
     change a layer: slices are traced with one replica and estimate.py shards the optimizer)."""
     sp = "-sp" + ("-overlap" if par.tp_comm_overlap else "") if par.sequence_parallel and par.tp > 1 else ""
     precision = f"fp8-{par.fp8_recipe}" if par.precision == "fp8" else par.precision
-    return f"tp{par.tp}{sp}-mbs{par.micro_batch_size}-{par.recompute}-{precision}"
+    context = f"-cp{par.cp}-{par.cp_comm_type}" if par.cp > 1 else ""
+    return f"tp{par.tp}{sp}{context}-mbs{par.micro_batch_size}-{par.recompute}-{precision}"
+
+
+def _comm_counts(events: pd.DataFrame, phase: str) -> dict[str, int]:
+    """'collective:message_bytes' -> count of `events` in `phase`."""
+    events = events[events["phase"] == phase]
+    return dict(Counter(events["collective"] + ":" + events["message_bytes"].astype(str)))
 
 
 def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series) -> PartCost:
     compute = graph[(graph["kind"] == "compute") & ~graph["no_kernel"]]
     seconds = compute["signature"].map(times).groupby(compute["phase"]).sum()
-    tp = graph[(graph["kind"] == "collective") & (graph["group_kind"] == "tp") & graph["per_microbatch"]]
-    labels = tp["collective"] + ":" + tp["message_bytes"].astype(str)
+    attention = compute[compute["op"].str.contains("scaled_dot_product")]
+    attention_s = attention["signature"].map(times).groupby(attention["phase"]).sum()
+    per_microbatch = graph[graph["per_microbatch"]]
+    tp = per_microbatch[(per_microbatch["kind"] == "collective") & (per_microbatch["group_kind"] == "tp")]
+    cp = per_microbatch[(per_microbatch["group_kind"] == "cp") & (per_microbatch["collective"] != "recv")]
     return PartCost(
         forward_s=float(seconds.get("forward", 0.0)), backward_s=float(seconds.get("backward", 0.0)),
         optimizer_s=float(seconds.get("optimizer", 0.0)),
-        forward_collectives=dict(Counter(labels[tp["phase"] == "forward"])),
-        backward_collectives=dict(Counter(labels[tp["phase"] == "backward"])),
+        forward_collectives=_comm_counts(tp, "forward"), backward_collectives=_comm_counts(tp, "backward"),
+        forward_cp=_comm_counts(cp, "forward"), backward_cp=_comm_counts(cp, "backward"),
+        forward_attention_s=float(attention_s.get("forward", 0.0)),
+        backward_attention_s=float(attention_s.get("backward", 0.0)),
         parameter_bytes=int(memory["parameter_bytes"]), gradient_bytes=int(memory["gradient_bytes"]),
         optimizer_state_bytes=int(memory["optimizer_state_bytes"]),
         activation_bytes=int(memory["activation_bytes_per_microbatch"]),

@@ -60,8 +60,9 @@ def straggler_factors(hw: HardwareConfig, world_size: int) -> np.ndarray:
 
 
 def _grid(layout: Layout, labels: np.ndarray) -> np.ndarray:
-    """Labels as a (pp, dp, tp) array (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
-    return labels.reshape(layout.pp, layout.dp, layout.tp)
+    """Labels as a (pp, dp * cp, tp) array (rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank): the
+    middle axis is the gradient group, which holds the context-parallel ring too."""
+    return labels.reshape(layout.pp, layout.dp * layout.cp, layout.tp)
 
 
 def _refine_once(layout: Layout, labels: np.ndarray) -> np.ndarray:

@@ -182,7 +182,7 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
                     schedule: str, rules: tuple[str, ...], collapse: bool):
     """Pass templates of every class. Classes with the same graph up to renaming share the work of
     splitting, rule evaluation, collapsing and labelling."""
-    layout = Layout(par.dp, par.tp, par.pp)
+    layout = Layout(par.dp, par.tp, par.pp, par.cp)
     lookup, comm_s = _compute_lookup(compute_seconds), _comm_lookup(comm)
     base_rep = rank_classes.groupby("rank_class")["rank"].min().to_dict()
     by_base = {b: g for b, g in graph.groupby("rank_class", sort=True)}
@@ -344,7 +344,7 @@ def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Paralleli
     """
     started = time.perf_counter()
     slowdown = slowdown or NoSlowdown()
-    layout = Layout(par.dp, par.tp, par.pp)
+    layout = Layout(par.dp, par.tp, par.pp, par.cp)
     classes = timeline_classes(rank_classes, layout, straggler_factors(hw, layout.world_size))
     programs, info, pp_rank = _class_programs(_plain(graph), rank_classes, par, hw, classes, compute_seconds, comm,
                                               schedule or par.schedule, tuple(rules), collapse)

@@ -30,7 +30,7 @@ from trainsim.timeline.engine import HOST
 from trainsim.timeline.overlap import covered, is_comm_kind, merged
 from trainsim.timeline.program import BLOCK, COMPUTE, KIND_NAMES
 
-COMM_KINDS = ("tp", "dp", "pp", "mp", "world", "other")
+COMM_KINDS = ("tp", "cp", "dp", "pp", "mp", "amax", "world", "other")
 SUMMARY_FIELDS = {
     "step_time_s": "predicted wall time of one training step (seconds)",
     "world_size": "ranks (devices) in the layout",

@@ -118,6 +118,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         # (mp = tp when pp = 1, amax = dp when tp = 1, ...): those names win (later entries overwrite)
         kinds = ("amax", "mp", *(k for k in GROUP_KINDS if k not in ("amax", "mp")))
         self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in kinds}
+        self._named_kind: str | None = None  # the kind the step says it communicates in (observer.communication)
         self._group_ranks_cache: dict[int, list[int]] = {}
         self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
         self.largest_output_bytes = 0  # the biggest temporary one op creates
@@ -145,17 +146,17 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             self._once_per_step = previous
 
     @contextlib.contextmanager
-    def communication(self, async_op: bool = False) -> Iterator[None]:
+    def communication(self, async_op: bool = False, group_kind: str | None = None) -> Iterator[None]:
         """Inside a communication call only the c10d ops are the workload's: other ops dispatched there are
         the backend's own implementation of the collective (gloo's reduce-scatter splits and copies its
         input; NCCL does it in its kernel), not kernels the training step launches. The c10d ops are
         marked async_op when the step waits for them only where it reads their results."""
-        previous = self._in_communication, self._async_op
-        self._in_communication, self._async_op = True, async_op
+        previous = self._in_communication, self._async_op, self._named_kind
+        self._in_communication, self._async_op, self._named_kind = True, async_op, group_kind
         try:
             yield
         finally:
-            self._in_communication, self._async_op = previous
+            self._in_communication, self._async_op, self._named_kind = previous
 
     def _on_save(self, t: torch.Tensor) -> torch.Tensor:
         """Count each storage kept for backward once per (micro-batch, chunk); parameters and views of them
@@ -238,8 +239,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             packet = func._overloadpacket
             if packet in flop_registry:
                 event["flops"] = int(flop_registry[packet](*args, **kwargs, out_val=out))
-            elif "scaled_dot_product" in name:
-                event["flops"] = _sdpa_flops(name, tensors[0], tensors[1])
+            elif "scaled_dot_product" in name:  # the backward's inputs start with the output's gradient
+                q, k = tensors[1:3] if "backward" in name else tensors[:2]
+                event["flops"] = _sdpa_flops(name, q, k)
             else:  # elementwise / reduction: one operation per output element
                 event["flops"] = sum(t.numel() for t in outputs)
             if name in ("aten::_to_copy", "aten::copy_") and len({t.device for t in tensors + outputs}) > 1:
@@ -260,6 +262,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         boxed = next(a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()))
         ranks = self._group_ranks(boxed)
         kind = self._group_kind.get(tuple(ranks), "world" if len(ranks) == self.layout.world_size else "other")
+        if self._named_kind is not None and ranks == self.layout.group_ranks(self.rank, self._named_kind):
+            kind = self._named_kind
         size_tensors = tree_flatten(args[size_arg])[0] if size_arg >= 0 else []
         event["kind"] = "p2p" if collective in ("send", "recv") else "collective"
         event["stream"] = f"comm.{kind}"

@@ -20,7 +20,7 @@ graph.parquet       one row per recorded op of one rank class, in program order
   bytes_moved       bytes read and written by the op (inputs + outputs)
   collective        all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, barrier,
                     send, recv; null for compute
-  group_kind        'tp' | 'dp' | 'pp' | 'world' | 'other' (null for compute)
+  group_kind        a kind of workloads.layout.GROUP_KINDS, 'world' or 'other' (null for compute)
   group_ranks       global ranks of the process group (of the class's representative rank)
   message_bytes     nccl-tests size: all-gather output, reduce-scatter input, else the buffer
   comm_dtype        dtype of the communicated tensor
@@ -29,7 +29,7 @@ graph.parquet       one row per recorded op of one rank class, in program order
                     ring exchange); false: a blocking call (recv, collectives) or compute
   deps              ids of the events that last wrote a storage this op reads
 
-rank_classes.parquet  one row per rank: rank, rank_class, dp_rank, tp_rank, pp_rank
+rank_classes.parquet  one row per rank: rank, rank_class, dp_rank, tp_rank, pp_rank, cp_rank
 memory.parquet        one row per class: see trainsim.trace.memory.MEMORY_COLUMNS
 """
 
@@ -72,6 +72,7 @@ RANK_CLASS_SCHEMA = pa.schema([
     ("dp_rank", pa.int32()),
     ("tp_rank", pa.int32()),
     ("pp_rank", pa.int32()),
+    ("cp_rank", pa.int32()),
 ])
 
 

@@ -55,7 +55,8 @@ class TraceResult:
 
 
 def rank_class_table(layout: Layout) -> pa.Table:
-    """rank -> class. All dp and tp ranks of one pipeline stage run the same graph up to renaming."""
+    """rank -> class. All dp, cp and tp ranks of one pipeline stage run the same graph up to renaming (context-
+    parallel ranks attend over different blocks of the sequence, of the same shapes and work)."""
     positions = [layout.position(r) for r in range(layout.world_size)]
     return pa.table({
         "rank": [p.rank for p in positions],
@@ -63,6 +64,7 @@ def rank_class_table(layout: Layout) -> pa.Table:
         "dp_rank": [p.dp_rank for p in positions],
         "tp_rank": [p.tp_rank for p in positions],
         "pp_rank": [p.pp_rank for p in positions],
+        "cp_rank": [p.cp_rank for p in positions],
     }, schema=RANK_CLASS_SCHEMA)
 
 

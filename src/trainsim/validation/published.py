@@ -16,8 +16,8 @@ The first two report throughput; their step time follows from the FLOP formula t
   step_s = F / (gpus * tflops_per_gpu * 1e12)
 The NeMo table carries the step time itself (derived_step_time_s = GBS * seq / (tokens/s/GPU * gpus)): no
 FLOP formula is involved (Table.step_time_column).
-Rows a config cannot express yet (context parallelism, cp > 1) are kept in the table with the reason
-(`skip_reason`) and left out of the fit and the figures, counted (`TableResult.skipped`).
+Rows a config cannot express (layers that do not split into the row's pipeline stages) are kept in the table
+with the reason (`skip_reason`) and left out of the fit and the figures, counted (`TableResult.skipped`).
 Settings the sources leave open are stated in ASSUMPTIONS and applied the same way to every row.
 """
 
@@ -167,15 +167,13 @@ ASSUMPTIONS = {
                 "(h -> ffn -> h, no gate), GELU in place of squared ReLU (one elementwise kernel either way), "
                 "LayerNorm for LayerNorm1p, learned positions (one embedding add) in place of rotary, and bias adds "
                 "that Nemotron does not have",
-    "context_parallel": "NeMo 24.07 rows with cp > 1 (the two Llama 3 rows) are skipped and counted: context "
-                        "parallelism is not built yet",
+    "context_parallel": "NeMo 24.07 rows with cp > 1 (the two Llama 3 rows, cp = 2) run ring attention "
+                        "(parallelism.cp_comm_type=p2p, Megatron-Core's default cp_comm_type)",
 }
 
 
 def _skip_reason(row) -> str | None:
     """Why a row cannot be expressed as a config yet (None where it can)."""
-    if int(row.get("cp", 1)) > 1:
-        return f"cp={int(row['cp'])}: context parallelism is not built yet"
     if int(row["layers"]) % (int(row["pp"]) * int(row["virtual_stages"])):
         return (f"layers={int(row['layers'])} not divisible by pp*vp={int(row['pp'])}*{int(row['virtual_stages'])}")
     return None
@@ -242,7 +240,8 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
     tp, pp, v = int(row["tp"]), int(row["pp"]), int(row["virtual_stages"])
     sp = table.sequence_parallel and tp > 1
     par = dataclasses.replace(base_par, name=f"{table.name}-{row['model']}", tp=tp, pp=pp,
-                              dp=int(row["dp"]), micro_batch_size=int(row["micro_batch"]),
+                              dp=int(row["dp"]), cp=int(row["cp"]), cp_comm_type="p2p",
+                              micro_batch_size=int(row["micro_batch"]),
                               global_batch_size=int(row["global_batch"]),
                               precision=table.precision, recompute=table.recompute,
                               sequence_parallel=sp, tp_comm_overlap=sp,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
 from trainsim.workloads.observe import observer
 
 
@@ -118,7 +119,7 @@ class GradientBuckets:
                 buffer.div_(self.dp)  # average (gloo has no AVG reduction; DDP divides before too)
                 with observer().communication():
                     if self.shard:
-                        work = dist.reduce_scatter_single(self._my_slice(buffer), buffer, group=self.group,
+                        work = reduce_scatter_flat(self._my_slice(buffer), buffer, group=self.group,
                                                           async_op=True)
                     else:
                         work = dist.all_reduce(buffer, group=self.group, async_op=True)
@@ -140,7 +141,7 @@ class GradientBuckets:
         with observer().once_per_step(), observer().communication(async_op=not wait):
             for index in reversed(range(len(self._param_buffers))):
                 weights = self._param_buffers[index]
-                work = dist.all_gather_single(weights, self._my_slice(weights), group=self.group, async_op=True)
+                work = all_gather_flat(weights, self._my_slice(weights), group=self.group, async_op=True)
                 if wait:
                     work.wait()
                 else:

@@ -76,7 +76,7 @@ def fp8_settings(par, amax_group) -> Fp8Settings | None:
         return None
     if par.fp8_recipe not in RECIPES:
         raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(RECIPES)}")
-    reduce = par.fp8_recipe == "delayed" and par.dp * par.tp > 1
+    reduce = par.fp8_recipe == "delayed" and par.dp * par.cp * par.tp > 1
     return Fp8Settings(par.fp8_recipe, amax_group if reduce else None)
 
 

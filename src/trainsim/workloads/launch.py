@@ -143,7 +143,7 @@ def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1, device_ki
     gloo over loopback on the CPU, NCCL with one GPU per rank for 'cuda') and return each rank's result.
     `body` must be a module-level function (it is pickled to the processes). RankFailure carries the
     failing ranks' tracebacks."""
-    world = par.dp * par.tp * par.pp
+    world = par.world_size
     if device_kind not in BACKENDS:
         raise ValueError(f"device kind {device_kind!r} cannot run real steps; accepted: {', '.join(BACKENDS)}")
     if device_kind == "cuda" and (shortfall := missing_gpus(par)):

@@ -1,17 +1,20 @@
-"""Where every rank sits in the dp x tp x pp grid, and which ranks form its process groups.
+"""Where every rank sits in the dp x cp x tp x pp grid, and which ranks form its process groups.
 
-Rank order follows Megatron-LM's default ('tp-dp-pp'): tp varies fastest, then dp, then pp,
-so tensor-parallel peers share a node and pipeline stages are the outermost split.
+Rank order follows Megatron-Core's default ('tp-cp-ep-dp-pp' without experts): tp varies fastest, then cp,
+then dp, then pp, so tensor-parallel peers share a node, context-parallel peers are next, and pipeline
+stages are the outermost split.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-GROUP_KINDS = ("tp", "dp", "pp", "mp", "amax")
-"""tp, dp, pp; mp: the model-parallel group (every tp and pp rank of one replica; Megatron's
-get_model_parallel_group, where the gradient norm is summed); amax: every dp and tp rank of one pipeline
-stage (Megatron's amax-reduction group, over which FP8 delayed scaling reduces its amaxes)."""
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "mp", "amax")
+"""tp, cp, pp; dp: the ranks that hold the same weights (every dp and cp rank of one model shard: Megatron's
+data-parallel group with context parallelism, where gradients are reduced and the distributed optimizer
+shards); mp: the model-parallel group (every tp and pp rank of one replica; Megatron's
+get_model_parallel_group, where the gradient norm is summed); amax: every dp, cp and tp rank of one
+pipeline stage (Megatron's amax-reduction group, over which FP8 delayed scaling reduces its amaxes)."""
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class RankPosition:
     dp_rank: int
     tp_rank: int
     pp_rank: int
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -27,35 +31,40 @@ class Layout:
     dp: int
     tp: int
     pp: int
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
-    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def position(self, rank: int) -> RankPosition:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size} ranks")
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return RankPosition(rank, dp_rank, tp_rank, pp_rank)
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        return RankPosition(rank, dp_rank, tp_rank, pp_rank, cp_rank)
 
     def group_ranks(self, rank: int, kind: str) -> list[int]:
         """Members of `rank`'s group of the given kind (GROUP_KINDS), in group-rank order."""
         p = self.position(rank)
+        d, t, s, c = p.dp_rank, p.tp_rank, p.pp_rank, p.cp_rank
         if kind == "tp":
-            return [self.rank_of(p.dp_rank, t, p.pp_rank) for t in range(self.tp)]
+            return [self.rank_of(d, i, s, c) for i in range(self.tp)]
+        if kind == "cp":
+            return [self.rank_of(d, t, s, i) for i in range(self.cp)]
         if kind == "dp":
-            return [self.rank_of(d, p.tp_rank, p.pp_rank) for d in range(self.dp)]
+            return [self.rank_of(i, t, s, j) for i in range(self.dp) for j in range(self.cp)]
         if kind == "pp":
-            return [self.rank_of(p.dp_rank, p.tp_rank, s) for s in range(self.pp)]
+            return [self.rank_of(d, t, i, c) for i in range(self.pp)]
         if kind == "mp":
-            return [self.rank_of(p.dp_rank, t, s) for s in range(self.pp) for t in range(self.tp)]
+            return [self.rank_of(d, i, j, c) for j in range(self.pp) for i in range(self.tp)]
         if kind == "amax":
-            return [self.rank_of(d, t, p.pp_rank) for d in range(self.dp) for t in range(self.tp)]
+            return [self.rank_of(i, k, s, j) for i in range(self.dp) for j in range(self.cp) for k in range(self.tp)]
         raise ValueError(f"group kind {kind!r}; accepted: {', '.join(GROUP_KINDS)}")
 
     def all_groups(self, kind: str) -> list[list[int]]:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainsim.config.schema import ModelConfig
+from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
 from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
@@ -48,11 +49,11 @@ def _norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False)
     return norm
 
 
-def _rotary_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of RoFormer rotary embeddings (Su et al. 2021), shape [s, d/2]."""
+def _rotary_tables(cfg: ModelConfig, dtype: torch.dtype, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of RoFormer rotary embeddings (Su et al. 2021) at `positions`, shape [len(positions), d/2]."""
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(cfg.seq_length, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -63,9 +64,11 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, selective_recompute: bool,
-                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Region | None = None):
+                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Region | None = None,
+                 cp: ContextParallel | None = None):
         super().__init__()
-        self.seq_length = cfg.seq_length
+        self.cp = cp
+        self.seq_length = cfg.seq_length // (cp.size if cp else 1)  # this rank's tokens of each sequence
         self.heads = cfg.num_attention_heads // tp
         self.kv_heads = (cfg.num_kv_heads or cfg.num_attention_heads) // tp
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -81,6 +84,8 @@ class Attention(nn.Module):
                                       comm_overlap=comm_overlap, fp8_region=fp8)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp is not None:
+            return self.cp.attention(q, k, v)
         if self.fused:  # attention dropout is inside the CUDA flash kernel; torch's CPU flash kernel has none
             # (with dropout_p it falls back to the unfused math path), so on a CPU device it is left out
             return nn.functional.scaled_dot_product_attention(
@@ -148,12 +153,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute: str, sequence_parallel: bool = False,
-                 comm_overlap: bool = False, fp8: Fp8Region | None = None):
+                 comm_overlap: bool = False, fp8: Fp8Region | None = None, cp: ContextParallel | None = None):
         super().__init__()
         self.dropout = cfg.dropout
         self.norm1 = _norm(cfg, dtype, sequence_parallel)
         self.attn = Attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
-                              sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8)
+                              sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8, cp=cp)
         self.norm2 = _norm(cfg, dtype, sequence_parallel)
         self.mlp = MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
 
@@ -174,12 +179,13 @@ class TransformerChunk(nn.Module):
     the micro-batch's tokens, [b s / tp, h]: the embedding output is split after its all-reduce, as
     Megatron-Core does, and the output layer all-gathers the shards. With `fp8` the blocks' linears run FP8
     GEMMs and the layers run inside the chunk's FP8 autocast region (workloads/fp8.py); the output layer
-    stays bf16, as in Transformer Engine.
+    stays bf16, as in Transformer Engine. With `cp` the chunk sees this context-parallel rank's tokens of
+    each sequence (workloads/context_parallel.py): positions and rotary tables are theirs.
     """
 
     def __init__(self, cfg: ModelConfig, *, layers: range, first: bool, last: bool, tp: int, tp_rank: int,
                  tp_group, dtype: torch.dtype, recompute: str, loss_scale: float, sequence_parallel: bool = False,
-                 tp_comm_overlap: bool = False, fp8: Fp8Settings | None = None):
+                 tp_comm_overlap: bool = False, fp8: Fp8Settings | None = None, cp: ContextParallel | None = None):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.tp, self.tp_group, self.recompute_full = tp, tp_group, recompute == "full"
@@ -187,12 +193,13 @@ class TransformerChunk(nn.Module):
         self.loss_scale = loss_scale  # 1 / num_microbatches: gradients accumulate to the batch mean
         self.fp8 = Fp8Region(fp8) if fp8 is not None else None
         self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
-                                          tp_comm_overlap, self.fp8) for _ in layers)
+                                          tp_comm_overlap, self.fp8, cp) for _ in layers)
         if self.fp8 is not None:
             self.fp8.allocate()
         vocab = padded_vocab_size(cfg.vocab_size, tp)
+        positions = cp.positions(cfg.seq_length) if cp else torch.arange(cfg.seq_length)
         if cfg.family == "llama":
-            cos, sin = _rotary_tables(cfg, dtype)
+            cos, sin = _rotary_tables(cfg, dtype, positions)
             self.register_buffer("rotary_cos", cos, persistent=False)
             self.register_buffer("rotary_sin", sin, persistent=False)
         if first:
@@ -200,6 +207,8 @@ class TransformerChunk(nn.Module):
             if cfg.family == "gpt":
                 self.positions = nn.Parameter(torch.empty(cfg.seq_length, cfg.hidden_size, dtype=dtype))
                 nn.init.normal_(self.positions, std=0.02)
+                # context parallelism: this rank's rows of the position table (an embedding lookup, as Megatron)
+                self.register_buffer("position_ids", positions if cp else None, persistent=False)
         if last:
             self.final_norm = _norm(cfg, dtype, self.sequence_parallel)
             self.head = ColumnParallelLinear(cfg.hidden_size, vocab, tp, tp_group, dtype, bias=False,
@@ -212,7 +221,8 @@ class TransformerChunk(nn.Module):
         if self.first:
             x = self.embed(x)
             if self.cfg.family == "gpt":
-                x = x + self.positions
+                x = x + (self.positions if self.position_ids is None
+                         else nn.functional.embedding(self.position_ids, self.positions))
             if self.sequence_parallel:
                 x = scatter_to_sp(x, self.tp_group, self.tp)
         rotary = (self.rotary_cos, self.rotary_sin) if self.cfg.family == "llama" else None

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainsim.workloads import fp8
+from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
 from trainsim.workloads.observe import observer
 
 
@@ -98,7 +99,7 @@ def _all_gather_tokens(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     with observer().communication():
-        dist.all_gather_single(out, x, group=group)
+        all_gather_flat(out, x, group=group)
     return out
 
 
@@ -107,21 +108,22 @@ def _reduce_scatter_tokens(x: torch.Tensor, group, tp: int) -> torch.Tensor:
     x = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty((x.shape[0] // tp, x.shape[1]), dtype=x.dtype, device=x.device)
     with observer().communication():
-        dist.reduce_scatter_single(out, x, group=group)
+        reduce_scatter_flat(out, x, group=group)
     return out
 
 
-def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tp: int) -> list:
-    """Start sending `send` to the next tp rank and receiving `recv` from the previous one (async)."""
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, size: int, group_kind: str = "tp") -> list:
+    """Start sending `send` to the next rank of `group` (a ring of `size`, of kind `group_kind`) and receiving
+    `recv` from the previous one (async)."""
     me = dist.get_rank(group)
     send, recv = fp8.as_bytes(send), fp8.as_bytes(recv)
-    with observer().communication(async_op=True):
-        return [dist.isend(send, group=group, group_dst=(me + 1) % tp),
-                dist.irecv(recv, group=group, group_src=(me - 1) % tp)]
+    with observer().communication(async_op=True, group_kind=group_kind):
+        return [dist.isend(send, group=group, group_dst=(me + 1) % size),
+                dist.irecv(recv, group=group, group_src=(me - 1) % size)]
 
 
-def _wait(works: list) -> None:
-    with observer().communication():
+def wait_all(works: list, group_kind: str = "tp") -> None:
+    with observer().communication(group_kind=group_kind):
         for work in works:
             work.wait()
 
@@ -144,10 +146,10 @@ def ring_all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group, tp: int
         works = []
         if step < tp - 1:
             incoming = (me - step - 1) % tp
-            works = _ring_exchange(gathered[block * t:(block + 1) * t], gathered[incoming * t:(incoming + 1) * t],
+            works = ring_exchange(gathered[block * t:(block + 1) * t], gathered[incoming * t:(incoming + 1) * t],
                                    group, tp)
         mm(gathered[block * t:(block + 1) * t], out[block * t:(block + 1) * t])
-        _wait(works)
+        wait_all(works)
     return out, gathered
 
 
@@ -166,11 +168,11 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
         product = mm(x[block * t:(block + 1) * t])
         if incoming is not None:
             received, works = incoming
-            _wait(works)
+            wait_all(works)
             product.add_(received)
         if step < tp - 1:
             received = torch.empty_like(product)
-            incoming = received, _ring_exchange(product, received, group, tp)
+            incoming = received, ring_exchange(product, received, group, tp)
     return product
 
 
@@ -178,7 +180,7 @@ def _start_all_gather_tokens(x: torch.Tensor, group, tp: int) -> tuple[torch.Ten
     """Start all-gathering token shards [t, h] -> [tp t, h]; the caller waits where it needs them."""
     out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     with observer().communication(async_op=True):
-        return out, [dist.all_gather_single(out, x, group=group, async_op=True)]
+        return out, [all_gather_flat(out, x, group=group, async_op=True)]
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
@@ -201,13 +203,13 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         grad = grad.reshape(-1, grad.shape[-1])
         gathered, gathering = _start_all_gather_tokens(x, ctx.group, ctx.tp)
         grad_input = grad.mm(weight)
-        _wait(gathering)
+        wait_all(gathering)
         grad_x = torch.empty_like(x)
         with observer().communication(async_op=True):
-            scattering = [dist.reduce_scatter_single(grad_x, grad_input, group=ctx.group, async_op=True)]
+            scattering = [reduce_scatter_flat(grad_x, grad_input, group=ctx.group, async_op=True)]
         grad_weight = grad.t().mm(gathered)
         grad_bias = grad.sum(0) if ctx.has_bias else None
-        _wait(scattering)
+        wait_all(scattering)
         return grad_x, grad_weight, grad_bias, None, None
 
 
@@ -231,7 +233,7 @@ class _OverlappedColumnLinear(torch.autograd.Function):
         grad = grad.contiguous()
         gathered, gathering = _start_all_gather_tokens(x, ctx.group, ctx.tp)
         grad_x = ring_matmul_reduce_scatter(grad, weight.t(), ctx.group, ctx.tp)
-        _wait(gathering)
+        wait_all(gathering)
         return grad_x, grad.t().mm(gathered), None, None
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
+from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.data_parallel import GradientBuckets
 from trainsim.workloads.fp8 import fp8_settings
 from trainsim.workloads.layout import GROUP_KINDS, Layout
@@ -23,7 +24,7 @@ from trainsim.workloads.schedules import Action, first_forward_microbatch, last_
 
 
 def layout_of(par: ParallelismConfig) -> Layout:
-    return Layout(dp=par.dp, tp=par.tp, pp=par.pp)
+    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
 
 
 def create_groups(layout: Layout, rank: int, every_group: bool) -> dict[str, object]:
@@ -60,6 +61,7 @@ class RankModel:
     chunks: list[TransformerChunk]
     buckets: list[GradientBuckets]
     optimizer: MixedPrecisionAdamW
+    cp: ContextParallel | None = None
     pending_sends: list = field(default_factory=list)
 
     @property
@@ -78,6 +80,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     layers_per_chunk = model_cfg.num_layers // (par.pp * v)
     dtype = DTYPES[par.precision]
     fp8 = fp8_settings(par, groups["amax"])
+    cp = ContextParallel(par.cp, pos.cp_rank, groups["cp"], par.cp_comm_type) if par.cp > 1 else None
     chunks = []
     try:
         for c in range(v):
@@ -90,13 +93,15 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                 last=virtual_stage == par.pp * v - 1,
                 tp=par.tp, tp_rank=pos.tp_rank, tp_group=groups["tp"],
                 dtype=dtype, recompute=par.recompute, loss_scale=1.0 / par.num_microbatches,
-                sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap, fp8=fp8,
+                sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap, fp8=fp8, cp=cp,
             ))
     except (RuntimeError, ValueError) as exc:
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
-                         f"tp_rank={pos.tp_rank}) for {model_cfg.name}: {exc}") from exc
+                         f"tp_rank={pos.tp_rank}, cp_rank={pos.cp_rank}) for {model_cfg.name}: {exc}") from exc
     shard = par.zero_stage >= 1
-    buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.dp,
+    # the gradients are averaged (and the distributed optimizer shards) over every rank with the same weights
+    replicas = par.dp * par.cp
+    buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], replicas,
                                shard=shard, modules=list(chunk.modules())) for chunk in chunks]
     if shard:  # the distributed optimizer: this rank's slices of the flat buffers, the norm over every rank
         weights = [w for b in buckets for w in b.param_shards()]
@@ -107,7 +112,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         optimizer = MixedPrecisionAdamW(params, [p.grad for p in params], clip_grad=par.clip_grad,
                                         norm_group=groups["mp"], reduce_norm=layout.tp * layout.pp > 1)
-    return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer)
+    return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer, cp)
 
 
 def _p2p_tag(microbatch: int, sender_chunk: int, virtual_stages: int, backward: bool) -> int:
@@ -120,11 +125,11 @@ def _neighbour(rm: RankModel, chunk: int, step: int) -> tuple[int, int]:
     virtual_stage = chunk * pp + rm.pp_rank + step
     assert 0 <= virtual_stage < pp * v, "no neighbour beyond the ends of the pipeline"
     pos = rm.layout.position(rm.rank)
-    return rm.layout.rank_of(pos.dp_rank, pos.tp_rank, virtual_stage % pp), virtual_stage // pp
+    return rm.layout.rank_of(pos.dp_rank, pos.tp_rank, virtual_stage % pp, pos.cp_rank), virtual_stage // pp
 
 
 def _activation_shape(rm: RankModel) -> tuple[int, ...]:
-    b, s, h = rm.par.micro_batch_size, rm.model_cfg.seq_length, rm.model_cfg.hidden_size
+    b, s, h = rm.par.micro_batch_size, rm.model_cfg.seq_length // rm.par.cp, rm.model_cfg.hidden_size
     if rm.par.sequence_parallel and rm.par.tp > 1:  # stages exchange their token shards
         return (b * s // rm.par.tp, h)
     return (b, s, h)
@@ -147,6 +152,9 @@ def run_forward(rm: RankModel, action: Action, batch, saved: dict) -> None:
     chunk = rm.chunks[action.chunk]
     v = rm.par.virtual_stages
     tokens, targets = batch(action.microbatch)
+    if rm.cp is not None:  # this context-parallel rank's chunks of the sequences it uses
+        tokens = rm.cp.split(tokens) if chunk.first else None
+        targets = rm.cp.split(targets) if chunk.last else None
     if chunk.first:
         inputs = tokens
     else:
