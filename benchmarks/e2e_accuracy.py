@@ -27,7 +27,12 @@ parallelism 1/2/4, sequence parallelism, selective and full recomputation) at th
 Table 3 models (22B, 175B, 530B, 1T; s = 2048, b = 1). Prints `figure memory_error_pct_korthikanti_max` (the
 largest |traced - formula| / formula over cases and shapes; target <= 2 %). Fake tensors: about a minute.
 
-    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--skip-korthikanti] [--reuse-ground-truth]
+Part 4, peak memory of the local layouts: the trace's peak per rank class against each rank's peak in a real
+run of two steps (the CPU allocator's running total in torch.profiler's memory record, model building
+included). Prints `figure memory_error_pct_local_max` (largest |error| over layouts and ranks; target <= 5 %).
+
+    python benchmarks/e2e_accuracy.py [--skip-local] [--skip-vtrain] [--skip-korthikanti] [--skip-memory]
+                                      [--reuse-ground-truth]
                                       [--layouts dp2 ...]
 First run traces 576 distinct vTrain shapes (~25 min on 2 cores, cached under
 artifacts/validation/vtrain/traces); later runs take ~11-17 min (five fits, one per
@@ -177,11 +182,33 @@ def korthikanti_part() -> list[tuple[str, float, str]]:
             ("korthikanti_benchmark_seconds", time.perf_counter() - started, "s")]
 
 
+def local_memory_part(layouts: list[str]) -> list[tuple[str, float, str]]:
+    """Traced peak memory per rank (its class's) against the real run's: two steps of gpt-small per layout,
+    each rank's peak the running total of torch.profiler's memory record (model built inside it)."""
+    from trainsim.trace import trace_layout
+    from trainsim.workloads.launch import measure_peak_memory
+    from trainsim.workloads.train_step import layout_of
+
+    worst = 0.0
+    print(f"{'layout':>7} {'rank':>4} {'measured MiB':>12} {'traced MiB':>10} {'error %':>8}")
+    for name in layouts:
+        run = compose_run(["model=gpt-small", *LOCAL[name]], check="layout")
+        layout = layout_of(run.parallelism)
+        traced = trace_layout(run.model, run.parallelism).memory.to_pandas().set_index("rank_class")["peak_bytes"]
+        for rank, measured in enumerate(measure_peak_memory(run.model, run.parallelism)):
+            predicted = traced.loc[layout.position(rank).pp_rank]
+            error = 100 * (predicted / measured - 1)
+            print(f"{name:>7} {rank:>4} {measured / 2**20:>12.1f} {predicted / 2**20:>10.1f} {error:>+8.2f}")
+            worst = max(worst, abs(error))
+    return [("memory_error_pct_local_max", worst, "%")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-local", action="store_true")
     parser.add_argument("--skip-vtrain", action="store_true")
     parser.add_argument("--skip-korthikanti", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--layouts", nargs="+", choices=list(LOCAL), default=list(LOCAL),
                         help="local layouts to measure and predict (default: all)")
     parser.add_argument("--reuse-ground-truth", action="store_true",
@@ -191,6 +218,8 @@ def main() -> None:
     figures = []
     if not args.skip_local:  # first: the real runs need a quiet machine
         figures += local_part(args.reuse_ground_truth, args.layouts)
+    if not args.skip_memory:
+        figures += local_memory_part(args.layouts)
     if not args.skip_vtrain:
         figures += vtrain_part()
     if not args.skip_korthikanti:

@@ -149,7 +149,7 @@ def evaluate_case(name: str, overrides: list[str], hardware: str, steps: int, db
     if measured_peak:  # the allocator's record (a GPU): against the trace's peak of the same rank
         memory = traced.memory.to_pandas().iloc[0]
         gib = (memory[["peak_bytes", "parameter_bytes", "gradient_bytes", "optimizer_state_bytes",
-                       "peak_activation_bytes", "largest_temporary_bytes"]] / 2**30).round(2)
+                       "peak_activation_bytes", "transient_bytes"]] / 2**30).round(2)
         print(f"{name}: peak memory {measured_peak / 2**30:.2f} GiB measured; traced (GiB) {gib.to_dict()}")
         figures.append((f"gpu_memory_error_pct_{name}", 100 * abs(memory["peak_bytes"] / measured_peak - 1), "%"))
     if "analytical" in sources:

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from trainsim.config import compose_run
 from trainsim.validation.activation_memory import (
@@ -100,3 +101,46 @@ def test_search_drops_and_counts_layouts_that_do_not_fit(tmp_path, monkeypatch):
     _, points = read_sweep_file(tmp_path / "search/sweep.yaml")
     chosen = {tuple(o for o in point if o.startswith(("parallelism.tp=", "parallelism.pp="))) for point in points}
     assert chosen and ("parallelism.tp=1", "parallelism.pp=1") not in chosen  # only layouts that fit
+
+
+def test_step_allocations_follow_storages_until_their_last_tensor_goes():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from trainsim.trace.recorder import StepAllocations
+
+    allocations = StepAllocations()
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            keys = {t.untyped_storage()._cdata for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+            allocations.note(keys, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
+            return out
+
+    weight = torch.ones(250)  # made before the step: not the step's
+    with Watch():
+        a = weight * 2  # 1,000 bytes
+        b = a + 1  # 2,000 alive
+        view = b.view(25, 10)
+        del a, b  # the view keeps b's storage: 1,000 alive
+        kept = view.sum(0) * 0  # alive when the step ends (a state): left out
+        c = view + 1  # 2,000 alive
+        del view, c
+        weight.mul_(1)  # in place on a storage the step did not create
+    assert allocations.peak_transient_bytes() == 2000
+    assert kept.numel() == 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["parallelism=pp2", "parallelism=cp2"])
+def test_traced_peak_matches_the_real_run(layout):
+    from trainsim.trace import trace_layout
+    from trainsim.workloads.launch import measure_peak_memory
+    from trainsim.workloads.train_step import layout_of
+
+    run = compose_run(["model=gpt-small", "model.num_layers=2", layout], check="layout")
+    traced = trace_layout(run.model, run.parallelism).memory.to_pandas().set_index("rank_class")["peak_bytes"]
+    layout_ = layout_of(run.parallelism)
+    for rank, measured in enumerate(measure_peak_memory(run.model, run.parallelism)):
+        assert traced.loc[layout_.position(rank).pp_rank] == pytest.approx(measured, rel=0.03)

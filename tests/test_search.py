@@ -202,7 +202,7 @@ def test_fast_path_bounds_each_pass_by_host_dispatch():
     model, par = run.model, run.parallelism
     layer = PartCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.1,
                      host_ops={"forward": 10, "backward": 20, "optimizer": 5})
-    costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0, largest_temporary_bytes=0)
+    costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0, transient_bytes=0)
     hw = dataclasses.replace(run.hardware, memory_capacity_bytes=0)
     m, layers = par.num_microbatches, model.num_layers
     device_bound = estimate_layout(costs, model, par, hw, CommModel.from_hardware(hw))

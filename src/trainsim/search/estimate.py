@@ -150,7 +150,7 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
     m = par.num_microbatches if par.schedule == "gpipe" else min(par.num_microbatches, 4 * par.pp)
     row = memory_row(s, **states, saved_bytes_per_chunk={c: total("activation_bytes", c) for c in range(v)},
                      actions=pipeline_actions(par.schedule, par.pp, s, m, v),
-                     largest_temporary_bytes=costs.largest_temporary_bytes)
+                     transient_bytes=costs.transient_bytes)
     return int(row["peak_bytes"])
 
 

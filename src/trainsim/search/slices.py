@@ -86,7 +86,8 @@ class SliceCosts:
     last: PartCost
     p2p_message_bytes: int
     """activation tensor sent between pipeline stages per micro-batch"""
-    largest_temporary_bytes: int
+    transient_bytes: int
+    """what a step holds beyond one micro-batch's saved activations at its worst moment (trace/memory.py)"""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -95,7 +96,7 @@ class SliceCosts:
     def from_json(cls, text: str) -> SliceCosts:
         data = json.loads(text)
         return cls(**{k: PartCost(**data[k]) for k in PART_NAMES}, p2p_message_bytes=data["p2p_message_bytes"],
-                   largest_temporary_bytes=data["largest_temporary_bytes"])
+                   transient_bytes=data["transient_bytes"])
 
 
 def slice_key(par: ParallelismConfig) -> str:
@@ -161,5 +162,5 @@ def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: Hardware
     sends = one[(one["kind"] == "p2p") & (one["collective"] == "send")]["message_bytes"]
     return SliceCosts(layer=layer, first=first_one.minus(layer), last=last_one.minus(layer),
                       p2p_message_bytes=int(sends.max()) if len(sends) else 0,
-                      largest_temporary_bytes=int(max(one_memory["largest_temporary_bytes"].max(),
-                                                      two_memory["largest_temporary_bytes"].max())))
+                      transient_bytes=int(max(one_memory["transient_bytes"].max(),
+                                                      two_memory["transient_bytes"].max())))

@@ -1,9 +1,13 @@
 """Memory of one rank class: model states from the built sub-model, activations from the trace.
 
 Peak = weights + gradients + optimizer states + activations kept for in-flight micro-batches
-+ the largest single temporary. In-flight activations follow the schedule: walk the rank's actions
++ the transient bytes above them. In-flight activations follow the schedule: walk the rank's actions
 and keep the maximum of the activations saved by forwards whose backward has not run yet
-(GPipe keeps all m micro-batches, 1F1B at most pp - stage; Narayanan et al. 2021, sec. 2.2).
+(GPipe keeps all m micro-batches, 1F1B at most pp - stage; Narayanan et al. 2021, sec. 2.2). The
+transient part is what the traced step (one micro-batch through every chunk and back) holds at its worst
+moment beyond that micro-batch's saved activations: temporaries (the loss's logits-sized tensors, a
+layer's intermediate results), gradients on their way through backward, communication buffers
+(trace/recorder.py's StepAllocations follows every storage the step creates until it is freed).
 Parameters include the FP8 copies of the weights under precision fp8 (workloads/fp8.py).
 Allocator fragmentation and framework workspaces are not modelled.
 """
@@ -22,7 +26,7 @@ MEMORY_SCHEMA = pa.schema([
     ("activation_bytes_per_microbatch", pa.int64()),
     ("max_inflight_microbatches", pa.int32()),
     ("peak_activation_bytes", pa.int64()),
-    ("largest_temporary_bytes", pa.int64()),
+    ("transient_bytes", pa.int64()),
     ("peak_bytes", pa.int64()),
 ])
 MEMORY_COLUMNS = MEMORY_SCHEMA.names
@@ -42,7 +46,7 @@ def peak_inflight_activation_bytes(actions: list[Action], saved_bytes_per_chunk:
 
 
 def memory_row(rank_class: int, *, parameter_bytes: int, gradient_bytes: int, optimizer_state_bytes: int,
-               saved_bytes_per_chunk: dict[int, int], actions: list[Action], largest_temporary_bytes: int) -> dict:
+               saved_bytes_per_chunk: dict[int, int], actions: list[Action], transient_bytes: int) -> dict:
     peak_activation, inflight = peak_inflight_activation_bytes(actions, saved_bytes_per_chunk)
     row = {
         "rank_class": rank_class,
@@ -52,10 +56,10 @@ def memory_row(rank_class: int, *, parameter_bytes: int, gradient_bytes: int, op
         "activation_bytes_per_microbatch": sum(saved_bytes_per_chunk.values()),
         "max_inflight_microbatches": inflight,
         "peak_activation_bytes": peak_activation,
-        "largest_temporary_bytes": largest_temporary_bytes,
+        "transient_bytes": transient_bytes,
     }
     row["peak_bytes"] = (parameter_bytes + gradient_bytes + optimizer_state_bytes + peak_activation
-                         + largest_temporary_bytes)
+                         + transient_bytes)
     return row
 
 

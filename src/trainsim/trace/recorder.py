@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +101,55 @@ def _sdpa_flops(func_name: str, q: torch.Tensor, k: torch.Tensor) -> int:
     return int(forward * 2.5) if "backward" in func_name else forward
 
 
+class StepAllocations:
+    """The storages a traced step creates and when each is freed: the step's live bytes over time.
+
+    A storage is new when an op returns a tensor on it that none of the op's inputs shares; views and
+    in-place results on it keep it alive too. Python frees a (fake) tensor when its last reference goes
+    (autograd's saved tensors keep theirs until backward), and a storage goes with the last tensor on it.
+    Storages still alive when the step has ended are model states (gradients, FP8 weight copies), counted
+    apart, so they are left out of the transient peak.
+    """
+
+    def __init__(self) -> None:
+        self._alive: dict[int, list[int]] = {}  # storage key -> [allocation id, tensors on it]
+        self._log: list[tuple[int, int]] = []  # (allocation id, +bytes when allocated / -bytes when freed)
+        self._bytes: dict[int, int] = {}
+        self._ids = itertools.count()
+
+    def note(self, input_keys: set[int], outputs: list[torch.Tensor]) -> None:
+        for t in outputs:
+            key = t.untyped_storage()._cdata
+            entry = self._alive.get(key)
+            if entry is None:
+                if key in input_keys:  # an input's storage the step did not create (a weight, a buffer)
+                    continue
+                entry = self._alive[key] = [next(self._ids), 0]
+                self._bytes[entry[0]] = t.untyped_storage().nbytes()
+                self._log.append((entry[0], self._bytes[entry[0]]))
+            entry[1] += 1
+            weakref.finalize(t, self._release, key, entry[0])
+
+    def _release(self, key: int, allocation: int) -> None:
+        entry = self._alive.get(key)
+        if entry is None or entry[0] != allocation:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._alive[key]
+            self._log.append((allocation, -self._bytes[allocation]))
+
+    def peak_transient_bytes(self) -> int:
+        """Most bytes alive at once of the storages freed within the step."""
+        persistent = {entry[0] for entry in self._alive.values()}
+        live = peak = 0
+        for allocation, delta in self._log:
+            if allocation not in persistent:
+                live += delta
+                peak = max(peak, live)
+        return peak
+
+
 class ExecutionRecorder(TorchDispatchMode, StepObserver):
     """Collects the events of one rank; install with `observing(recorder)` and `with recorder:`."""
 
@@ -121,7 +172,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._named_kind: str | None = None  # the kind the step says it communicates in (observer.communication)
         self._group_ranks_cache: dict[int, list[int]] = {}
         self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
-        self.largest_output_bytes = 0  # the biggest temporary one op creates
+        self.allocations = StepAllocations()
         self._saved_storages: set[tuple[int, int]] = set()
 
     # -- StepObserver -------------------------------------------------------------------------
@@ -177,6 +228,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         start = time.perf_counter()  # ~100 ns; recording the op (JSON of its arguments) costs far more
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
+        self.allocations.note({_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)},
+                              [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
         if func.namespace not in SKIPPED_NAMESPACES and (func.namespace == "c10d" or not self._in_communication):
             self._record(func, args, kwargs, out)
             if self.time_ops:
@@ -235,7 +288,6 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             self._fill_communication(event, func, args, tensors)
         elif not is_view:
             event["bytes_moved"] = sum(map(_tensor_bytes, tensors)) + sum(map(_tensor_bytes, outputs))
-            self.largest_output_bytes = max([self.largest_output_bytes, *map(_tensor_bytes, outputs)])
             packet = func._overloadpacket
             if packet in flop_registry:
                 event["flops"] = int(flop_registry[packet](*args, **kwargs, out_val=out))

@@ -78,7 +78,7 @@ class _TracedStage:
     gradient_bytes: int
     optimizer_state_bytes: int
     saved_bytes_per_chunk: dict[int, int]
-    largest_temporary_bytes: int
+    transient_bytes: int
 
 
 @functools.cache
@@ -132,7 +132,9 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> _T
                 gradient_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
                 saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),
-                largest_temporary_bytes=recorder.largest_output_bytes,
+                # what the step holds at its worst moment beyond the micro-batch's saved activations
+                transient_bytes=max(recorder.allocations.peak_transient_bytes()
+                                            - sum(recorder.saved_activation_bytes.values()), 0),
             )
     finally:
         dist.destroy_process_group()
@@ -173,7 +175,7 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) 
             optimizer_state_bytes=stage.optimizer_state_bytes,
             saved_bytes_per_chunk=stage.saved_bytes_per_chunk,
             actions=pipeline_actions(par.schedule, par.pp, pp_rank, par.num_microbatches, par.virtual_stages),
-            largest_temporary_bytes=stage.largest_temporary_bytes,
+            transient_bytes=stage.transient_bytes,
         ))
         seconds.append(time.perf_counter() - start)
         if progress:

@@ -178,6 +178,29 @@ def _timed_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismConfi
     return result
 
 
+def _profiled_peak_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismConfig, steps: int) -> int:
+    """Most bytes this rank's CPU allocator held for tensors, from building the model through `steps` steps:
+    the running total of torch.profiler's memory record (every allocation and free)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        timed_steps(model_cfg, par, layout, rank, steps, warmup=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0]
+    return max(totals, default=0)
+
+
+def measure_peak_memory(model_cfg: ModelConfig, par: ParallelismConfig, steps: int = 2) -> list[int]:
+    """Per rank: the most tensor memory a real run held (the profiler's record; CPU ranks over gloo)."""
+    return spawn_ranks(_profiled_peak_rank, par, model_cfg, par, steps)
+
+
 def run_real_step(model_cfg: ModelConfig, par: ParallelismConfig, *, steps: int = 1, warmup: int = 0,
                   record: bool = False, time_ops: bool = False, threads_per_rank: int = 1) -> list[RankRun]:
     """Spawn dp*tp*pp processes, run `warmup + steps` timed training steps (plus one recorded step
