@@ -116,6 +116,7 @@ class StepAllocations:
         self._log: list[tuple[int, int]] = []  # (allocation id, +bytes when allocated / -bytes when freed)
         self._bytes: dict[int, int] = {}
         self._ids = itertools.count()
+        self._watched: dict[int, weakref.ref] = {}  # the weak references (a dropped one would never call back)
 
     def note(self, input_keys: set[int], outputs: list[torch.Tensor]) -> None:
         for t in outputs:
@@ -128,9 +129,11 @@ class StepAllocations:
                 self._bytes[entry[0]] = t.untyped_storage().nbytes()
                 self._log.append((entry[0], self._bytes[entry[0]]))
             entry[1] += 1
-            weakref.finalize(t, self._release, key, entry[0])
+            ref = weakref.ref(t, lambda ref, key=key, allocation=entry[0]: self._release(ref, key, allocation))
+            self._watched[id(ref)] = ref
 
-    def _release(self, key: int, allocation: int) -> None:
+    def _release(self, ref: weakref.ref, key: int, allocation: int) -> None:
+        self._watched.pop(id(ref), None)
         entry = self._alive.get(key)
         if entry is None or entry[0] != allocation:
             return
