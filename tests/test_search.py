@@ -113,7 +113,8 @@ def test_fast_path_agrees_with_the_full_composer(small_search, layout, tmp_path)
                                       {"trace": tmp_path / "trace", "profile": tmp_path / "profile"}, tmp_path / "tl")
     assert row["step_time_s"] == pytest.approx(summary["step_time_s"], rel=0.10)
     memory = pd.read_parquet(tmp_path / "trace/memory.parquet")
-    assert row["peak_memory_gib"] * 2**30 == pytest.approx(memory["peak_bytes"].max(), rel=0.01)
+    # the fast path takes a stage's transient bytes from its 1- and 2-layer slices (one replica)
+    assert row["peak_memory_gib"] * 2**30 == pytest.approx(memory["peak_bytes"].max(), rel=0.02)
     assert summary["num_microbatches"] == row["num_microbatches"]
 
 
@@ -202,7 +203,8 @@ def test_fast_path_bounds_each_pass_by_host_dispatch():
     model, par = run.model, run.parallelism
     layer = PartCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.1,
                      host_ops={"forward": 10, "backward": 20, "optimizer": 5})
-    costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0, transient_bytes=0)
+    costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0,
+                       first_transient_bytes=0, last_transient_bytes=0)
     hw = dataclasses.replace(run.hardware, memory_capacity_bytes=0)
     m, layers = par.num_microbatches, model.num_layers
     device_bound = estimate_layout(costs, model, par, hw, CommModel.from_hardware(hw))

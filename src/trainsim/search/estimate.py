@@ -148,9 +148,10 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
     # the forwards in flight peak within the first 2 pp (+ v pp) actions, so 4 pp micro-batches show the peak
     # of any longer 1F1B pipeline; GPipe keeps all m in flight
     m = par.num_microbatches if par.schedule == "gpipe" else min(par.num_microbatches, 4 * par.pp)
+    holds_loss = any("last" in parts[(s, c)] for c in range(v))
+    transient = max(costs.first_transient_bytes, costs.last_transient_bytes if holds_loss else 0)
     row = memory_row(s, **states, saved_bytes_per_chunk={c: total("activation_bytes", c) for c in range(v)},
-                     actions=pipeline_actions(par.schedule, par.pp, s, m, v),
-                     transient_bytes=costs.transient_bytes)
+                     actions=pipeline_actions(par.schedule, par.pp, s, m, v), transient_bytes=transient)
     return int(row["peak_bytes"])
 
 

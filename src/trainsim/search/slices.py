@@ -86,8 +86,11 @@ class SliceCosts:
     last: PartCost
     p2p_message_bytes: int
     """activation tensor sent between pipeline stages per micro-batch"""
-    transient_bytes: int
-    """what a step holds beyond one micro-batch's saved activations at its worst moment (trace/memory.py)"""
+    first_transient_bytes: int
+    """what a stage's step holds beyond one micro-batch's saved activations at its worst moment
+    (trace/memory.py): a stage without the output layer"""
+    last_transient_bytes: int
+    """the same for the stage with the output layer and the loss (their logits-sized temporaries)"""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -96,7 +99,8 @@ class SliceCosts:
     def from_json(cls, text: str) -> SliceCosts:
         data = json.loads(text)
         return cls(**{k: PartCost(**data[k]) for k in PART_NAMES}, p2p_message_bytes=data["p2p_message_bytes"],
-                   transient_bytes=data["transient_bytes"])
+                   first_transient_bytes=data["first_transient_bytes"],
+                   last_transient_bytes=data["last_transient_bytes"])
 
 
 def slice_key(par: ParallelismConfig) -> str:
@@ -159,8 +163,10 @@ def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: Hardware
 
     first_one, last_one, first_two = stage(one, one_memory, 0), stage(one, one_memory, 1), stage(two, two_memory, 0)
     layer = first_two.minus(first_one)
-    sends = one[(one["kind"] == "p2p") & (one["collective"] == "send")]["message_bytes"]
+    sends = one[(one["group_kind"] == "pp") & (one["collective"] == "send")]["message_bytes"]
     return SliceCosts(layer=layer, first=first_one.minus(layer), last=last_one.minus(layer),
                       p2p_message_bytes=int(sends.max()) if len(sends) else 0,
-                      transient_bytes=int(max(one_memory["transient_bytes"].max(),
-                                                      two_memory["transient_bytes"].max())))
+                      first_transient_bytes=int(max(one_memory.loc[0, "transient_bytes"],
+                                                    two_memory.loc[0, "transient_bytes"])),
+                      last_transient_bytes=int(max(one_memory.loc[1, "transient_bytes"],
+                                                   two_memory.loc[1, "transient_bytes"])))
