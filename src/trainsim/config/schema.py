@@ -442,6 +442,12 @@ class ParallelismConfig:
         return self.dp * self.cp * self.tp * self.pp
 
     @property
+    def weight_replicas(self) -> int:
+        """Ranks holding the same weights (every dp and cp rank of a model shard): where gradients are averaged
+        and the distributed optimizer shards."""
+        return self.dp * self.cp
+
+    @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 

@@ -157,7 +157,7 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
 
 def optimizer_shards(par: ParallelismConfig) -> int:
     """Over how many replicas (ranks with the same weights) the optimizer's states and update are split."""
-    return par.dp * par.cp if par.zero_stage >= 1 else 1
+    return par.weight_replicas if par.zero_stage >= 1 else 1
 
 
 def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig,
@@ -210,7 +210,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
                                                                  for p in parts[(s, c)]]
         grads = sum(part.gradient_bytes for part in stage_parts)
         end, gather_s = ends[s], 0.0
-        replicas = par.dp * par.cp  # ranks with the same weights: the gradient group
+        replicas = par.weight_replicas  # the gradient group
         if replicas > 1 and grads > 0:
             buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
             dp_nodes = nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), hw)

@@ -118,12 +118,16 @@ class StepAllocations:
         self._ids = itertools.count()
         self._watched: dict[int, weakref.ref] = {}  # the weak references (a dropped one would never call back)
 
-    def note(self, input_keys: set[int], outputs: list[torch.Tensor]) -> None:
+    def note(self, outputs: list[torch.Tensor], input_keys) -> None:
+        """`input_keys()`: the storage keys of the op's inputs (asked for only when an output's storage is new
+        to the step: views and in-place results on tracked storages, the common case, need no look)."""
+        inputs = None
         for t in outputs:
             key = t.untyped_storage()._cdata
             entry = self._alive.get(key)
             if entry is None:
-                if key in input_keys:  # an input's storage the step did not create (a weight, a buffer)
+                inputs = input_keys() if inputs is None else inputs
+                if key in inputs:  # an input's storage the step did not create (a weight, a buffer)
                     continue
                 entry = self._alive[key] = [next(self._ids), 0]
                 self._bytes[entry[0]] = t.untyped_storage().nbytes()
@@ -231,8 +235,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         start = time.perf_counter()  # ~100 ns; recording the op (JSON of its arguments) costs far more
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
-        self.allocations.note({_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)},
-                              [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
+        self.allocations.note([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)],
+                              lambda: {_storage_key(t) for t in tree_flatten((args, kwargs))[0]
+                                       if isinstance(t, torch.Tensor)})
         if func.namespace not in SKIPPED_NAMESPACES and (func.namespace == "c10d" or not self._in_communication):
             self._record(func, args, kwargs, out)
             if self.time_ops:

@@ -104,6 +104,21 @@ def _ring_block(step: int, rank: int, cp: int, c: int) -> tuple[slice, slice, bo
     return slice(c, None), slice(None), False
 
 
+def _save(ctx, q, kv, out, lse, group, cp: int, extras: list) -> torch.Tensor:
+    """Keep what the backward of either attention needs; return the output in the queries' dtype."""
+    out = out.to(q.dtype)
+    ctx.save_for_backward(q, kv, out, lse)
+    ctx.group, ctx.cp, ctx.extras = group, cp, extras
+    return out
+
+
+def _restore(ctx, dout):
+    """(q, kv, out, lse, dout, an fp32 dq to accumulate into, group, cp, rank, chunk length) for backward."""
+    q, kv, out, lse = ctx.saved_tensors
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    return q, kv, out, lse, dout.contiguous(), dq, ctx.group, ctx.cp, dist.get_rank(ctx.group), q.shape[2] // 2
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, cp):
@@ -124,18 +139,11 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 wait_all(works, "cp")
                 held = incoming
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)
-        ctx.group, ctx.cp, ctx.extras = group, cp, extras
-        return out
+        return _save(ctx, q, kv, out, lse, group, cp, extras)
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
-        group, cp = ctx.group, ctx.cp
-        rank, c = dist.get_rank(group), q.shape[2] // 2
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        q, kv, out, lse, dout, dq, group, cp, rank, c = _restore(ctx, dout)
         held, passing = kv, None
         for step in range(cp):
             if step + 1 < cp:
@@ -201,19 +209,12 @@ class _AllGatherAttention(torch.autograd.Function):
                 out[:, :, qs] = block_out
                 lse[:, :, qs] = block_lse
                 started.add(qs.start)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv, out, lse)  # the local keys/values: gathered again in backward
-        ctx.group, ctx.cp, ctx.extras = group, cp, extras
-        return out
+        return _save(ctx, q, kv, out, lse, group, cp, extras)  # the local keys/values: gathered again in backward
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
-        group, cp = ctx.group, ctx.cp
-        rank, c = dist.get_rank(group), q.shape[2] // 2
-        dout = dout.contiguous()
+        q, kv, out, lse, dout, dq, group, cp, rank, c = _restore(ctx, dout)
         full = _gather_sequence(kv, group, cp)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dfull = torch.zeros_like(full)
         for (qs, ks, causal), extra in zip(_all_gather_blocks(rank, cp, c), ctx.extras):
             dq_block, dk_block, dv_block = _flash_backward(

@@ -99,9 +99,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
                          f"tp_rank={pos.tp_rank}, cp_rank={pos.cp_rank}) for {model_cfg.name}: {exc}") from exc
     shard = par.zero_stage >= 1
-    # the gradients are averaged (and the distributed optimizer shards) over every rank with the same weights
-    replicas = par.dp * par.cp
-    buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], replicas,
+    buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.weight_replicas,
                                shard=shard, modules=list(chunk.modules())) for chunk in chunks]
     if shard:  # the distributed optimizer: this rank's slices of the flat buffers, the norm over every rank
         weights = [w for b in buckets for w in b.param_shards()]
