@@ -2,7 +2,8 @@
 
 Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2,
 tp2, pp2 with 1F1B over 4 micro-batches, sp2 = tp2 with sequence parallelism, zero1 = dp2 with the
-distributed optimizer, cp2 = context parallelism over 2 ranks, ring attention) the layout's ops are timed
+distributed optimizer, cp2 = context parallelism over 2 ranks, ring attention, fsdp2 = dp2 with FSDP2 fully
+sharded, ZeRO-3) the layout's ops are timed
 again (`--remeasure`) and its hardware's gloo model and system noise calibrated again (once per run); then
 the real step is measured
 (trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as
@@ -60,6 +61,7 @@ LOCAL = {
     "sp2": ["parallelism=tp2", "parallelism.sequence_parallel=true"],
     "zero1": ["parallelism=dp2", "parallelism.zero_stage=1"],
     "cp2": ["parallelism=cp2"],
+    "fsdp2": ["parallelism=dp2", "parallelism.zero_stage=3"],
 }
 
 

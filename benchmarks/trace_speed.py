@@ -9,7 +9,9 @@ PP18 here, as trainsim splits layers evenly: conf/parallelism/tp8-sp-cp16-pp18-d
 parallelism, ring attention, full recomputation, distributed optimizer): `figure
 trace_seconds_llama405b_18432gpu` and `figure compose_seconds_llama405b_18432gpu` (reading nothing: the traced
 tables in memory, kernels priced by h100-sxm-dgx's analytical model, the NCCL model uncalibrated, a constant
-overlap slowdown). Targets: <= 60 s and <= 30 s.
+overlap slowdown). Targets: <= 60 s and <= 30 s. The same with FSDP (zero_stage 3: weights, gradients and states
+sharded over the 128 dp x cp ranks) in place of the distributed optimizer: `figure
+trace_seconds_llama405b_18432gpu_fsdp`, `figure compose_seconds_llama405b_18432gpu_fsdp`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from trainsim.trace import trace_layout
 LAYOUTS = [(96, "pp12-tp8-dp1"), (1024, "pp16-tp8-dp8"), (8192, "pp16-tp8-dp64")]
 LLAMA_405B_LONG_CONTEXT = ["hardware=h100-sxm-dgx", "hardware.num_nodes=2304", "model=llama3.1-405b",
                            "model.seq_length=131072", "parallelism=tp8-sp-cp16-pp18-dp8"]
+LLAMA_405B_VARIANTS = {"": [], "_fsdp": ["parallelism.zero_stage=3", "parallelism.overlap_param_gather=false"]}
+"""figure suffix -> overrides: the layout as given (distributed optimizer), and with FSDP over dp x cp instead"""
 
 
 def measure(parallelism: str) -> None:
@@ -34,14 +38,14 @@ def measure(parallelism: str) -> None:
     print(f"{seconds:.3f} {result.graph.num_rows} {run.parallelism.pp} {result.rank_classes.num_rows}")
 
 
-def measure_llama_long_context() -> None:
+def measure_llama_long_context(*overrides: str) -> None:
     from trainsim.profile.analytical import predict_rows
     from trainsim.profile.stage import distinct_ops
     from trainsim.timeline import compose_step
     from trainsim.timeline.costs import ConstantSlowdown
     from trainsim.timeline.stage import comm_model
 
-    run = compose_run(LLAMA_405B_LONG_CONTEXT)
+    run = compose_run([*LLAMA_405B_LONG_CONTEXT, *overrides])
     start = time.perf_counter()
     result = trace_layout(run.model, run.parallelism)
     trace_s = time.perf_counter() - start
@@ -67,22 +71,24 @@ def main() -> None:
         assert ranks == gpus
         print(f"{gpus:>6} {parallelism:>15} {classes:>8} {events:>8} {seconds:>8.2f}")
         figures.append((gpus, seconds))
-    out = subprocess.run([sys.executable, __file__, "--llama-long-context"], capture_output=True, text=True,
-                         check=True).stdout.split()
-    trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
-        int(out[3]), float(out[4]), float(out[5])
-    print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 CP16 PP18 DP8, 128K tokens): {events} events traced in "
-          f"{trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, peak memory {peak_gib:.1f} GiB")
     for gpus, seconds in figures:
         print(f"figure trace_seconds_gpt175b_{gpus}gpu {seconds:.2f} s")
-    print(f"figure trace_seconds_llama405b_{gpus_405b}gpu {trace_s:.2f} s")
-    print(f"figure compose_seconds_llama405b_{gpus_405b}gpu {compose_s:.2f} s")
+    for variant, overrides in LLAMA_405B_VARIANTS.items():
+        out = subprocess.run([sys.executable, __file__, "--llama-long-context", *overrides], capture_output=True,
+                             text=True, check=True).stdout.split()
+        trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
+            int(out[3]), float(out[4]), float(out[5])
+        print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 CP16 PP18 DP8, 128K tokens, {variant or 'distributed optimizer'}):"
+              f" {events} events traced in {trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, "
+              f"peak memory {peak_gib:.1f} GiB")
+        print(f"figure trace_seconds_llama405b_{gpus_405b}gpu{variant} {trace_s:.2f} s")
+        print(f"figure compose_seconds_llama405b_{gpus_405b}gpu{variant} {compose_s:.2f} s")
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--one":
         measure(sys.argv[2])
-    elif len(sys.argv) == 2 and sys.argv[1] == "--llama-long-context":
-        measure_llama_long_context()
+    elif len(sys.argv) >= 2 and sys.argv[1] == "--llama-long-context":
+        measure_llama_long_context(*sys.argv[2:])
     else:
         main()

@@ -75,6 +75,12 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
                   "model.hidden_size=128", "model.num_attention_heads=8", "model.num_kv_heads=4",
                   "model.ffn_hidden_size=256", "model.seq_length=64", "model.vocab_size=512"],
                  id="cp2-tp2-sp-zero1-llama"),
+    pytest.param(["parallelism=dp2", "parallelism.zero_stage=3", "parallelism.precision=bf16"], id="fsdp2-zero3"),
+    pytest.param(["parallelism=dp2", "parallelism.zero_stage=2", "parallelism.recompute=full"],
+                 id="fsdp2-zero2-full-recompute"),
+    pytest.param(["parallelism=dp2", "parallelism.zero_stage=3", "parallelism.precision=bf16", "parallelism.pp=2",
+                  "parallelism.tp=2", "parallelism.sequence_parallel=true", "parallelism.global_batch_size=8",
+                  "hardware.devices_per_node=8"], id="fsdp2-tp2-sp-pp2"),
 ])
 def test_real_gloo_step_matches_ex_situ_trace(overrides):
     run = compose_run(overrides)

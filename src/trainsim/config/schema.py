@@ -415,7 +415,11 @@ class ParallelismConfig:
     """Sharding of the training state over the data-parallel replicas (ZeRO, Rajbhandari et al. 2020):
     0 = every replica holds all of it (DDP: gradient buckets all-reduced); 1 = fp32 master weights and Adam
     moments sharded over dp (Megatron-Core's distributed optimizer, DeepSpeed ZeRO-1): gradient buckets are
-    reduce-scattered, each rank updates its 1/dp slice, the updated weights are all-gathered."""
+    reduce-scattered, each rank updates its 1/dp slice, the updated weights are all-gathered; 2 and 3 = FSDP
+    (PyTorch's FSDP2 `fully_shard` per block, as torchtitan): weights, gradients and states all sharded, each
+    block's weights all-gathered (bf16) before its forward and gradients reduce-scattered (fp32) after every
+    micro-batch's backward; 2 keeps the gathered weights until the backward (SHARD_GRAD_OP), 3 frees them
+    after the forward and gathers them again for the backward (FULL_SHARD, ZeRO-3)."""
     overlap_param_gather: bool = False
     """With zero_stage 1: all-gather the updated weights during the next step's first forward, each layer
     waiting only for its own bucket (Megatron-Core --overlap-param-gather), instead of after the optimizer."""

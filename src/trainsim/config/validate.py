@@ -17,9 +17,9 @@ FP8_RECIPES = ("delayed", "current")
 """Transformer Engine's per-tensor FP8 recipes (workloads/fp8.py)."""
 FAMILIES = ("gpt", "llama")
 ATTENTION_KERNELS = ("fused", "unfused")
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2, 3)
+"""0 replicated (DDP), 1 distributed optimizer, 2 and 3 FSDP2 (workloads/fully_sharded.py)."""
 CP_COMM_TYPES = ("p2p", "all_gather")
-"""ZeRO-2 (gradients sharded) and ZeRO-3 / FSDP (weights sharded) are not built yet."""
 DEVICE_KINDS = ("cpu", "cuda")
 PROFILE_BACKENDS = ("auto", "measure", "analytical")
 SLOWDOWN_SOURCES = ("measure", "import")
@@ -99,9 +99,14 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
             raise ConfigError(f"parallelism.sequence_parallel=true splits each context-parallel rank's "
                               f"{par.micro_batch_size * model.seq_length // par.cp} tokens per micro-batch over "
                               f"tp={par.tp}: not divisible")
-    if par.overlap_param_gather and par.zero_stage < 1:
+    if par.overlap_param_gather and par.zero_stage != 1:
         raise ConfigError("parallelism.overlap_param_gather=true overlaps the distributed optimizer's parameter "
-                          f"all-gather: it needs parallelism.zero_stage >= 1 (got {par.zero_stage})")
+                          f"all-gather: it needs parallelism.zero_stage=1 (got {par.zero_stage}; FSDP, stages 2 "
+                          "and 3, always prefetches the next layer's weights)")
+    if par.zero_stage >= 2 and par.precision == "fp8":
+        raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with parallelism.precision='fp8' is not "
+                          "modelled (FP8 weight all-gathers, as torchtitan's float8 FSDP, are not built): use "
+                          "zero_stage 0 or 1 with fp8, or precision bf16 with FSDP")
     if par.clip_grad < 0:
         raise ConfigError(f"parallelism.clip_grad={par.clip_grad} must be >= 0 (0 = no gradient clipping)")
 

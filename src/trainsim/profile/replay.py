@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+import trainsim.workloads.fully_sharded  # noqa: F401  (registers FSDP2's fsdp:: ops, replayed here)
+import trainsim.workloads.fused  # noqa: F401  (registers the trainsim:: ops)
 from trainsim.errors import ReplayError
 from trainsim.trace.recorder import DTYPE_NAMES
 

@@ -10,6 +10,12 @@ stage's last backward and run back to back on the communication stream; the opti
 With the distributed optimizer (zero_stage 1) the buckets are reduce-scattered, the optimizer updates 1/dp
 of the stage and its states take 1/dp of the memory, and the updated weights are all-gathered bucket by
 bucket after it (or, with overlap_param_gather, under the next step's forward: not on the step's path).
+With FSDP (zero_stage 2, 3) every layer's weights are all-gathered in its forward (and again in its backward
+for 3) and its gradients reduce-scattered in fp32 after its backward, every micro-batch, each beside the
+neighbouring layer's compute (prefetch): a layer takes the longer of its compute and its communication, and
+only the last reduce-scatter is exposed. States are 16 bytes per parameter over the replicas (fp32 weights,
+gradients, Adam moments); the gathered bf16 weights of two layers (3: the one running and the prefetched
+one) or of the whole stage (2: kept from forward to backward) and one layer's gradients are transient.
 Memory: model states plus activations of the forwards in flight, as the trace stage computes them.
 
 Host dispatch (hardware.host_dispatch_s): a pass takes at least its ops times the dispatch time (the
@@ -31,6 +37,7 @@ from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfi
 from trainsim.search.slices import PartCost, SliceCosts
 from trainsim.trace.memory import memory_row
 from trainsim.workloads.layout import Layout
+from trainsim.workloads.model import DTYPES
 from trainsim.workloads.schedules import pipeline_actions
 
 
@@ -145,14 +152,32 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
     states = {f: sum(total(f, c) for c in range(v)) for f in ("parameter_bytes", "gradient_bytes",
                                                                "optimizer_state_bytes")}
     states["optimizer_state_bytes"] //= optimizer_shards(par)
+    gathered = 0
+    if par.zero_stage >= 2:  # FSDP: 16 bytes per parameter sharded; gathered weights and gradients transient
+        parameters = states["parameter_bytes"] // DTYPES[par.precision].itemsize
+        states = {"parameter_bytes": 4 * parameters // par.weight_replicas, "gradient_bytes": 4 * parameters //
+                  par.weight_replicas, "optimizer_state_bytes": 8 * parameters // par.weight_replicas}
+        layer = costs.layer.parameter_bytes
+        weights = 2 * layer if par.zero_stage >= 3 else layers_per_chunk * v * layer
+        gathered = weights + costs.layer.gradient_bytes * (1 + 4 // DTYPES[par.precision].itemsize)
     # the forwards in flight peak within the first 2 pp (+ v pp) actions, so 4 pp micro-batches show the peak
     # of any longer 1F1B pipeline; GPipe keeps all m in flight
     m = par.num_microbatches if par.schedule == "gpipe" else min(par.num_microbatches, 4 * par.pp)
     holds_loss = any("last" in parts[(s, c)] for c in range(v))
-    transient = max(costs.first_transient_bytes, costs.last_transient_bytes if holds_loss else 0)
+    transient = max(costs.first_transient_bytes, costs.last_transient_bytes if holds_loss else 0) + gathered
     row = memory_row(s, **states, saved_bytes_per_chunk={c: total("activation_bytes", c) for c in range(v)},
                      actions=pipeline_actions(par.schedule, par.pp, s, m, v), transient_bytes=transient)
     return int(row["peak_bytes"])
+
+
+def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_nodes: int) -> tuple[float, float]:
+    """(all-gather of a part's weights in the compute dtype, reduce-scatter of its gradients in fp32)."""
+    replicas = par.weight_replicas
+    if replicas == 1 or not part.parameter_bytes:
+        return 0.0, 0.0
+    parameters = part.parameter_bytes // DTYPES[par.precision].itemsize
+    return (comm.collective_seconds("all_gather", part.parameter_bytes, replicas, dp_nodes),
+            comm.collective_seconds("reduce_scatter", 4 * parameters, replicas, dp_nodes))
 
 
 def optimizer_shards(par: ParallelismConfig) -> int:
@@ -191,6 +216,13 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in ("layer", "first",
                                                                                                 "last")}
+    dp_nodes = nodes_spanned(layout.group_ranks(0, "dp"), hw)
+    if par.zero_stage >= 2:  # FSDP: each part's compute beside its weights' gather and gradients' scatter
+        for name, by_phase in per_part.items():
+            gather_s, scatter_s = _fsdp_seconds(getattr(costs, name), par, comm, dp_nodes)
+            for phase, comm_s in (("F", gather_s), ("B", scatter_s + (gather_s if par.zero_stage >= 3 else 0.0))):
+                compute, collectives, host = by_phase[phase]
+                by_phase[phase] = (max(compute, comm_s - collectives), collectives, host)
     forward, backward, tp_comm = {}, {}, [0.0] * pp
     for (s, c), extra in parts.items():
         for phase, table in (("F", forward), ("B", backward)):
@@ -211,9 +243,13 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         grads = sum(part.gradient_bytes for part in stage_parts)
         end, gather_s = ends[s], 0.0
         replicas = par.weight_replicas  # the gradient group
-        if replicas > 1 and grads > 0:
+        if par.zero_stage >= 2:  # the last part's reduce-scatter has no compute left beside it
+            last_part = costs.first if s == 0 else costs.layer
+            scatter_s = _fsdp_seconds(last_part, par, comm, dp_nodes)[1]
+            exposed_max = max(exposed_max, scatter_s)
+            end += scatter_s
+        elif replicas > 1 and grads > 0:
             buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
-            dp_nodes = nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), hw)
             reduction = "reduce_scatter" if par.zero_stage >= 1 else "all_reduce"
             bucket_s = comm.collective_seconds(reduction, math.ceil(grads / buckets), replicas, dp_nodes)
             if par.zero_stage >= 1 and not par.overlap_param_gather:

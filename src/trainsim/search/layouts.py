@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.config.validate import RECOMPUTE_MODES, SCHEDULES, validate_layout
+from trainsim.config.validate import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, validate_layout
 from trainsim.errors import ConfigError
 
 
@@ -31,6 +31,8 @@ class SearchSpace:
     """empty: every divisor of the heads up to the devices per node"""
     cp_sizes: tuple[int, ...] = (1,)
     """context-parallel degrees to try (1: none; e.g. (1, 2, 4, 8) for long sequences)"""
+    zero_stages: tuple[int, ...] = ()
+    """state sharding to try (0 replicated, 1 distributed optimizer, 2/3 FSDP); empty: the base config's"""
 
     def __post_init__(self):
         for name, values, accepted in (("schedules", self.schedules, SCHEDULES),
@@ -38,6 +40,10 @@ class SearchSpace:
             unknown = [v for v in values if v not in accepted]
             if unknown or not values:
                 raise ConfigError(f"search space {name}={list(values)}: accepted values are {', '.join(accepted)}")
+        unknown = [z for z in self.zero_stages if z not in ZERO_STAGES]
+        if unknown:
+            raise ConfigError(f"search space zero_stages={list(self.zero_stages)}: accepted values are "
+                              f"{', '.join(map(str, ZERO_STAGES))}")
         bad = [b for b in (*self.micro_batch_sizes, *self.virtual_stages, *self.tp_sizes, *self.cp_sizes) if b < 1]
         if bad or not self.micro_batch_sizes or not self.cp_sizes:
             raise ConfigError(f"search space: micro-batch sizes, virtual stages, tp and cp sizes must be >= 1, "
@@ -69,6 +75,7 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
     layouts = []
     grid = [(world, tp, cp, pp) for world in world_sizes(budget, hw, space) for tp in tps for cp in space.cp_sizes
             for pp in _divisors(model.num_layers) if world % (tp * cp * pp) == 0]
+    sharding = [(z, f"-zero{z}" if space.zero_stages else "") for z in space.zero_stages or (base.zero_stage,)]
     for world, tp, cp, pp in grid:
         dp = world // (tp * cp * pp)
         context = f"-cp{cp}" if cp > 1 else ""
@@ -76,13 +83,16 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
             for schedule in space.schedules:
                 for v in (space.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
                     for recompute in space.recompute:
-                        par = dataclasses.replace(
-                            base, name=f"dp{dp}-tp{tp}{context}-pp{pp}-mbs{mbs}-{schedule}-v{v}-{recompute}",
-                            dp=dp, tp=tp, cp=cp, pp=pp, micro_batch_size=mbs, schedule=schedule,
-                            virtual_stages=v, recompute=recompute)
-                        try:
-                            validate_layout(model, par)
-                        except ConfigError:
-                            continue
-                        layouts.append(par)
+                        for zero, zero_name in sharding:
+                            par = dataclasses.replace(
+                                base, name=f"dp{dp}-tp{tp}{context}-pp{pp}-mbs{mbs}-{schedule}-v{v}-{recompute}"
+                                           f"{zero_name}",
+                                dp=dp, tp=tp, cp=cp, pp=pp, micro_batch_size=mbs, schedule=schedule,
+                                virtual_stages=v, recompute=recompute, zero_stage=zero,
+                                overlap_param_gather=base.overlap_param_gather and zero == 1)
+                            try:
+                                validate_layout(model, par)
+                            except ConfigError:
+                                continue
+                            layouts.append(par)
     return layouts

@@ -294,6 +294,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         }
         if func.namespace == "c10d":
             self._fill_communication(event, func, args, tensors)
+        elif name == "fsdp::all_gather_copy_in":  # copies the shards into their slice of the gather buffer
+            event["bytes_moved"] = 2 * sum(map(_tensor_bytes, args[0]))
         elif not is_view:
             event["bytes_moved"] = sum(map(_tensor_bytes, tensors)) + sum(map(_tensor_bytes, outputs))
             packet = func._overloadpacket

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from trainsim.config.schema import ModelConfig
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
+from trainsim.workloads.fused import RMSNorm, rotary, swiglu
 from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -42,7 +43,7 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False) -> nn.Module:
-    norm = (nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype) if cfg.family == "llama"
+    norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype) if cfg.family == "llama"
             else nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype))
     for p in norm.parameters():  # applied to a token shard: each tp rank holds a partial gradient
         p.sequence_parallel = sequence_parallel
@@ -58,8 +59,7 @@ def _rotary_tables(cfg: ModelConfig, dtype: torch.dtype, positions: torch.Tensor
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., 0::2], x[..., 1::2]  # [b, hl, s, d/2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return rotary(x, cos, sin, False)  # x [b, hl, s, d]; one fused op (workloads/fused.py)
 
 
 class Attention(nn.Module):
@@ -144,8 +144,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = nn.functional.silu(gate) * up
+            h = swiglu(h)
         else:
             h = nn.functional.gelu(h, approximate="tanh")
         return self.down(h)

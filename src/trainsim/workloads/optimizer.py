@@ -72,6 +72,9 @@ class MixedPrecisionAdamW:
             if self.mixed:
                 torch._foreach_copy_(self.params, self.master)
 
+    def zero_grad(self) -> None:
+        torch._foreach_zero_(self.grads)
+
     def _clip(self, grads: list[torch.Tensor]) -> None:
         norms = torch.stack(torch._foreach_norm(grads))
         squared = torch.dot(norms, norms)

@@ -16,6 +16,7 @@ from trainsim.errors import TraceError
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.data_parallel import GradientBuckets
 from trainsim.workloads.fp8 import fp8_settings
+from trainsim.workloads.fully_sharded import local, shard_chunk
 from trainsim.workloads.layout import GROUP_KINDS, Layout
 from trainsim.workloads.model import DTYPES, TransformerChunk
 from trainsim.workloads.observe import observer
@@ -98,7 +99,17 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     except (RuntimeError, ValueError) as exc:
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
                          f"tp_rank={pos.tp_rank}, cp_rank={pos.cp_rank}) for {model_cfg.name}: {exc}") from exc
-    shard = par.zero_stage >= 1
+    if par.zero_stage >= 2:  # FSDP2: sharded weights, gradients and states; the norm over every rank
+        for chunk in chunks:
+            partial = [name for name, p in chunk.named_parameters() if getattr(p, "sequence_parallel", False)]
+            shard_chunk(chunk, list(chunk.layers), groups["dp"], par.zero_stage, dtype)
+            for name in partial:  # fully_shard replaces the parameters: tag the new ones
+                chunk.get_parameter(name).sequence_parallel = True
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        optimizer = MixedPrecisionAdamW([local(p) for p in params], [local(p.grad) for p in params],
+                                        clip_grad=par.clip_grad, norm_group=None, reduce_norm=layout.world_size > 1)
+        return RankModel(layout, rank, model_cfg, par, groups, chunks, [], optimizer, cp)
+    shard = par.zero_stage == 1
     buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.weight_replicas,
                                shard=shard, modules=list(chunk.modules())) for chunk in chunks]
     if shard:  # the distributed optimizer: this rank's slices of the flat buffers, the norm over every rank
@@ -169,7 +180,8 @@ def run_backward(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -
     chunk = rm.chunks[action.chunk]
     v = rm.par.virtual_stages
     inputs, output = saved.pop((action.microbatch, action.chunk))
-    rm.buckets[action.chunk].start_backward(sync=sync_grads)
+    if rm.buckets:  # (FSDP reduce-scatters every micro-batch's gradients itself)
+        rm.buckets[action.chunk].start_backward(sync=sync_grads)
     if chunk.last:
         output.backward()
     else:
@@ -184,7 +196,7 @@ def run_backward(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -
 def allreduce_sequence_parallel_grads(rm: RankModel) -> None:
     """Sum the partial gradients of parameters applied to token shards (norms, row-parallel biases) over
     the tp group: one flat all-reduce, as Megatron-Core's finalize_model_grads does after the DP sync."""
-    grads = [p.grad for p in rm.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [local(p.grad) for p in rm.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or rm.par.tp == 1:
         return
     flat = torch.cat([g.flatten() for g in grads])
@@ -201,7 +213,7 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
     obs = observer()
     last_mb = last_backward_microbatch(actions)
     first_mb = first_forward_microbatch(actions)
-    overlap_gather = rm.par.zero_stage >= 1 and rm.par.overlap_param_gather
+    overlap_gather = rm.par.zero_stage == 1 and rm.par.overlap_param_gather
     saved: dict = {}
     for action in actions:
         phase = "forward" if action.kind == "F" else "backward"
@@ -217,6 +229,8 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
             buckets.finish()
         allreduce_sequence_parallel_grads(rm)
         rm.optimizer.step()
+        if not rm.buckets:  # FSDP: the sharded gradients (FSDP adds each micro-batch's into them)
+            rm.optimizer.zero_grad()
         for buckets in rm.buckets:  # zero after the step (buffers start at zero), as torch's idiom
             buckets.zero_grad()
             if not overlap_gather:
