@@ -125,3 +125,16 @@ def test_layout_search_tries_fsdp_and_prices_its_communication():
     assert fsdp.optimizer_s < replicated.optimizer_s  # each rank updates its shard
     # with little compute per layer the gathers and scatters are not hidden
     assert estimate(1e-7, zero_stage=3).pipeline_s > estimate(1e-7, zero_stage=0).pipeline_s
+
+
+def test_fsdp_copy_ops_are_timed_by_replay():
+    from trainsim.profile.replay import build_call
+
+    _, graph, _ = _trace("parallelism.zero_stage=3")
+    copies = graph[graph["op"].str.startswith("fsdp::")].drop_duplicates("signature")
+    assert set(copies["op"]) == {"fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat"}
+    for row in copies.to_dict("records"):
+        build_call(row)()
+    copy_in = copies[copies["op"] == "fsdp::all_gather_copy_in"].iloc[0]
+    gathered = graph[graph["collective"] == "all_gather"]["message_bytes"].max()
+    assert copy_in["bytes_moved"] < gathered  # this rank's shards read and written, not the whole buffer

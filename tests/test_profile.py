@@ -89,7 +89,7 @@ def test_traced_cpu_attention_is_rebuilt_as_the_devices_own(monkeypatch):
 def test_unreplayable_ops_say_why():
     base = {"input_shapes": "[[4]]", "input_strides": "[[1]]", "input_dtypes": "fp32",
             "op_args": json.dumps({"args": [{"$t": 0}], "kwargs": {}})}
-    with pytest.raises(ReplayError, match="not an aten op"):
+    with pytest.raises(ReplayError, match="not a compute op this replay can run"):
         build_call({**base, "op": "mylib::fused_thing"})
     with pytest.raises(ReplayError, match="not available in this torch build"):
         build_call({**base, "op": "aten::no_such_op"})
@@ -256,7 +256,7 @@ def test_unreplayable_op_falls_back_to_analytical_with_reason(tmp_path, tiny_ops
                                 ProfileDatabase(tmp_path / "db"))
     assert summary.analytical == 1 and summary.fallback[0]["op"] == "mylib::fused_thing"
     row = rows[rows["signature"] == "custom0"].iloc[0]
-    assert row["backend"] == "analytical" and "not an aten op" in row["fallback_reason"]
+    assert row["backend"] == "analytical" and "not a compute op" in row["fallback_reason"]
     assert row["median_s"] > 0  # rates fitted to this machine's measured ops
 
 

@@ -141,7 +141,7 @@ def test_recompute_trades_activation_memory_for_recomputed_ops():
 def test_llama_uses_grouped_query_attention_and_swiglu():
     run, result = _trace("model=llama3-8b", "model.num_layers=2", "model.seq_length=128", "parallelism=tp2")
     graph = result.graph.to_pandas()
-    assert graph["op"].str.contains("silu").any()
+    assert graph["op"].str.contains("swiglu").any()
     assert graph["op"].str.contains("rms_norm").any() or graph["op"].str.contains("rsqrt").any()
     qkv = graph[(graph["op"] == "aten::mm") & (graph["phase"] == "forward")].iloc[0]
     # local q + 2 kv heads: (32 + 2 * 8) / tp2 heads of 128

@@ -103,12 +103,17 @@ def _decode(value: Any, tensors: list[torch.Tensor], device: torch.device, key: 
     return value
 
 
+REPLAYABLE_NAMESPACES = ("aten", "trainsim", "fsdp")
+"""torch's ops, the fused ops of workloads/fused.py and FSDP2's copy-in/copy-out ops (not c10d: communication)."""
+
+
 def build_call(row: dict, device: torch.device | str = "cpu") -> Callable[[], Any]:
     """A zero-argument callable that runs the op of one execution-graph/profile row once."""
     device = torch.device(device)
     name = row["op"]
-    if not name.startswith("aten::"):
-        raise ReplayError(f"{name} is not an aten op (custom or communication op)")
+    if name.partition("::")[0] not in REPLAYABLE_NAMESPACES:
+        raise ReplayError(f"{name} is not a compute op this replay can run (namespaces: "
+                          f"{', '.join(REPLAYABLE_NAMESPACES)})")
     on_device = device.type != "cpu"
     if on_device and any(tag in name for tag in CPU_ONLY_OPS) and name not in DEVICE_ATTENTION:
         raise ReplayError(f"{name} is a CPU-only kernel; timed analytically on {device.type}")

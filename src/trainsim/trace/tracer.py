@@ -29,8 +29,8 @@ from trainsim.trace.recorder import ExecutionRecorder
 from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
 from trainsim.workloads.fp8 import fp8_weight_bytes
 from trainsim.workloads.fully_sharded import gathered_weight_bytes, local
-from trainsim.workloads.model import DTYPES
 from trainsim.workloads.layout import Layout
+from trainsim.workloads.model import DTYPES
 from trainsim.workloads.observe import observing
 from trainsim.workloads.schedules import pipeline_actions, trace_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
@@ -133,14 +133,16 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> _T
                 rank=rank,
                 events=recorder.events,
                 # FP8 training keeps an FP8 copy (and its transpose) of each weight for the step
-                parameter_bytes=sum(_bytes(local(p)) for p in params) + sum(fp8_weight_bytes(chunk) for chunk in rm.chunks),
+                parameter_bytes=sum(_bytes(local(p)) for p in params)
+                + sum(fp8_weight_bytes(chunk) for chunk in rm.chunks),
                 gradient_bytes=sum(_bytes(local(p.grad)) for p in params if p.grad is not None),
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
                 saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),
                 # what the step holds at its worst moment beyond the micro-batch's saved activations
+                # (FSDP's gathered weights are resized storages no op shows: counted from the units' sizes)
                 transient_bytes=max(recorder.allocations.peak_transient_bytes()
                                     - sum(recorder.saved_activation_bytes.values()), 0)
-                + (gathered_weight_bytes(rm.chunks, par.zero_stage, DTYPES[par.precision]) if par.zero_stage >= 2 else 0),
+                + gathered_weight_bytes(rm.chunks, par.zero_stage, DTYPES[par.precision]),
             )
     finally:
         dist.destroy_process_group()

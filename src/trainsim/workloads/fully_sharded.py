@@ -102,7 +102,10 @@ def gathered_weight_bytes(chunks: list[nn.Module], zero_stage: int, dtype: torch
     micro-batch's activations are all alive. FSDP2 allocates and frees them by resizing storages in place,
     which no dispatched op shows (the trace's allocation timeline cannot see them). ZeRO-3: the root unit
     (gathered from the start of its backward to the end) and two blocks (the one running, the one prefetched);
-    ZeRO-2: every unit, kept gathered from its forward to its backward."""
+    ZeRO-2: every unit, kept gathered from its forward to its backward. 0 without FSDP."""
+    if zero_stage < 2:
+        return 0
+
     def unit_bytes(params) -> int:
         return sum(p.numel() for p in params) * dtype.itemsize  # a DTensor's numel is the unsharded one
 
