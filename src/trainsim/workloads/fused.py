@@ -85,7 +85,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool)
 @rotary.register_fake
 def _(x, cos, sin, inverse):
     torch._check(x.shape[-1] == 2 * cos.shape[-1] == 2 * sin.shape[-1],
-                 lambda: f"rotary: last dimension {x.shape[-1]} is not twice the tables' {cos.shape[-1]} (odd head dim?)")
+                 lambda: f"rotary: last dimension {x.shape[-1]} is not twice the tables' {cos.shape[-1]} "
+                         "(an odd head dimension?)")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
