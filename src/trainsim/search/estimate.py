@@ -154,12 +154,13 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
     states["optimizer_state_bytes"] //= optimizer_shards(par)
     gathered = 0
     if par.zero_stage >= 2:  # FSDP: 16 bytes per parameter sharded; gathered weights and gradients transient
-        parameters = states["parameter_bytes"] // DTYPES[par.precision].itemsize
-        states = {"parameter_bytes": 4 * parameters // par.weight_replicas, "gradient_bytes": 4 * parameters //
-                  par.weight_replicas, "optimizer_state_bytes": 8 * parameters // par.weight_replicas}
+        element = DTYPES[par.precision].itemsize
+        parameters, replicas = states["parameter_bytes"] // element, par.weight_replicas
+        states = {"parameter_bytes": 4 * parameters // replicas, "gradient_bytes": 4 * parameters // replicas,
+                  "optimizer_state_bytes": 8 * parameters // replicas}
         layer = costs.layer.parameter_bytes
         weights = 2 * layer if par.zero_stage >= 3 else layers_per_chunk * v * layer
-        gathered = weights + costs.layer.gradient_bytes * (1 + 4 // DTYPES[par.precision].itemsize)
+        gathered = weights + costs.layer.gradient_bytes * (1 + 4 // element)
     # the forwards in flight peak within the first 2 pp (+ v pp) actions, so 4 pp micro-batches show the peak
     # of any longer 1F1B pipeline; GPipe keeps all m in flight
     m = par.num_microbatches if par.schedule == "gpipe" else min(par.num_microbatches, 4 * par.pp)
@@ -216,7 +217,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in ("layer", "first",
                                                                                                 "last")}
-    dp_nodes = nodes_spanned(layout.group_ranks(0, "dp"), hw)
+    dp_nodes = nodes_spanned(layout.group_ranks(0, "dp"), hw)  # (FSDP; the buckets below: per stage)
     if par.zero_stage >= 2:  # FSDP: each part's compute beside its weights' gather and gradients' scatter
         for name, by_phase in per_part.items():
             gather_s, scatter_s = _fsdp_seconds(getattr(costs, name), par, comm, dp_nodes)
@@ -250,6 +251,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
             end += scatter_s
         elif replicas > 1 and grads > 0:
             buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
+            dp_nodes = nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), hw)
             reduction = "reduce_scatter" if par.zero_stage >= 1 else "all_reduce"
             bucket_s = comm.collective_seconds(reduction, math.ceil(grads / buckets), replicas, dp_nodes)
             if par.zero_stage >= 1 and not par.overlap_param_gather:

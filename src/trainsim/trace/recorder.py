@@ -69,7 +69,7 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
@@ -295,9 +295,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         if func.namespace == "c10d":
             self._fill_communication(event, func, args, tensors)
         elif name == "fsdp::all_gather_copy_in":  # copies the shards into their slice of the gather buffer
-            event["bytes_moved"] = 2 * sum(map(_tensor_bytes, args[0]))
+            event["bytes_moved"] = 2 * sum(map(tensor_bytes, args[0]))
         elif not is_view:
-            event["bytes_moved"] = sum(map(_tensor_bytes, tensors)) + sum(map(_tensor_bytes, outputs))
+            event["bytes_moved"] = sum(map(tensor_bytes, tensors)) + sum(map(tensor_bytes, outputs))
             packet = func._overloadpacket
             if packet in flop_registry:
                 event["flops"] = int(flop_registry[packet](*args, **kwargs, out_val=out))
@@ -332,7 +332,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         event["collective"] = collective
         event["group_kind"] = kind
         event["group_ranks"] = ranks
-        event["message_bytes"] = sum(_tensor_bytes(t) for t in size_tensors if isinstance(t, torch.Tensor))
+        event["message_bytes"] = sum(tensor_bytes(t) for t in size_tensors if isinstance(t, torch.Tensor))
         event["comm_dtype"] = dtype_name(tensors[0].dtype) if tensors else None
         if event["kind"] == "p2p":
             group_peer = next(a for a in args[2:] if isinstance(a, int))

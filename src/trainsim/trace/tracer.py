@@ -25,7 +25,7 @@ from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
 from trainsim.trace.expand import rename_for_rank
 from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
-from trainsim.trace.recorder import ExecutionRecorder
+from trainsim.trace.recorder import ExecutionRecorder, tensor_bytes
 from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
 from trainsim.workloads.fp8 import fp8_weight_bytes
 from trainsim.workloads.fully_sharded import gathered_weight_bytes, local
@@ -104,10 +104,6 @@ def _fake_kernels() -> torch.library.Library:
     return library
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> _TracedStage:
     """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
     _fake_kernels()
@@ -133,9 +129,9 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> _T
                 rank=rank,
                 events=recorder.events,
                 # FP8 training keeps an FP8 copy (and its transpose) of each weight for the step
-                parameter_bytes=sum(_bytes(local(p)) for p in params)
+                parameter_bytes=sum(tensor_bytes(local(p)) for p in params)
                 + sum(fp8_weight_bytes(chunk) for chunk in rm.chunks),
-                gradient_bytes=sum(_bytes(local(p.grad)) for p in params if p.grad is not None),
+                gradient_bytes=sum(tensor_bytes(local(p.grad)) for p in params if p.grad is not None),
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
                 saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),
                 # what the step holds at its worst moment beyond the micro-batch's saved activations

@@ -65,8 +65,8 @@ def _mesh(group) -> DeviceMesh:
         return DeviceMesh.from_group(group, torch.get_default_device().type)
 
 
-def shard_chunk(chunk: nn.Module, blocks: list[nn.Module], group, zero_stage: int, dtype: torch.dtype) -> None:
-    """Apply fully_shard to each block and then to the chunk (the root unit), in place.
+def shard_chunk(chunk: nn.Module, group, zero_stage: int, dtype: torch.dtype) -> None:
+    """Apply fully_shard to each block (`chunk.layers`) and then to the chunk (the root unit), in place.
 
     The weights become fp32 DTensor shards (the master weights); forward computes in `dtype`. Every
     parameter gets a zero sharded gradient now, so micro-batches and steps accumulate into it in place."""
@@ -76,6 +76,7 @@ def shard_chunk(chunk: nn.Module, blocks: list[nn.Module], group, zero_stage: in
             p.data = p.data.float()
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = zero_stage >= 3
+    blocks = list(chunk.layers)
     units = [*blocks, chunk]
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)

@@ -102,7 +102,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     if par.zero_stage >= 2:  # FSDP2: sharded weights, gradients and states; the norm over every rank
         for chunk in chunks:
             partial = [name for name, p in chunk.named_parameters() if getattr(p, "sequence_parallel", False)]
-            shard_chunk(chunk, list(chunk.layers), groups["dp"], par.zero_stage, dtype)
+            shard_chunk(chunk, groups["dp"], par.zero_stage, dtype)
             for name in partial:  # fully_shard replaces the parameters: tag the new ones
                 chunk.get_parameter(name).sequence_parallel = True
         params = [p for chunk in chunks for p in chunk.parameters()]
