@@ -3,7 +3,8 @@
 Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2,
 tp2, pp2 with 1F1B over 4 micro-batches, sp2 = tp2 with sequence parallelism, zero1 = dp2 with the
 distributed optimizer, cp2 = context parallelism over 2 ranks, ring attention, fsdp2 = dp2 with FSDP2 fully
-sharded, ZeRO-3) the layout's ops are timed
+sharded, ZeRO-3; ep2 = dp2 with 4 experts per layer, top-2, split over the 2 ranks and predicted with the
+routing histogram of its own real run) the layout's ops are timed
 again (`--remeasure`) and its hardware's gloo model and system noise calibrated again (once per run); then
 the real step is measured
 (trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as
@@ -51,7 +52,12 @@ from trainsim.config import compose_run
 from trainsim.registry import STAGES
 from trainsim.timeline.stage import compose_run_artifacts
 from trainsim.validation import activation_memory, vtrain
-from trainsim.validation.ground_truth import error_pct, read_ground_truth, write_ground_truth_artifact
+from trainsim.validation.ground_truth import (
+    ROUTING_FILE,
+    error_pct,
+    read_ground_truth,
+    write_ground_truth_artifact,
+)
 
 LOCAL = {
     "single": ["parallelism=single", "hardware.devices_per_node=1"],
@@ -62,7 +68,17 @@ LOCAL = {
     "zero1": ["parallelism=dp2", "parallelism.zero_stage=1"],
     "cp2": ["parallelism=cp2"],
     "fsdp2": ["parallelism=dp2", "parallelism.zero_stage=3"],
+    "ep2": ["parallelism=dp2", "parallelism.ep=2", "model.num_experts=4", "model.moe_top_k=2"],
 }
+"""Layouts of gpt-small; ep2 makes its MLPs 4 experts (top-2) split over 2 ranks, predicted with the routing of its
+real run (the ground truth's routing histogram as model.moe_routing)."""
+
+
+def prediction_run(name: str, truth_dir: Path):
+    """The point predicted for a layout: an MoE model routes as its real run did (a model.moe_routing input)."""
+    routing = truth_dir / ROUTING_FILE
+    extra = [f"model.moe_routing={routing.resolve()}"] if routing.is_file() else []
+    return compose_run(["model=gpt-small", *LOCAL[name], *extra])
 
 
 def remeasure_profile(run) -> None:
@@ -86,15 +102,17 @@ def recalibrate(run, calibrated: set[str]) -> None:
         calibrated.add(run.keys["hardware"])
 
 
-def bracketed_prediction(run, calibrated: set[str], truth_dir: Path) -> tuple[dict, dict, float, float]:
+def bracketed_prediction(name: str, calibrated: set[str], truth_dir: Path) -> tuple[dict, dict, float, float]:
     """Measure the layout's ground truth between two timings of its ops and predict with each.
 
     A shared VM's speed drifts by 10-20 % over an hour and by up to 12 % within minutes, so the inputs
     are timed right before and right after the real steps and the two predictions averaged: a linear
     drift over the measurement cancels. Returns (truth, prediction before, step time after, drift %)."""
+    run = compose_run(["model=gpt-small", *LOCAL[name]])
     remeasure_profile(run)
     recalibrate(run, calibrated)
     truth = write_ground_truth_artifact(run.hardware, run.model, run.parallelism, run.keys, truth_dir)
+    run = prediction_run(name, truth_dir)
     before, _ = compose_run_artifacts(run)
     remeasure_profile(run)
     after, _ = compose_run_artifacts(run)
@@ -110,10 +128,10 @@ def local_part(reuse: bool, layouts: list[str]) -> list[tuple[str, float, str]]:
         truth_dir = Path(STAGES["ground_truth"].path(run.keys))
         if reuse and (truth_dir / "manifest.json").is_file():
             truth = read_ground_truth(truth_dir)
-            predicted, _ = compose_run_artifacts(run)
+            predicted, _ = compose_run_artifacts(prediction_run(name, truth_dir))
             after_s = predicted["step_time_s"]  # one prediction: the mean below is that prediction
         else:
-            truth, predicted, after_s, drift = bracketed_prediction(run, calibrated, truth_dir)
+            truth, predicted, after_s, drift = bracketed_prediction(name, calibrated, truth_dir)
             figures.append((f"e2e_input_drift_pct_local_{name}", drift, "%"))
         step_s = (predicted["step_time_s"] + after_s) / 2
         error = error_pct(step_s, truth)

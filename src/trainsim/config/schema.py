@@ -356,6 +356,8 @@ class ModelConfig:
     """Query heads."""
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None = num_attention_heads (multi-head attention)."""
+    head_dim: int | None = None
+    """Width of one attention head; None = hidden_size / num_attention_heads (Qwen3: 128 with 2048 / 32)."""
     ffn_hidden_size: int | None = None
     """MLP inner width; None = 4 * hidden_size."""
     seq_length: int = 64
@@ -374,6 +376,33 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """Rotary base frequency (llama family only)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0 = a dense model; workloads/moe.py)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of each routed expert; None = ffn_hidden_size (fine-grained experts, DeepSeek/Qwen3: smaller)."""
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """Inner width of the shared expert every token also goes through (DeepSeek, Qwen2-MoE); 0 = none."""
+    moe_router: str = "softmax"
+    """Gating: 'softmax' (Mixtral, Qwen3: softmax over the top-k logits) or 'sigmoid' (DeepSeek-V3: sigmoid
+    scores, the top-k of them normalised to sum 1)."""
+    moe_capacity_factor: float = 0.0
+    """Tokens an expert takes per micro-batch, as a multiple of its balanced share (GShard / Switch); the rest
+    are dropped. 0 = dropless (every routed token is computed, Megatron-Core's default)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (Switch Transformer eq. 4, Megatron's --moe-aux-loss-coeff); 0 = none."""
+    moe_first_dense_layers: int = 0
+    """Leading layers with a dense MLP instead of experts (DeepSeek-V3: 3)."""
+    moe_routing: str = "balanced"
+    """How tokens spread over experts in the trace (real runs route with the router): 'balanced', 'zipf:<s>'
+    (expert i gets a share ~ 1 / i^s, hot experts differing by layer), 'dirichlet:<alpha>' (shares drawn per
+    layer; small alpha = skewed), or the path of a routing histogram exported from a real run
+    (workloads/routing.py)."""
+    moe_force_routing: bool = False
+    """Real runs route by model.moe_routing too (each token's experts assigned from the plan, weighted by the
+    router's scores for them) instead of by the router's top-k: a controlled imbalance for benchmarks, as
+    Megatron-Core's --moe-router-force-load-balancing forces a balanced one."""
 
 
 @dataclass
@@ -392,6 +421,15 @@ class ParallelismConfig:
     """Context-parallel degree (Megatron-Core/Transformer Engine): each sequence is split over cp ranks, which
     hold the same weights and run attention as a ring exchanging keys and values (workloads/context_parallel.py);
     the gradients are reduced over the dp * cp ranks of a model shard."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models): each MoE layer's experts are split over ep ranks, which exchange
+    tokens by all-to-all. Folded over the dp * cp * tp ranks of a pipeline stage as Megatron-Core's parallel
+    folding does (expert tensor parallelism 1): ep ranks are consecutive in that order, and the ranks holding
+    the same experts (dp * cp * tp / ep of them) reduce the experts' gradients."""
+    moe_token_dispatcher: str = "alltoall"
+    """How MoE layers move tokens to the expert-parallel ranks (Megatron-Core --moe-token-dispatcher-type):
+    'alltoall' (each token copy sent to its expert's rank) or 'allgather' (every rank gathers all ranks' tokens,
+    computes those routed to its experts, and the results are reduce-scattered back)."""
     cp_comm_type: str = "p2p"
     """How context-parallel attention gets the other ranks' keys and values: 'p2p' (ring attention: cp steps,
     each overlapping one block's attention with the next block's send/receive; Megatron-Core's default) or

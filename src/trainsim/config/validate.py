@@ -5,6 +5,8 @@ Each message names the field, its value and what would be accepted.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.config.validate_nccl import validate_links
 from trainsim.errors import ConfigError
@@ -20,6 +22,9 @@ ATTENTION_KERNELS = ("fused", "unfused")
 ZERO_STAGES = (0, 1, 2, 3)
 """0 replicated (DDP), 1 distributed optimizer, 2 and 3 FSDP2 (workloads/fully_sharded.py)."""
 CP_COMM_TYPES = ("p2p", "all_gather")
+MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_DISPATCHERS = ("alltoall", "allgather")
+MOE_ROUTINGS = ("balanced", "zipf:<s>", "dirichlet:<alpha>")
 DEVICE_KINDS = ("cpu", "cuda")
 PROFILE_BACKENDS = ("auto", "measure", "analytical")
 SLOWDOWN_SOURCES = ("measure", "import")
@@ -44,7 +49,7 @@ def _positive(group: str, obj: object, *names: str) -> None:
 def validate_model(model: ModelConfig) -> None:
     _one_of("model", "family", model.family, FAMILIES)
     _positive("model", model, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
-    if model.hidden_size % model.num_attention_heads:
+    if model.head_dim is None and model.hidden_size % model.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={model.hidden_size} is not divisible by model.num_attention_heads="
             f"{model.num_attention_heads}; choose heads among {_divisors(model.hidden_size)}"
@@ -54,16 +59,45 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(
             f"model.num_kv_heads={kv_heads} must divide model.num_attention_heads={model.num_attention_heads}"
         )
-    if model.family == "llama" and (model.hidden_size // model.num_attention_heads) % 2:
-        raise ConfigError(
-            f"model.hidden_size / num_attention_heads = {model.hidden_size // model.num_attention_heads} must be "
-            "even for rotary position embeddings (family 'llama')"
-        )
+    head_dim = model.head_dim or model.hidden_size // model.num_attention_heads
+    if head_dim < 1:
+        raise ConfigError(f"model.head_dim={model.head_dim} must be >= 1 (or null: hidden_size / num_attention_heads)")
+    if model.family == "llama" and head_dim % 2:
+        raise ConfigError(f"the attention head width {head_dim} (model.head_dim, or hidden_size / "
+                          "num_attention_heads) must be even for rotary position embeddings (family 'llama')")
     for name in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(model, name) < 1.0:
             raise ConfigError(f"model.{name}={getattr(model, name)} must be in [0, 1)")
     if model.attention not in ATTENTION_KERNELS:
         raise ConfigError(f"model.attention={model.attention!r} is not supported; use one of {ATTENTION_KERNELS}")
+    if model.num_experts:
+        _validate_experts(model)
+    elif model.num_experts < 0:
+        raise ConfigError(f"model.num_experts={model.num_experts} must be >= 0 (0 = a dense model)")
+
+
+def _validate_experts(model: ModelConfig) -> None:
+    if not 1 <= model.moe_top_k <= model.num_experts:
+        raise ConfigError(f"model.moe_top_k={model.moe_top_k} must be in [1, num_experts={model.num_experts}]")
+    _one_of("model", "moe_router", model.moe_router, MOE_ROUTERS)
+    for name in ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_shared_expert_ffn_hidden_size"):
+        if getattr(model, name) < 0:
+            raise ConfigError(f"model.{name}={getattr(model, name)} must be >= 0 (0 = off)")
+    if not 0 <= model.moe_first_dense_layers < model.num_layers:
+        raise ConfigError(f"model.moe_first_dense_layers={model.moe_first_dense_layers} must be in "
+                          f"[0, num_layers={model.num_layers})")
+    kind, colon, value = model.moe_routing.partition(":")
+    if kind in ("zipf", "dirichlet"):
+        try:
+            ok = float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"model.moe_routing={model.moe_routing!r}: {kind} needs a positive number, e.g. "
+                              f"'{kind}:{'1.2' if kind == 'zipf' else '0.5'}'")
+    elif kind != "balanced" and not Path(model.moe_routing).is_file():
+        raise ConfigError(f"model.moe_routing={model.moe_routing!r} is neither {', '.join(MOE_ROUTINGS)} nor an "
+                          "existing routing histogram file (CSV, workloads/routing.py)")
 
 
 def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
@@ -107,6 +141,7 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with parallelism.precision='fp8' is not "
                           "modelled (FP8 weight all-gathers, as torchtitan's float8 FSDP, are not built): use "
                           "zero_stage 0 or 1 with fp8, or precision bf16 with FSDP")
+    _validate_expert_layout(model, par)
     if par.clip_grad < 0:
         raise ConfigError(f"parallelism.clip_grad={par.clip_grad} must be >= 0 (0 = no gradient clipping)")
 
@@ -152,6 +187,40 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
             f"parallelism.virtual_stages={par.virtual_stages} needs schedule='interleaved-1f1b' "
             f"(got '{par.schedule}')"
         )
+
+
+def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
+    if par.ep < 1:
+        raise ConfigError(f"parallelism.ep={par.ep} must be >= 1")
+    if not model.num_experts:
+        if par.ep > 1:
+            raise ConfigError(f"parallelism.ep={par.ep} splits experts, but model '{model.name}' has none "
+                              "(model.num_experts=0); use ep=1")
+        return
+    if model.num_experts % par.ep:
+        raise ConfigError(f"parallelism.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
+                          f"choose ep among {_divisors(model.num_experts)}")
+    stage = par.dp * par.cp * par.tp
+    if stage % par.ep:
+        raise ConfigError(f"parallelism.ep={par.ep} must divide dp * cp * tp = {stage} (expert parallelism is "
+                          f"folded over those ranks of a stage); choose ep among {_divisors(stage)}")
+    if par.tp > 1 and not par.sequence_parallel:
+        raise ConfigError(f"model '{model.name}' has experts and parallelism.tp={par.tp}: MoE layers route each tp "
+                          "rank's own tokens, so set parallelism.sequence_parallel=true (as Megatron-Core requires)")
+    _one_of("parallelism", "moe_token_dispatcher", par.moe_token_dispatcher, MOE_DISPATCHERS)
+    if par.moe_token_dispatcher == "allgather" and model.moe_capacity_factor:
+        raise ConfigError("parallelism.moe_token_dispatcher='allgather' with model.moe_capacity_factor="
+                          f"{model.moe_capacity_factor}: token dropping is modelled with the 'alltoall' "
+                          "dispatcher only")
+    if model.moe_shared_expert_ffn_hidden_size % par.tp:
+        raise ConfigError(f"parallelism.tp={par.tp} does not divide model.moe_shared_expert_ffn_hidden_size="
+                          f"{model.moe_shared_expert_ffn_hidden_size} (the shared expert is tensor-parallel)")
+    if par.zero_stage >= 2:
+        raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with experts is not modelled yet; use "
+                          "zero_stage 0 or 1 (the distributed optimizer shards experts over their replicas)")
+    if par.precision == "fp8":
+        raise ConfigError("parallelism.precision='fp8' with experts is not modelled yet (FP8 grouped GEMMs); "
+                          "use bf16")
 
 
 def validate_hardware(hw: HardwareConfig) -> None:

@@ -18,17 +18,26 @@ from typing import Any
 def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
     """Training FLOPs of one step: 3x the forward pass (backward = 2x forward).
 
-    Forward per token and layer: 2 x (QKV h(h + 2 h_kv) + output projection h^2 + MLP n h f) matmul
-    FLOPs plus 4 s h for attention scores and values; logits 2 h V per token. For GPT (n = 2, f = 4h,
-    h_kv = h) this is Narayanan et al. 2021 eq. 3 without recomputation: 72 B s l h^2 (1 + s/6h + V/12lh).
+    Forward per token and layer: 2 x (QKV h (a + 2 a_kv) d + output projection a d h + MLP n h f) matmul
+    FLOPs plus 4 s a d for attention scores and values (a heads of width d, a_kv key/value heads); logits
+    2 h V per token. For GPT (n = 2, f = 4h, a d = h, a_kv = a) this is Narayanan et al. 2021 eq. 3 without
+    recomputation: 72 B s l h^2 (1 + s/6h + V/12lh). In an MoE layer the MLP term counts what a token
+    activates: its top-k experts, the shared expert and the router (2 h E), as MFU of MoE runs is reported.
     """
     h, layers, s = model["hidden_size"], model["num_layers"], model["seq_length"]
     heads = model["num_attention_heads"]
-    h_kv = h * (model.get("num_kv_heads") or heads) // heads
+    d = model.get("head_dim") or h // heads
+    kv_heads = model.get("num_kv_heads") or heads
     ffn = model.get("ffn_hidden_size") or 4 * h
     mlp_matrices = 3 if model.get("family") == "llama" else 2  # SwiGLU has gate, up and down
-    per_token_layer = 2 * (h * (h + 2 * h_kv) + h * h + mlp_matrices * h * ffn) + 4 * s * h
-    per_token = layers * per_token_layer + 2 * h * model["vocab_size"]
+    attention = 2 * (h * (heads + 2 * kv_heads) * d + heads * d * h) + 4 * s * heads * d
+    dense_mlp = 2 * mlp_matrices * h * ffn
+    experts = model.get("num_experts") or 0
+    moe_layers = layers - (model.get("moe_first_dense_layers") or 0) if experts else 0
+    moe_mlp = 2 * mlp_matrices * h * (model.get("moe_top_k", 2) * (model.get("moe_ffn_hidden_size") or ffn)
+                                      + (model.get("moe_shared_expert_ffn_hidden_size") or 0)) + 2 * h * experts
+    per_token = (layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+                 + 2 * h * model["vocab_size"])
     return 3.0 * per_token * tokens_per_step(model, par)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from trainsim.workloads.layout import GROUP_KINDS, Layout
+from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
 from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
 
 
@@ -44,8 +44,9 @@ def rename_for_rank(events: pd.DataFrame, layout: Layout, representative: int, r
     (next pipeline stage stays next stage, wrapping around for interleaved schedules; next rank of a
     tensor-parallel ring stays next).
     """
-    groups = {kind: layout.group_ranks(rank, kind) for kind in GROUP_KINDS}
-    own = {kind: layout.group_ranks(representative, kind) for kind in GROUP_KINDS}
+    kinds = GROUP_KINDS + EXPERT_GROUP_KINDS
+    groups = {kind: layout.group_ranks(rank, kind) for kind in kinds}
+    own = {kind: layout.group_ranks(representative, kind) for kind in kinds}
 
     def peer(p: int, kind) -> int:
         if p < 0:

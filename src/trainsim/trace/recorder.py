@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from trainsim.workloads.layout import GROUP_KINDS, Layout
+from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
 from trainsim.workloads.observe import StepObserver
 
 # c10d op name -> (collective name, index of the tensor arg whose bytes are the message size).
@@ -174,7 +174,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._async_op = False
         # the model-parallel and amax groups have the ranks of another kind's group when some degrees are 1
         # (mp = tp when pp = 1, amax = dp when tp = 1, ...): those names win (later entries overwrite)
-        kinds = ("amax", "mp", *(k for k in GROUP_KINDS if k not in ("amax", "mp")))
+        # (expert groups first: where one has a dense group's ranks, the dense name wins; MoE code names its own)
+        kinds = (*EXPERT_GROUP_KINDS, "amax", "mp", *(k for k in GROUP_KINDS if k not in ("amax", "mp")))
         self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in kinds}
         self._named_kind: str | None = None  # the kind the step says it communicates in (observer.communication)
         self._group_ranks_cache: dict[int, list[int]] = {}
@@ -333,6 +334,10 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         event["group_kind"] = kind
         event["group_ranks"] = ranks
         event["message_bytes"] = sum(tensor_bytes(t) for t in size_tensors if isinstance(t, torch.Tensor))
+        if collective == "all_to_all":  # uneven splits (MoE): the busier direction bounds the rank's time
+            event["message_bytes"] = max(event["message_bytes"],
+                                         sum(tensor_bytes(t) for t in tree_flatten(args[0])[0]
+                                             if isinstance(t, torch.Tensor)))
         event["comm_dtype"] = dtype_name(tensors[0].dtype) if tensors else None
         if event["kind"] == "p2p":
             group_peer = next(a for a in args[2:] if isinstance(a, int))

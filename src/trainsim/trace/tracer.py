@@ -32,6 +32,7 @@ from trainsim.workloads.fully_sharded import gathered_weight_bytes, local
 from trainsim.workloads.layout import Layout
 from trainsim.workloads.model import DTYPES
 from trainsim.workloads.observe import observing
+from trainsim.workloads.routing import PlannedCounts, RoutingPlan, model_routing_plan
 from trainsim.workloads.schedules import pipeline_actions, trace_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
 
@@ -56,13 +57,17 @@ class TraceResult:
     seconds_per_class: list[float]
 
 
-def rank_class_table(layout: Layout) -> pa.Table:
+def rank_class_table(layout: Layout, expert_class: list[int] | None = None) -> pa.Table:
     """rank -> class. All dp, cp and tp ranks of one pipeline stage run the same graph up to renaming (context-
-    parallel ranks attend over different blocks of the sequence, of the same shapes and work)."""
+    parallel ranks attend over different blocks of the sequence, of the same shapes and work), except in an MoE
+    model whose routing sends different token counts to different expert-parallel ranks: expert_class[ep_rank]
+    then splits each stage (class = pp_rank * classes per stage + expert class)."""
+    expert_class = expert_class or [0] * layout.ep
+    per_stage = max(expert_class) + 1
     positions = [layout.position(r) for r in range(layout.world_size)]
     return pa.table({
         "rank": [p.rank for p in positions],
-        "rank_class": [p.pp_rank for p in positions],
+        "rank_class": [p.pp_rank * per_stage + expert_class[layout.ep_rank(p.rank)] for p in positions],
         "dp_rank": [p.dp_rank for p in positions],
         "tp_rank": [p.tp_rank for p in positions],
         "pp_rank": [p.pp_rank for p in positions],
@@ -104,16 +109,19 @@ def _fake_kernels() -> torch.library.Library:
     return library
 
 
-def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int) -> _TracedStage:
+def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
+                plan: RoutingPlan | None = None) -> _TracedStage:
     """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
     _fake_kernels()
     layout = layout_of(par)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
-        groups = create_groups(layout, rank, every_group=False)
+        groups = create_groups(layout, rank, every_group=False, experts=plan is not None)
+        routing = (PlannedCounts(plan, groups["ep"], layout.ep_rank(rank), model_cfg.moe_force_routing)
+                   if plan is not None else None)
         with FakeTensorMode():
             torch.manual_seed(0)
-            rm = build_rank_model(model_cfg, par, rank, groups)
+            rm = build_rank_model(model_cfg, par, rank, groups, routing)
             shape = (par.micro_batch_size, model_cfg.seq_length)
             tokens = torch.zeros(shape, dtype=torch.long)
             targets = torch.zeros(shape, dtype=torch.long)
@@ -149,31 +157,45 @@ def _stage_shape(pp_rank: int, pp: int) -> tuple[bool, bool]:
     return pp_rank == 0, pp_rank == pp - 1
 
 
+def expert_classes(plan: RoutingPlan | None, ep: int) -> list[int]:
+    """Class within a stage of each expert-parallel rank: ranks that send and receive the same token counts
+    share one (all of them under balanced routing)."""
+    if plan is None:
+        return [0] * ep
+    seen: dict[bytes, int] = {}
+    return [seen.setdefault(plan.rank_signature(r, ep), len(seen)) for r in range(ep)]
+
+
 def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) -> TraceResult:
     """Trace one representative rank per class; `progress(done, total)` is called after each class.
 
-    Classes are pipeline stages (their schedules differ). Middle stages build identical layers, so
-    one of them is traced and the others get its events with groups and peers renamed.
+    Classes are pipeline stages (their schedules differ), split by expert-parallel rank where an MoE model's
+    routing plan gives ranks different token counts. Middle stages build identical layers, so one of them is
+    traced and the others get its events with groups and peers renamed.
     """
     if dist.is_initialized():
         raise TraceError("ex-situ tracing needs its own (fake) process group; call it in a process where "
                          "torch.distributed is not initialised")
     layout = layout_of(par)
-    traced: dict[tuple[bool, bool], _TracedStage] = {}
+    plan = model_routing_plan(model_cfg, par)
+    expert_class = expert_classes(plan, par.ep)
+    per_stage = max(expert_class) + 1
+    traced: dict[tuple, _TracedStage] = {}
     graphs, memories, seconds = [], [], []
-    for pp_rank in range(par.pp):
+    for pp_rank, cls in ((s, c) for s in range(par.pp) for c in range(per_stage)):
         start = time.perf_counter()
-        representative = layout.stage_representative(pp_rank)
-        shape = _stage_shape(pp_rank, par.pp)
+        representative = layout.stage_representative(pp_rank) + expert_class.index(cls)
+        shape = (_stage_shape(pp_rank, par.pp), cls)
         if shape not in traced:
-            traced[shape] = _trace_rank(model_cfg, par, representative)
+            traced[shape] = _trace_rank(model_cfg, par, representative, plan)
         stage = traced[shape]
         events = pd.DataFrame(stage.events)
         if stage.rank != representative:
             events = rename_for_rank(events, layout, stage.rank, representative)
-        graphs.append(events_table(events, rank_class=pp_rank))
+        class_id = pp_rank * per_stage + cls
+        graphs.append(events_table(events, rank_class=class_id))
         memories.append(memory_row(
-            pp_rank,
+            class_id,
             parameter_bytes=stage.parameter_bytes,
             gradient_bytes=stage.gradient_bytes,
             optimizer_state_bytes=stage.optimizer_state_bytes,
@@ -183,10 +205,10 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) 
         ))
         seconds.append(time.perf_counter() - start)
         if progress:
-            progress(pp_rank + 1, par.pp)
+            progress(class_id + 1, par.pp * per_stage)
     return TraceResult(
         graph=pa.concat_tables(graphs),
-        rank_classes=rank_class_table(layout),
+        rank_classes=rank_class_table(layout, expert_class),
         memory=pa.Table.from_pylist(memories, schema=MEMORY_SCHEMA),
         seconds_per_class=seconds,
     )

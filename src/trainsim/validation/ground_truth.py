@@ -19,6 +19,8 @@ Artifact (artifacts/ground_truth/{hardware}/{model}/{parallelism}/):
   ops.parquet      per rank and op name from the profiled step: calls, self CPU time, total CPU time,
                    self device time (GPU kernels; 0 on a CPU), kind (compute / collective)
   collectives.parquet   the collective rows of ops.parquet
+  routing.csv      MoE models: tokens routed to each expert per layer and expert-parallel rank over the measured
+                   steps (workloads/routing.py's histogram format: a model.moe_routing input)
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import numpy as np
 import pandas as pd
 
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.workloads.routing import RoutingHistogram
 
 WARMUP, STEPS = 2, 5
 SUMMARY_FILE = "summary.json"
 OPS_FILE = "ops.parquet"
 COLLECTIVES_FILE = "collectives.parquet"
+ROUTING_FILE = "routing.csv"
 NOT_MEASURED = "not measured"
 OPS_COLUMNS = ["rank", "name", "kind", "calls", "self_s", "total_s", "device_s"]
 FIELD_MEANINGS = {
@@ -122,8 +126,10 @@ def run_ranks(model: ModelConfig, par: ParallelismConfig, *, steps: int = STEPS,
 
 
 def measure(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig, *, steps: int = STEPS,
-            warmup: int = WARMUP, profile: bool = True) -> tuple[dict, pd.DataFrame]:
-    """The summary (see FIELD_MEANINGS) and op table of a real run, or a not-measured summary."""
+            warmup: int = WARMUP, profile: bool = True, routing: RoutingHistogram | None = None
+            ) -> tuple[dict, pd.DataFrame]:
+    """The summary (see FIELD_MEANINGS) and op table of a real run, or a not-measured summary. An MoE model's
+    routing over the measured steps is added to `routing` when given."""
     from trainsim.workloads.launch import BACKENDS
 
     reason = measurable(hw, par)
@@ -132,6 +138,9 @@ def measure(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig, *, s
         return {"status": NOT_MEASURED, "reason": reason, **base}, pd.DataFrame(columns=OPS_COLUMNS)
     runs, ops = run_ranks(model, par, steps=steps, warmup=warmup, threads=hw.threads_per_device, profile=profile,
                           device_kind=hw.device_kind)
+    for run in runs if routing is not None else ():
+        if run.routing is not None:
+            routing.merge(run.routing)
     step_times = [max(run.step_seconds[i] for run in runs) for i in range(steps)]
     q25, q75 = np.percentile(step_times, [25, 75])
     ranks = []
@@ -164,9 +173,13 @@ def write_ground_truth_artifact(hw: HardwareConfig, model: ModelConfig, par: Par
     from trainsim.artifacts import atomic_artifact
 
     config = {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}
-    summary, ops = measure(hw, model, par, **kwargs)
+    routing = RoutingHistogram()
+    summary, ops = measure(hw, model, par, routing=routing, **kwargs)
     with atomic_artifact(Path(output), stage="ground_truth", config=config, config_keys=keys) as tmp:
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if routing.tokens:  # an MoE model: what the router did, a model.moe_routing input
+            routing.write(tmp / ROUTING_FILE, f"real run of {model.name} / {par.name} on {hw.name}, "
+                                              f"{summary.get('steps')} measured steps")
         ops = ops.astype({"rank": "int32", "calls": "int64", "self_s": "float64", "total_s": "float64",
                           "device_s": "float64"})
         pq.write_table(pa.Table.from_pandas(ops, preserve_index=False), tmp / OPS_FILE)

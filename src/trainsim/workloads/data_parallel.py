@@ -35,8 +35,11 @@ from trainsim.workloads.observe import observer
 
 class GradientBuckets:
     def __init__(self, params: list[nn.Parameter], bucket_size_bytes: int, group, dp: int,
-                 shard: bool = False, modules: list[nn.Module] = ()):
+                 shard: bool = False, modules: list[nn.Module] = (), average_over: int | None = None):
+        """dp: ranks in `group` (that reduce, and shard with `shard`); average_over: replicas the gradients are
+        averaged over (default dp; MoE experts: every data replica, though fewer ranks hold each expert)."""
         self.group, self.dp, self.shard = group, dp, shard
+        self.average_over = dp if average_over is None else average_over
         self.sync_enabled = False
         self._buckets: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
         self._param_buffers: list[torch.Tensor] = []
@@ -109,14 +112,16 @@ class GradientBuckets:
         self._pending = [len(members) for _, members in self._buckets]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.sync_enabled or self.dp == 1:
+        if not self.sync_enabled or self.average_over == 1:
             return
         index = self._bucket_of[param]
         self._pending[index] -= 1
         if self._pending[index] == 0:
             buffer = self._buckets[index][0]
             with observer().once_per_step():
-                buffer.div_(self.dp)  # average (gloo has no AVG reduction; DDP divides before too)
+                buffer.div_(self.average_over)  # average (gloo has no AVG reduction; DDP divides before too)
+                if self.dp == 1:
+                    return
                 with observer().communication():
                     if self.shard:
                         work = reduce_scatter_flat(self._my_slice(buffer), buffer, group=self.group,

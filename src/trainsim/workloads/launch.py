@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.workloads.allocator import use_steady_state_allocator
 from trainsim.workloads.observe import StepTimer, observing
+from trainsim.workloads.routing import RouterCounts, RoutingHistogram, model_routing_plan
 from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import (
     build_rank_model,
@@ -64,6 +65,9 @@ class RankRun:
     peak_memory_bytes: int | None = None
     """Most device memory the allocator held for tensors over the measured steps (CUDA's caching allocator's
     record, model states included); None on a CPU, whose allocator keeps no such record."""
+    routing: RoutingHistogram | None = None
+    """MoE models: tokens the router sent to each expert, per layer, over the measured steps (or over the
+    recorded step when recording)."""
 
     def compute_seconds(self, step: int) -> float:
         """Forward + backward wall time minus the communication inside them, for one measured step."""
@@ -77,18 +81,26 @@ def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: in
     Runs inside an initialised process group; returns (rank model, schedule actions, batches, RankRun)
     so callers can run extra, untimed steps (recording, profiling) on the same model.
     """
-    groups = create_groups(layout, rank, every_group=True)
+    experts = model_cfg.num_experts > 0
+    groups = create_groups(layout, rank, every_group=True, experts=experts)
     pos = layout.position(rank)
+    histogram = RoutingHistogram() if experts else None
+    force = model_routing_plan(model_cfg, par) if model_cfg.moe_force_routing else None
+    routing = (RouterCounts(model_cfg.num_experts, groups["ep"], layout.ep_rank(rank), histogram, force)
+               if experts else None)
     torch.manual_seed(1234 + pos.pp_rank * 100 + pos.tp_rank)  # replicas start identical
-    rm = build_rank_model(model_cfg, par, rank, groups)
+    rm = build_rank_model(model_cfg, par, rank, groups, routing)
     actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
     make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
     batches = [make_batch(mb) for mb in range(par.num_microbatches)]  # data loading is not in the step
-    result = RankRun(rank, [], [], [], None)
+    result = RankRun(rank, [], [], [], None, routing=histogram)
     on_gpu = torch.get_default_device().type == "cuda"
     for step in range(warmup + steps):
-        if on_gpu and step == warmup:
-            torch.cuda.reset_peak_memory_stats()
+        if step == warmup:
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+            if histogram is not None:
+                histogram.clear()
         timer = StepTimer()
         dist.barrier()
         synchronize()
@@ -172,6 +184,8 @@ def _timed_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismConfi
     if record:  # an extra step: the recorder's own overhead must not distort the timings above
         dist.barrier()
         recorder = ExecutionRecorder(layout, rank, time_ops=time_ops)
+        if result.routing is not None:
+            result.routing.clear()
         with observing(recorder), recorder:
             train_step(rm, actions, batches.__getitem__)
         result.events = recorder.events

@@ -16,6 +16,12 @@ shards); mp: the model-parallel group (every tp and pp rank of one replica; Mega
 get_model_parallel_group, where the gradient norm is summed); amax: every dp, cp and tp rank of one
 pipeline stage (Megatron's amax-reduction group, over which FP8 delayed scaling reduces its amaxes)."""
 
+EXPERT_GROUP_KINDS = ("ep", "edp", "emp")
+"""Groups of MoE models (Megatron-Core's parallel folding with expert tensor parallelism 1): the dp * cp * tp ranks
+of a stage, in that rank order, are re-cut into ep x edp: ep, consecutive ranks that split the experts and exchange
+tokens by all-to-all; edp, the ranks holding the same experts (where their gradients are reduced); emp, the ep ranks
+of every stage of one expert replica (where the experts' gradient norm is summed)."""
+
 
 @dataclass(frozen=True)
 class RankPosition:
@@ -32,6 +38,16 @@ class Layout:
     tp: int
     pp: int
     cp: int = 1
+    ep: int = 1
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage."""
+        return self.dp * self.cp * self.tp
+
+    def ep_rank(self, rank: int) -> int:
+        """Position of `rank` in its expert-parallel group."""
+        return rank % self.stage_size % self.ep
 
     @property
     def world_size(self) -> int:
@@ -65,7 +81,16 @@ class Layout:
             return [self.rank_of(d, i, j, c) for j in range(self.pp) for i in range(self.tp)]
         if kind == "amax":
             return [self.rank_of(i, k, s, j) for i in range(self.dp) for j in range(self.cp) for k in range(self.tp)]
-        raise ValueError(f"group kind {kind!r}; accepted: {', '.join(GROUP_KINDS)}")
+        base, local = divmod(rank, self.stage_size)
+        base *= self.stage_size
+        edp_rank, ep_rank = divmod(local, self.ep)
+        if kind == "ep":
+            return [base + edp_rank * self.ep + i for i in range(self.ep)]
+        if kind == "edp":
+            return [base + j * self.ep + ep_rank for j in range(self.stage_size // self.ep)]
+        if kind == "emp":
+            return [j * self.stage_size + edp_rank * self.ep + i for j in range(self.pp) for i in range(self.ep)]
+        raise ValueError(f"group kind {kind!r}; accepted: {', '.join(GROUP_KINDS + EXPERT_GROUP_KINDS)}")
 
     def all_groups(self, kind: str) -> list[list[int]]:
         """Every group of one kind, each once (what a real run must create on all ranks)."""

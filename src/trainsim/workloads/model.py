@@ -17,6 +17,7 @@ from trainsim.config.schema import ModelConfig
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
 from trainsim.workloads.fused import RMSNorm, rotary, swiglu
+from trainsim.workloads.moe import ExpertParallel, MoE
 from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -42,6 +43,10 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return torch.native_dropout(x, p, True)[0]
 
 
+def head_width(cfg: ModelConfig) -> int:
+    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
 def _norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False) -> nn.Module:
     norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype) if cfg.family == "llama"
             else nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype))
@@ -52,7 +57,7 @@ def _norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False)
 
 def _rotary_tables(cfg: ModelConfig, dtype: torch.dtype, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of RoFormer rotary embeddings (Su et al. 2021) at `positions`, shape [len(positions), d/2]."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_width(cfg)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(positions.to(torch.float32), inv_freq)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -71,7 +76,7 @@ class Attention(nn.Module):
         self.seq_length = cfg.seq_length // (cp.size if cp else 1)  # this rank's tokens of each sequence
         self.heads = cfg.num_attention_heads // tp
         self.kv_heads = (cfg.num_kv_heads or cfg.num_attention_heads) // tp
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_width(cfg)
         self.selective_recompute = selective_recompute
         self.fused = cfg.attention == "fused"
         self.attention_dropout = cfg.attention_dropout
@@ -130,9 +135,9 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, sequence_parallel: bool = False,
-                 comm_overlap: bool = False, fp8: Fp8Region | None = None):
+                 comm_overlap: bool = False, fp8: Fp8Region | None = None, ffn: int | None = None):
         super().__init__()
-        ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+        ffn = ffn or cfg.ffn_hidden_size or 4 * cfg.hidden_size
         self.swiglu = cfg.family == "llama"
         bias = not self.swiglu
         up_width = 2 * ffn if self.swiglu else ffn  # SwiGLU fuses gate and up projections
@@ -152,14 +157,15 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute: str, sequence_parallel: bool = False,
-                 comm_overlap: bool = False, fp8: Fp8Region | None = None, cp: ContextParallel | None = None):
+                 comm_overlap: bool = False, fp8: Fp8Region | None = None, cp: ContextParallel | None = None,
+                 experts: MoE | None = None):
         super().__init__()
         self.dropout = cfg.dropout
         self.norm1 = _norm(cfg, dtype, sequence_parallel)
         self.attn = Attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
                               sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8, cp=cp)
         self.norm2 = _norm(cfg, dtype, sequence_parallel)
-        self.mlp = MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
+        self.mlp = experts or MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.dropout) if self.dropout else x
@@ -179,12 +185,14 @@ class TransformerChunk(nn.Module):
     Megatron-Core does, and the output layer all-gathers the shards. With `fp8` the blocks' linears run FP8
     GEMMs and the layers run inside the chunk's FP8 autocast region (workloads/fp8.py); the output layer
     stays bf16, as in Transformer Engine. With `cp` the chunk sees this context-parallel rank's tokens of
-    each sequence (workloads/context_parallel.py): positions and rotary tables are theirs.
+    each sequence (workloads/context_parallel.py): positions and rotary tables are theirs. A model with experts
+    has MoE layers in place of the MLPs after its first dense layers (workloads/moe.py), split over `ep`.
     """
 
     def __init__(self, cfg: ModelConfig, *, layers: range, first: bool, last: bool, tp: int, tp_rank: int,
                  tp_group, dtype: torch.dtype, recompute: str, loss_scale: float, sequence_parallel: bool = False,
-                 tp_comm_overlap: bool = False, fp8: Fp8Settings | None = None, cp: ContextParallel | None = None):
+                 tp_comm_overlap: bool = False, fp8: Fp8Settings | None = None, cp: ContextParallel | None = None,
+                 ep: ExpertParallel | None = None):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.tp, self.tp_group, self.recompute_full = tp, tp_group, recompute == "full"
@@ -192,7 +200,8 @@ class TransformerChunk(nn.Module):
         self.loss_scale = loss_scale  # 1 / num_microbatches: gradients accumulate to the batch mean
         self.fp8 = Fp8Region(fp8) if fp8 is not None else None
         self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
-                                          tp_comm_overlap, self.fp8, cp) for _ in layers)
+                                          tp_comm_overlap, self.fp8, cp, self._experts(layer, dtype, ep))
+                                    for layer in layers)
         if self.fp8 is not None:
             self.fp8.allocate()
         vocab = padded_vocab_size(cfg.vocab_size, tp)
@@ -213,6 +222,15 @@ class TransformerChunk(nn.Module):
             self.head = ColumnParallelLinear(cfg.hidden_size, vocab, tp, tp_group, dtype, bias=False,
                                              sequence_parallel=self.sequence_parallel)
             self.vocab_start = tp_rank * (vocab // tp)
+
+    def _experts(self, layer: int, dtype: torch.dtype, ep: ExpertParallel | None) -> MoE | None:
+        """The MoE layer in place of the MLP of `layer`, if it has experts (none in the first dense layers)."""
+        cfg = self.cfg
+        if not cfg.num_experts or layer < cfg.moe_first_dense_layers:
+            return None
+        width = cfg.moe_shared_expert_ffn_hidden_size
+        shared = MLP(cfg, self.tp, self.tp_group, dtype, self.sequence_parallel, ffn=width) if width else None
+        return MoE(cfg, layer, ep, dtype, self.loss_scale, self.sequence_parallel, shared)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids [b, s] on the first chunk, else hidden states [b, s, h] (or their sequence-parallel

@@ -36,12 +36,16 @@ from trainsim.workloads.observe import observer
 
 class MixedPrecisionAdamW:
     def __init__(self, weights: list[torch.Tensor], grads: list[torch.Tensor], lr: float = 1e-4,
-                 weight_decay: float = 0.01, clip_grad: float = 0.0, norm_group=None, reduce_norm: bool = False):
+                 weight_decay: float = 0.01, clip_grad: float = 0.0, norm_group=None, reduce_norm: bool = False,
+                 expert_tensors: int = 0, expert_norm_group=None, reduce_expert_norm: bool = False):
         """weights[i] is updated from grads[i] (model parameters and their gradients, or the distributed
         optimizer's slices of the flat buffers); the norm is all-reduced over `norm_group` when
-        `reduce_norm` (None = every rank)."""
+        `reduce_norm` (None = every rank). The last `expert_tensors` are MoE experts' (replicated on fewer
+        ranks): their squared norm is all-reduced over `expert_norm_group` apart and added, as Megatron-Core."""
         self.params, self.grads = list(weights), list(grads)
         self.clip_grad, self.norm_group, self.reduce_norm = clip_grad, norm_group, reduce_norm
+        self.expert_tensors, self.expert_norm_group = expert_tensors, expert_norm_group
+        self.reduce_expert_norm = reduce_expert_norm
         self.mixed = bool(self.params) and self.params[0].dtype != torch.float32
         if self.mixed:
             self.master = [nn.Parameter(p.detach().float()) for p in self.params]
@@ -76,13 +80,21 @@ class MixedPrecisionAdamW:
         torch._foreach_zero_(self.grads)
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
-        norms = torch.stack(torch._foreach_norm(grads))
-        squared = torch.dot(norms, norms)
-        if self.reduce_norm:
-            with observer().communication():
-                dist.all_reduce(squared, group=self.norm_group)
+        split = len(grads) - self.expert_tensors
+        squared = self._squared_norm(grads[:split], self.reduce_norm, self.norm_group)
+        if self.expert_tensors:
+            squared = squared + self._squared_norm(grads[split:], self.reduce_expert_norm, self.expert_norm_group)
         scale = torch.clamp(squared.rsqrt() * self.clip_grad, max=1.0)  # a zero norm gives inf -> 1
         torch._foreach_mul_(grads, scale)
+
+    @staticmethod
+    def _squared_norm(grads: list[torch.Tensor], reduce: bool, group) -> torch.Tensor:
+        norms = torch.stack(torch._foreach_norm(grads))
+        squared = torch.dot(norms, norms)
+        if reduce:
+            with observer().communication():
+                dist.all_reduce(squared, group=group)
+        return squared
 
     def state_bytes(self) -> int:
         """Bytes of optimizer-owned tensors: Adam moments, plus fp32 master weights and their fp32 gradients

@@ -57,11 +57,11 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tp):
         ctx.group, ctx.tp = group, tp
-        return _all_gather_tokens(x, group, tp)
+        return all_gather_tokens(x, group, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_tokens(grad, ctx.group, ctx.tp), None, None
+        return reduce_scatter_tokens(grad, ctx.group, ctx.tp), None, None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -71,11 +71,11 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tp):
         ctx.group, ctx.tp, ctx.shape = group, tp, x.shape
-        return _reduce_scatter_tokens(x, group, tp)
+        return reduce_scatter_tokens(x, group, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_tokens(grad, ctx.group, ctx.tp).view(ctx.shape), None, None
+        return all_gather_tokens(grad, ctx.group, ctx.tp).view(ctx.shape), None, None
 
 
 class _ScatterToSequenceParallel(torch.autograd.Function):
@@ -91,23 +91,23 @@ class _ScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_tokens(grad, ctx.group, ctx.tp).view(ctx.shape), None, None
+        return all_gather_tokens(grad, ctx.group, ctx.tp).view(ctx.shape), None, None
 
 
-def _all_gather_tokens(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+def all_gather_tokens(x: torch.Tensor, group, tp: int, group_kind: str | None = None) -> torch.Tensor:
     """[t, h] shards -> [tp * t, h] (rank order)."""
     x = x.contiguous()
     out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    with observer().communication():
+    with observer().communication(group_kind=group_kind):
         all_gather_flat(out, x, group=group)
     return out
 
 
-def _reduce_scatter_tokens(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+def reduce_scatter_tokens(x: torch.Tensor, group, tp: int, group_kind: str | None = None) -> torch.Tensor:
     """Partial sums over all tokens ([..., h], tokens flattened) -> this rank's [tokens / tp, h] of the sum."""
     x = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty((x.shape[0] // tp, x.shape[1]), dtype=x.dtype, device=x.device)
-    with observer().communication():
+    with observer().communication(group_kind=group_kind):
         reduce_scatter_flat(out, x, group=group)
     return out
 
@@ -176,7 +176,7 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
     return product
 
 
-def _start_all_gather_tokens(x: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
+def _startall_gather_tokens(x: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
     """Start all-gathering token shards [t, h] -> [tp t, h]; the caller waits where it needs them."""
     out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     with observer().communication(async_op=True):
@@ -195,13 +195,13 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         x = x.contiguous()
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.tp, ctx.has_bias = group, tp, bias is not None
-        return nn.functional.linear(_all_gather_tokens(x, group, tp), weight, bias)
+        return nn.functional.linear(all_gather_tokens(x, group, tp), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.reshape(-1, grad.shape[-1])
-        gathered, gathering = _start_all_gather_tokens(x, ctx.group, ctx.tp)
+        gathered, gathering = _startall_gather_tokens(x, ctx.group, ctx.tp)
         grad_input = grad.mm(weight)
         wait_all(gathering)
         grad_x = torch.empty_like(x)
@@ -231,7 +231,7 @@ class _OverlappedColumnLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        gathered, gathering = _start_all_gather_tokens(x, ctx.group, ctx.tp)
+        gathered, gathering = _startall_gather_tokens(x, ctx.group, ctx.tp)
         grad_x = ring_matmul_reduce_scatter(grad, weight.t(), ctx.group, ctx.tp)
         wait_all(gathering)
         return grad_x, grad.t().mm(gathered), None, None

@@ -17,26 +17,28 @@ from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.data_parallel import GradientBuckets
 from trainsim.workloads.fp8 import fp8_settings
 from trainsim.workloads.fully_sharded import local, shard_chunk
-from trainsim.workloads.layout import GROUP_KINDS, Layout
+from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
 from trainsim.workloads.model import DTYPES, TransformerChunk
+from trainsim.workloads.moe import ExpertParallel
 from trainsim.workloads.observe import observer
 from trainsim.workloads.optimizer import MixedPrecisionAdamW
+from trainsim.workloads.routing import PlannedCounts, RouterCounts
 from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
 
 
 def layout_of(par: ParallelismConfig) -> Layout:
-    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
 
 
-def create_groups(layout: Layout, rank: int, every_group: bool) -> dict[str, object]:
-    """Process groups of `rank` by kind (GROUP_KINDS).
+def create_groups(layout: Layout, rank: int, every_group: bool, experts: bool = False) -> dict[str, object]:
+    """Process groups of `rank` by kind (GROUP_KINDS, and EXPERT_GROUP_KINDS for a model with experts).
 
     A real run must create every group on every rank in the same order (every_group=True);
     a traced rank only creates its own (the fake store needs no agreement). A kind whose group has the
     ranks of an earlier kind's (mp = pp when tp = 1, amax = tp when dp = 1, ...) reuses that group.
     """
     mine: dict[str, object] = {}
-    for kind in GROUP_KINDS:
+    for kind in GROUP_KINDS + (EXPERT_GROUP_KINDS if experts else ()):
         own = layout.group_ranks(rank, kind)
         same = next((k for k in mine if layout.group_ranks(rank, k) == own), None)
         if same is not None:  # (for every rank at once: the degrees decide it)
@@ -63,7 +65,15 @@ class RankModel:
     buckets: list[GradientBuckets]
     optimizer: MixedPrecisionAdamW
     cp: ContextParallel | None = None
+    expert_buckets: list[GradientBuckets] = field(default_factory=list)
+    """Per chunk, the gradient buckets of its experts (MoE models; empty otherwise)."""
     pending_sends: list = field(default_factory=list)
+
+    def chunk_buckets(self, chunk: int) -> list[GradientBuckets]:
+        return [self.buckets[chunk]] + ([self.expert_buckets[chunk]] if self.expert_buckets else [])
+
+    def all_buckets(self) -> list[GradientBuckets]:
+        return self.buckets + self.expert_buckets
 
     @property
     def pp_rank(self) -> int:
@@ -73,8 +83,11 @@ class RankModel:
         return [p for chunk in self.chunks for p in chunk.parameters()]
 
 
-def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, groups: dict[str, object]) -> RankModel:
-    """Build rank `rank`'s sub-model: the layers of its pipeline chunks, sharded for its tp rank."""
+def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, groups: dict[str, object],
+                     routing: RouterCounts | PlannedCounts | None = None) -> RankModel:
+    """Build rank `rank`'s sub-model: the layers of its pipeline chunks, sharded for its tp rank.
+
+    routing: where MoE layers get their token counts (workloads/routing.py); default: the router decides."""
     layout = layout_of(par)
     pos = layout.position(rank)
     v = par.virtual_stages
@@ -82,6 +95,12 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     dtype = DTYPES[par.precision]
     fp8 = fp8_settings(par, groups["amax"])
     cp = ContextParallel(par.cp, pos.cp_rank, groups["cp"], par.cp_comm_type) if par.cp > 1 else None
+    ep = None
+    if model_cfg.num_experts:
+        ep_rank = layout.ep_rank(rank)
+        ep = ExpertParallel(par.ep, ep_rank, groups["ep"],
+                            routing or RouterCounts(model_cfg.num_experts, groups["ep"], ep_rank),
+                            par.moe_token_dispatcher)
     chunks = []
     try:
         for c in range(v):
@@ -94,7 +113,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                 last=virtual_stage == par.pp * v - 1,
                 tp=par.tp, tp_rank=pos.tp_rank, tp_group=groups["tp"],
                 dtype=dtype, recompute=par.recompute, loss_scale=1.0 / par.num_microbatches,
-                sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap, fp8=fp8, cp=cp,
+                sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap, fp8=fp8, cp=cp, ep=ep,
             ))
     except (RuntimeError, ValueError) as exc:
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
@@ -110,18 +129,32 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                                         clip_grad=par.clip_grad, norm_group=None, reduce_norm=layout.world_size > 1)
         return RankModel(layout, rank, model_cfg, par, groups, chunks, [], optimizer, cp)
     shard = par.zero_stage == 1
-    buckets = [GradientBuckets(list(chunk.parameters()), par.dp_bucket_size_bytes, groups["dp"], par.weight_replicas,
-                               shard=shard, modules=list(chunk.modules())) for chunk in chunks]
+    buckets, expert_buckets = [], []
+    for chunk in chunks:  # experts' gradients are reduced over the ranks holding the same experts (Megatron's
+        # expert data-parallel group), averaged like the dense ones over every replica of the batch
+        dense = [p for p in chunk.parameters() if not getattr(p, "expert", False)]
+        experts = [p for p in chunk.parameters() if getattr(p, "expert", False)]
+        modules = list(chunk.modules())
+        buckets.append(GradientBuckets(dense, par.dp_bucket_size_bytes, groups["dp"], par.weight_replicas,
+                                       shard=shard, modules=modules))
+        if experts:
+            expert_buckets.append(GradientBuckets(experts, par.dp_bucket_size_bytes, groups["edp"],
+                                                  layout.stage_size // par.ep, shard=shard, modules=modules,
+                                                  average_over=par.weight_replicas))
     if shard:  # the distributed optimizer: this rank's slices of the flat buffers, the norm over every rank
-        weights = [w for b in buckets for w in b.param_shards()]
-        grads = [g for b in buckets for g in b.grad_shards()]
+        weights = [w for b in buckets + expert_buckets for w in b.param_shards()]
+        grads = [g for b in buckets + expert_buckets for g in b.grad_shards()]
         optimizer = MixedPrecisionAdamW(weights, grads, clip_grad=par.clip_grad, norm_group=None,
                                         reduce_norm=layout.world_size > 1)
-    else:
+    else:  # the experts' norm is summed over the ranks of one expert replica, the rest over the model's ranks
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        params.sort(key=lambda p: getattr(p, "expert", False))
+        num_expert = sum(getattr(p, "expert", False) for p in params)
         optimizer = MixedPrecisionAdamW(params, [p.grad for p in params], clip_grad=par.clip_grad,
-                                        norm_group=groups["mp"], reduce_norm=layout.tp * layout.pp > 1)
-    return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer, cp)
+                                        norm_group=groups["mp"], reduce_norm=layout.tp * layout.pp > 1,
+                                        expert_tensors=num_expert, expert_norm_group=groups.get("emp"),
+                                        reduce_expert_norm=par.ep * par.pp > 1)
+    return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer, cp, expert_buckets)
 
 
 def _p2p_tag(microbatch: int, sender_chunk: int, virtual_stages: int, backward: bool) -> int:
@@ -181,7 +214,8 @@ def run_backward(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -
     v = rm.par.virtual_stages
     inputs, output = saved.pop((action.microbatch, action.chunk))
     if rm.buckets:  # (FSDP reduce-scatters every micro-batch's gradients itself)
-        rm.buckets[action.chunk].start_backward(sync=sync_grads)
+        for buckets in rm.chunk_buckets(action.chunk):
+            buckets.start_backward(sync=sync_grads)
     if chunk.last:
         output.backward()
     else:
@@ -220,18 +254,19 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
         with obs.section(phase, action.chunk, action.microbatch):
             if action.kind == "F":
                 if overlap_gather and action.microbatch == first_mb[action.chunk]:
-                    rm.buckets[action.chunk].gather_params(wait=False)  # the last step's update, layer by layer
+                    for buckets in rm.chunk_buckets(action.chunk):  # the last step's update, layer by layer
+                        buckets.gather_params(wait=False)
                 run_forward(rm, action, batch, saved)
             else:
                 run_backward(rm, action, saved, sync_grads=action.microbatch == last_mb[action.chunk])
     with obs.section("optimizer", 0, 0):
-        for buckets in rm.buckets:
+        for buckets in rm.all_buckets():
             buckets.finish()
         allreduce_sequence_parallel_grads(rm)
         rm.optimizer.step()
         if not rm.buckets:  # FSDP: the sharded gradients (FSDP adds each micro-batch's into them)
             rm.optimizer.zero_grad()
-        for buckets in rm.buckets:  # zero after the step (buffers start at zero), as torch's idiom
+        for buckets in rm.all_buckets():  # zero after the step (buffers start at zero), as torch's idiom
             buckets.zero_grad()
             if not overlap_gather:
                 buckets.gather_params(wait=True)

@@ -1,0 +1,230 @@
+"""Mixture-of-experts layer with expert parallelism, as Megatron-Core's MoELayer with the all-to-all dispatcher.
+
+Per micro-batch, on each rank's own tokens (its sequence-parallel shard when tp > 1):
+1. router: logits = x W_r^T over all experts; top-k by logit with a softmax over the k chosen (Mixtral, Qwen3), or
+   top-k sigmoid scores normalised to sum 1 (DeepSeek-V3); the Switch load-balancing loss when its coefficient
+   is set (Fedus et al. 2022, eq. 4: E * sum_e f_e P_e, added to the loss through the gradient, as Megatron's
+   MoEAuxLossAutoScaler);
+2. permute: token copies sorted by expert (stable, so a token's copies stay in token order); with a capacity
+   factor each expert keeps its first ceil(k T / E * factor) tokens and the rest are dropped;
+3. dispatch: the ranks' tokens-per-expert are all-gathered over the expert-parallel group (the host then knows
+   every split size), and one all-to-all sends each rank the tokens of its experts; the received chunks are
+   regrouped by local expert (Megatron's sort_chunks_by_idxs);
+4. experts: one MLP per local expert on its tokens (Megatron's SequentialMLP; a GEMM per expert whose rows are
+   the tokens it received, so an imbalanced routing gives ranks different GEMM shapes);
+5. combine: the reverse regrouping and all-to-all, then each copy weighted by its router probability and summed
+   back into its token (index_add); the shared expert, a dense MLP every token goes through, is added.
+With the all-gather dispatcher (parallelism.moe_token_dispatcher) steps 3-5 are instead: all-gather every rank's
+tokens, probabilities and choices, compute the copies routed to the local experts, reduce-scatter the sums.
+
+The token counts come from a counts source (workloads/routing.py): the router's choice in a real run, a routing
+plan in a trace. Everything else is the same code. Expert weights carry `expert = True`: their gradients are
+reduced over the ranks holding the same experts, not over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainsim.config.schema import ModelConfig
+from trainsim.workloads.fused import swiglu
+from trainsim.workloads.observe import observer
+from trainsim.workloads.routing import PlannedCounts, RouterCounts
+from trainsim.workloads.tensor_parallel import all_gather_tokens, reduce_scatter_tokens
+
+
+@dataclass
+class ExpertParallel:
+    """This rank's place among the ranks that split the experts, and where its token counts come from."""
+
+    size: int
+    rank: int
+    group: object
+    counts: RouterCounts | PlannedCounts
+    dispatcher: str = "alltoall"
+    """parallelism.moe_token_dispatcher"""
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes; its gradient is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        with observer().communication(group_kind="ep"):
+            dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _AllToAll.apply(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather rows over the expert-parallel group; the gradient is reduce-scattered back."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return all_gather_tokens(x, group, size, group_kind="ep")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_tokens(grad, ctx.group, ctx.size, group_kind="ep"), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Reduce-scatter rows over the expert-parallel group; the gradient is all-gathered back."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return reduce_scatter_tokens(x, group, size, group_kind="ep")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tokens(grad, ctx.group, ctx.size, group_kind="ep"), None, None
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the layer's output; in backward the auxiliary loss gets gradient `scale` (the loss scale), so it
+    is minimised with the main loss without being added to it (Megatron-Core's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, scale):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None
+
+
+def _regroup(x: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+    """x's rows come in chunks of counts[i, j] rows, ordered by i then j; return them ordered by j then i (from
+    grouped by source rank to grouped by expert, and back with counts.T)."""
+    if counts.shape[0] == 1 or counts.shape[1] == 1:
+        return x
+    chunks = x.split(counts.reshape(-1).tolist())
+    rows, cols = counts.shape
+    return torch.cat([chunks[i * cols + j] for j in range(cols) for i in range(rows)])
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ep: ExpertParallel, dtype: torch.dtype, loss_scale: float,
+                 sequence_parallel: bool, shared_expert: nn.Module | None):
+        super().__init__()
+        self.layer, self.ep, self.loss_scale = layer, ep, loss_scale
+        self.num_experts, self.top_k = cfg.num_experts, cfg.moe_top_k
+        self.local_experts = cfg.num_experts // ep.size
+        self.sigmoid = cfg.moe_router == "sigmoid"
+        self.capacity_factor, self.aux_coeff = cfg.moe_capacity_factor, cfg.moe_aux_loss_coeff
+        self.swiglu = cfg.family == "llama"
+        ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size
+        up = 2 * ffn if self.swiglu else ffn
+        h = cfg.hidden_size
+        self.router = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=dtype))
+        self.router.sequence_parallel = sequence_parallel  # each tp rank routes its own tokens: partial gradients
+        self.w1 = nn.Parameter(torch.empty(self.local_experts, h, up, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(self.local_experts, ffn, h, dtype=dtype))
+        for weight in (self.router, self.w1, self.w2):
+            nn.init.normal_(weight, std=0.02)
+        self.w1.expert = self.w2.expert = True
+        self.shared = shared_expert
+
+    def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(probabilities [T, k], expert indices [T, k], router logits [T, E]); with forced routing the
+        planned experts' scores instead of the top-k."""
+        logits = nn.functional.linear(tokens, self.router)
+        forced = self.ep.counts.forced(self.layer, tokens.shape[0], self.top_k)
+        scores = torch.sigmoid(logits) if self.sigmoid else logits
+        if forced is None:
+            top, indices = scores.topk(self.top_k, dim=-1)
+        else:
+            indices = forced
+            top = scores.gather(1, indices)
+        if self.sigmoid:
+            return top / top.sum(dim=-1, keepdim=True), indices, logits
+        return torch.softmax(top, dim=-1), indices, logits
+
+    def _aux_loss(self, logits: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        if self.sigmoid:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        routed = torch.tensor(counts, dtype=scores.dtype) / (logits.shape[0] * self.top_k)
+        return self.aux_coeff * self.num_experts * torch.dot(scores.mean(dim=0), routed)
+
+    def _experts(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        outs = []
+        for e, part in enumerate(x.split(per_expert)):
+            hidden = part @ self.w1[e]
+            hidden = swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
+            outs.append(hidden @ self.w2[e])
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        ep = self.ep
+        probs, indices, logits = self._route(tokens)
+        # tokens per expert from the routing map, as Megatron-Core (static shapes: traceable on fake tensors)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+        per_expert = routing_map.sum(dim=0)
+        counts = ep.counts.local(self.layer, per_expert)
+        everyone = ep.counts.everyone(self.layer, per_expert, ep.size)  # [ep, E]
+        if ep.dispatcher == "allgather" and ep.size > 1:
+            combined = self._allgather_experts(tokens, probs, indices, everyone)
+        else:
+            combined = self._alltoall_experts(tokens, probs, indices, counts, everyone)
+        combined = combined.view(shape)
+        if self.aux_coeff:
+            combined = _AttachAuxLoss.apply(combined, self._aux_loss(logits, counts), self.loss_scale)
+        return combined + self.shared(x) if self.shared is not None else combined
+
+    def _alltoall_experts(self, tokens, probs, indices, counts: list[int], everyone: np.ndarray) -> torch.Tensor:
+        """Steps 2-5 with the all-to-all dispatcher: [T, h] of weighted expert outputs."""
+        num_tokens, k, ep = tokens.shape[0], self.top_k, self.ep
+        order = indices.flatten().argsort(stable=True)  # token copies grouped by expert
+        if self.capacity_factor > 0:
+            capacity = math.ceil(num_tokens * k / self.num_experts * self.capacity_factor)
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            order = torch.cat([order[int(s):int(s) + min(c, capacity)] for s, c in zip(starts, counts)])
+            everyone = np.minimum(everyone, capacity)
+        sent = everyone[ep.rank].reshape(ep.size, self.local_experts)  # [destination rank, its expert]
+        mine = slice(ep.rank * self.local_experts, (ep.rank + 1) * self.local_experts)
+        received = everyone[:, mine]  # [source rank, my expert]
+        permuted = tokens.index_select(0, order // k)
+        if ep.size > 1:
+            permuted = _AllToAll.apply(permuted, received.sum(axis=1).tolist(), sent.sum(axis=1).tolist(), ep.group)
+        out = self._experts(_regroup(permuted, received), received.sum(axis=0).tolist())
+        out = _regroup(out, received.T)
+        if ep.size > 1:
+            out = _AllToAll.apply(out, sent.sum(axis=1).tolist(), received.sum(axis=1).tolist(), ep.group)
+        weights = probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(tokens).index_add(0, order // k, out * weights)
+
+    def _allgather_experts(self, tokens, probs, indices, everyone: np.ndarray) -> torch.Tensor:
+        """Megatron-Core's all-gather dispatcher: every rank gathers all ranks' tokens, routing and probabilities,
+        computes the copies routed to its experts, and the partial outputs are reduce-scattered back."""
+        k, ep = self.top_k, self.ep
+        gathered = _GatherTokens.apply(tokens, ep.group, ep.size)  # [ep T, h]
+        gathered_probs = _GatherTokens.apply(probs, ep.group, ep.size)
+        gathered_indices = all_gather_tokens(indices, ep.group, ep.size, group_kind="ep")
+        per_expert = everyone.sum(axis=0)  # over all sources
+        first = int(per_expert[:ep.rank * self.local_experts].sum())
+        mine = per_expert[ep.rank * self.local_experts:(ep.rank + 1) * self.local_experts]
+        order = gathered_indices.flatten().argsort(stable=True)[first:first + int(mine.sum())]
+        out = self._experts(gathered.index_select(0, order // k), mine.tolist())
+        weights = gathered_probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype)
+        partial = torch.zeros_like(gathered).index_add(0, order // k, out * weights)
+        return _ScatterTokens.apply(partial, ep.group, ep.size)

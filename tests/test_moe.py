@@ -1,0 +1,302 @@
+"""Mixture of experts: routing plans and histograms, the MoE layer's arithmetic, expert-parallel groups and rank
+classes, and the trace against real expert-parallel gloo steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from trainsim.config import compose_run
+from trainsim.errors import ConfigError
+from trainsim.trace import trace_layout
+from trainsim.trace.expand import expand_step, rename_for_rank
+from trainsim.workloads.launch import run_real_step, spawn_ranks
+from trainsim.workloads.layout import Layout
+from trainsim.workloads.moe import ExpertParallel, MoE
+from trainsim.workloads.routing import (
+    RouterCounts,
+    RoutingHistogram,
+    forced_choices,
+    model_routing_plan,
+    parametric_shares,
+    read_histogram,
+    routing_plan,
+    split_by_shares,
+    token_counts,
+)
+from trainsim.workloads.schedules import pipeline_actions
+from trainsim.workloads.train_step import create_groups, layout_of
+
+MOE = ["model=gpt-tiny", "model.num_experts=4", "model.moe_top_k=2"]
+
+
+def test_split_by_shares_is_exact_and_proportional():
+    counts = split_by_shares(10, np.array([1.0, 1.0, 1.0]))
+    assert counts.tolist() == [4, 3, 3] and counts.sum() == 10
+    real = np.array([7, 0, 300, 5])
+    assert split_by_shares(int(real.sum()), real.astype(float)).tolist() == real.tolist()
+
+
+def test_no_expert_gets_more_copies_than_there_are_tokens():
+    counts = token_counts(10, 2, np.array([100.0, 1.0, 1.0, 0.0]))
+    assert counts.tolist() == [10, 5, 5, 0]
+    assert token_counts(10, 3, np.array([5.0, 5.0, 0.0, 0.0])).tolist() == [10, 10, 5, 5]
+
+
+@pytest.mark.parametrize("spec", ["balanced", "zipf:1.2", "dirichlet:0.3"])
+def test_routing_plan_gives_every_rank_its_tokens_times_top_k(spec):
+    plan = routing_plan(spec, [1, 2, 3], num_experts=8, ep=4, tokens_per_rank=100, top_k=2)
+    assert plan.counts.shape == (3, 4, 8)
+    assert (plan.counts.sum(axis=2) == 200).all() and plan.counts.max() <= 100
+    skew = plan.counts.max(axis=2) / plan.counts.mean(axis=2)
+    assert (skew == 1).all() if spec == "balanced" else (skew > 1.5).all()
+
+
+def test_zipf_hot_expert_changes_with_the_layer_not_with_the_layout():
+    shares = parametric_shares("zipf:1.5", [0, 1, 2, 3], 16)
+    assert len({int(np.argmax(row)) for row in shares}) > 1
+    assert np.array_equal(parametric_shares("zipf:1.5", [2], 16)[0], shares[2])
+
+
+def test_histogram_round_trip_and_errors(tmp_path):
+    histogram = RoutingHistogram()
+    histogram.add_choices(0, 0, torch.tensor([[0, 1], [0, 3]]), num_experts=4)
+    histogram.add_choices(0, 1, torch.tensor([[2, 2], [2, 1]]), num_experts=4)
+    histogram.add_choices(0, 0, torch.tensor([[0, 1]]), num_experts=4)
+    path = tmp_path / "routing.csv"
+    histogram.write(path, "a test")
+    assert path.read_text().startswith("# routing histogram: a test\nlayer,ep_rank,expert,tokens\n")
+    assert read_histogram(path, [0], 4)[0].tolist() == [[3, 2, 0, 1], [0, 1, 3, 0]]
+    plan = routing_plan(str(path), [0], 4, ep=2, tokens_per_rank=3, top_k=2)
+    # per source, scaled to 6 copies; no expert above the 3 tokens (a token picks an expert once)
+    assert plan.counts[0].tolist() == [[3, 2, 0, 1], [0, 3, 3, 0]]
+    with pytest.raises(ConfigError, match="no tokens for MoE layer 1"):
+        read_histogram(path, [0, 1], 4)
+    path.write_text("layer,ep_rank,expert,tokens\n0,0,9,3\n")
+    with pytest.raises(ConfigError, match=r"expert must be in \[0, 4\)"):
+        read_histogram(path, [0], 4)
+
+
+def test_expert_groups_fold_over_the_stage():
+    layout = Layout(dp=2, tp=2, pp=2, ep=2)  # 4 ranks per stage: ep pairs, edp pairs
+    assert layout.group_ranks(5, "ep") == [4, 5]
+    assert layout.group_ranks(5, "edp") == [5, 7]
+    assert layout.group_ranks(5, "emp") == [0, 1, 4, 5]
+    assert [layout.ep_rank(r) for r in range(8)] == [0, 1] * 4
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallelism=dp2", "parallelism.ep=3"], "does not divide model.num_experts=4"),
+    (["parallelism=dp2", "parallelism.ep=4"], "must divide dp \\* cp \\* tp = 2"),
+    (["parallelism=tp2", "parallelism.ep=2"], "sequence_parallel=true"),
+    (["parallelism=dp2", "parallelism.zero_stage=3"], "FSDP"),
+    (["parallelism=dp2", "model.moe_top_k=5"], "moe_top_k=5"),
+    (["parallelism=dp2", "model.moe_routing=zipf:x"], "positive number"),
+    (["parallelism=dp2", "model.moe_routing=nowhere.csv"], "routing histogram file"),
+    (["parallelism=dp2", "model.moe_router=relu"], "moe_router='relu'"),
+    (["parallelism=dp2", "parallelism.moe_token_dispatcher=flex"], "moe_token_dispatcher='flex'"),
+    (["parallelism=dp2", "parallelism.moe_token_dispatcher=allgather", "model.moe_capacity_factor=1.0"],
+     "token dropping"),
+])
+def test_invalid_expert_layouts_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_run([*MOE, *overrides], check="layout")
+
+
+def test_dense_model_rejects_expert_parallelism():
+    with pytest.raises(ConfigError, match="has none"):
+        compose_run(["model=gpt-tiny", "parallelism=dp2", "parallelism.ep=2"], check="layout")
+
+
+def _moe_layer(capacity_factor: float = 0.0, top_k: int = 2, router: str = "softmax") -> MoE:
+    run = compose_run([*MOE, f"model.moe_capacity_factor={capacity_factor}", f"model.moe_top_k={top_k}",
+                       f"model.moe_router={router}"], check="layout")
+    torch.manual_seed(0)
+    ep = ExpertParallel(1, 0, None, RouterCounts(4, None, 0))
+    return MoE(run.model, 0, ep, torch.float32, 1.0, False, None)
+
+
+def _reference(layer: MoE, x: torch.Tensor, keep=None) -> torch.Tensor:
+    """Token by token: the chosen experts' GELU MLPs, weighted by the router's probabilities."""
+    tokens = x.reshape(-1, x.shape[-1])
+    probs, indices, _ = layer._route(tokens)
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        for j in range(layer.top_k):
+            e = int(indices[t, j])
+            if keep is None or (t, j) in keep:
+                hidden = torch.nn.functional.gelu(tokens[t] @ layer.w1[e], approximate="tanh")
+                out[t] += probs[t, j] * (hidden @ layer.w2[e])
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_moe_layer_computes_each_token_with_its_experts(router):
+    layer = _moe_layer(router=router)
+    x = torch.randn(2, 8, 64)
+    torch.testing.assert_close(layer(x), _reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_factor_drops_the_late_tokens_of_full_experts():
+    layer = _moe_layer(capacity_factor=0.5, top_k=1)
+    x = torch.randn(1, 16, 64)
+    _, indices, _ = layer._route(x.reshape(16, 64))
+    capacity, seen, keep = 2, {}, set()  # ceil(16 tokens * 1 / 4 experts * 0.5)
+    for t in range(16):
+        e = int(indices[t, 0])
+        if seen.get(e, 0) < capacity:
+            keep.add((t, 0))
+        seen[e] = seen.get(e, 0) + 1
+    assert len(keep) < 16
+    torch.testing.assert_close(layer(x), _reference(layer, x, keep), rtol=1e-5, atol=1e-5)
+
+
+def test_aux_loss_reaches_the_router_through_the_gradient():
+    run = compose_run([*MOE, "model.moe_aux_loss_coeff=0.1"], check="layout")
+    torch.manual_seed(0)
+    layer = MoE(run.model, 0, ExpertParallel(1, 0, None, RouterCounts(4, None, 0)), torch.float32, 1.0, False, None)
+    x = torch.randn(1, 8, 64)
+    layer(x).sum().backward()
+    with_aux = layer.router.grad.clone()
+    layer.router.grad = None
+    layer.aux_coeff = 0.0
+    layer(x).sum().backward()
+    assert not torch.allclose(with_aux, layer.router.grad)
+
+
+def test_skewed_routing_splits_stages_into_expert_classes():
+    balanced = trace_layout(*_model_and_layout([*MOE, "parallelism=dp2", "parallelism.ep=2"]))
+    assert balanced.rank_classes["rank_class"].to_pylist() == [0, 0]
+    skewed = trace_layout(*_model_and_layout([*MOE, "parallelism=dp2", "parallelism.ep=2", "model.moe_routing=zipf:2"]))
+    assert skewed.rank_classes["rank_class"].to_pylist() == [0, 1]
+    graph = skewed.graph.to_pandas()
+    a2a = graph[graph["collective"] == "all_to_all"]
+    sent = a2a.groupby("rank_class")["message_bytes"].apply(list)
+    assert sent[0] != sent[1]  # the ranks receive different numbers of tokens back from the experts
+    memory = skewed.memory.to_pandas().set_index("rank_class")
+    assert memory.loc[0, "parameter_bytes"] == memory.loc[1, "parameter_bytes"]
+
+
+def _model_and_layout(overrides):
+    run = compose_run(overrides, check="layout")
+    return run.model, run.parallelism
+
+
+def _histogram_of(real) -> RoutingHistogram:
+    histogram = RoutingHistogram()
+    for rank_run in real:
+        histogram.merge(rank_run.routing)
+    return histogram
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    pytest.param(["parallelism=dp2", "parallelism.ep=2", "parallelism.global_batch_size=4",
+                  "parallelism.moe_token_dispatcher=allgather"], id="ep2-allgather"),
+    pytest.param(["parallelism=dp2", "parallelism.tp=2", "parallelism.sequence_parallel=true", "parallelism.ep=4",
+                  "parallelism.global_batch_size=4", "hardware.devices_per_node=4", "model.num_experts=8",
+                  "model.moe_shared_expert_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01",
+                  "model.moe_first_dense_layers=1", "parallelism.zero_stage=1"], id="ep4-tp2-sp-shared-aux-zero1"),
+])
+def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_path):
+    """One micro-batch per step: the real step's routing histogram, fed back as model.moe_routing, gives the
+    trace every rank's token counts, so ops (expert GEMM shapes differ by rank), collectives with their sizes (the
+    all-to-alls' differ by rank) and order must agree."""
+    run = compose_run([*MOE, *overrides])
+    real = run_real_step(run.model, run.parallelism, record=True)
+    path = tmp_path / "routing.csv"
+    _histogram_of(real).write(path, "test_moe real step")
+    run = compose_run([*MOE, *overrides, f"model.moe_routing={path}"])
+    par = run.parallelism
+    layout = layout_of(par)
+    traced = trace_layout(run.model, par)
+    graph, classes = traced.graph.to_pandas(), traced.rank_classes.to_pandas().set_index("rank")["rank_class"]
+    assert classes.nunique() > 1  # real routing is never perfectly balanced
+    sizes = set()
+    for rank_run in real:
+        cls = int(classes[rank_run.rank])
+        representative = int(classes[classes == cls].index.min())
+        pos = layout.position(rank_run.rank)
+        actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
+        expected = rename_for_rank(expand_step(graph[graph["rank_class"] == cls], actions), layout,
+                                   representative, rank_run.rank)
+        recorded = pd.DataFrame(rank_run.events)
+        comm = ["collective", "group_ranks", "message_bytes", "comm_dtype"]
+        rows = [list(map(str, r)) for r in recorded[recorded["kind"] == "collective"][comm].itertuples(index=False)]
+        assert rows == [list(map(str, r)) for r in expected[expected["kind"] == "collective"][comm]
+                        .itertuples(index=False)], f"collectives of rank {rank_run.rank} differ"
+        ops = ["op", "input_shapes"]
+        assert list(recorded[ops].itertuples(index=False)) == list(expected[ops].itertuples(index=False))
+        sizes.add(tuple(recorded["input_shapes"]))
+    assert len(sizes) > 1  # the ranks' experts received different numbers of tokens
+
+
+def test_forced_choices_give_each_token_distinct_experts_and_the_plan_counts():
+    counts = token_counts(6, 2, np.array([10.0, 1.0, 1.0, 0.0]))
+    choices = forced_choices(counts, 6, 2)
+    assert choices.shape == (6, 2) and (choices[:, 0] != choices[:, 1]).all()
+    assert torch.bincount(choices.flatten(), minlength=4).tolist() == counts.tolist()
+
+
+@pytest.mark.slow
+def test_forced_routing_runs_the_planned_imbalance_for_real():
+    """A real run forced to a Zipf plan routes exactly the plan's tokens per expert in every micro-batch, and its
+    ops and all-to-all sizes are the trace's of the same config (no histogram needed)."""
+    run = compose_run([*MOE, "parallelism=dp2", "parallelism.ep=2", "model.moe_routing=zipf:1.5",
+                       "model.moe_force_routing=true"])
+    par = run.parallelism
+    real = run_real_step(run.model, par, record=True)
+    traced = trace_layout(run.model, par)
+    plan = model_routing_plan(run.model, par)
+    classes = traced.rank_classes.to_pandas().set_index("rank")["rank_class"]
+    graph = traced.graph.to_pandas()
+    layout = layout_of(par)
+    for rank_run in real:
+        for layer in plan.layers:
+            recorded = rank_run.routing.tokens[(layer, layout.ep_rank(rank_run.rank))]
+            assert recorded.tolist() == (par.num_microbatches * plan.of_layer(layer)[rank_run.rank]).tolist()
+        cls = int(classes[rank_run.rank])
+        actions = pipeline_actions(par.schedule, par.pp, 0, par.num_microbatches, par.virtual_stages)
+        expected = rename_for_rank(expand_step(graph[graph["rank_class"] == cls], actions), layout,
+                                   int(classes[classes == cls].index.min()), rank_run.rank)
+        recorded = pd.DataFrame(rank_run.events)
+        columns = ["op", "input_shapes", "collective", "message_bytes"]
+        assert recorded[columns].astype(str).values.tolist() == expected[columns].astype(str).values.tolist()
+
+
+def _expert_parallel_vs_all_experts(rank, layout, model_cfg, tokens_per_rank, dispatcher):
+    """Each rank: the ep-split layer on its own tokens, and (as reference) one layer with every expert on every
+    rank's tokens; the same full weights on both (drawn from one seed, then sliced)."""
+    groups = create_groups(layout, rank, every_group=True, experts=True)
+    ep = layout.ep
+    torch.manual_seed(7)
+    full = MoE(model_cfg, 0, ExpertParallel(1, 0, None, RouterCounts(model_cfg.num_experts, None, 0)),
+               torch.float32, 1.0, False, None)
+    x_all = torch.randn(ep * tokens_per_rank, model_cfg.hidden_size)
+    split = MoE(model_cfg, 0, ExpertParallel(ep, rank, groups["ep"],
+                                             RouterCounts(model_cfg.num_experts, groups["ep"], rank), dispatcher),
+                torch.float32, 1.0, False, None)
+    n = model_cfg.num_experts // ep
+    with torch.no_grad():
+        split.router.copy_(full.router)
+        split.w1.copy_(full.w1[rank * n:(rank + 1) * n])
+        split.w2.copy_(full.w2[rank * n:(rank + 1) * n])
+    mine = x_all[rank * tokens_per_rank:(rank + 1) * tokens_per_rank]
+    out = split(mine)
+    out.square().sum().backward()  # each rank's loss on its tokens; expert gradients come back by all-to-all
+    reference = full(x_all)
+    reference.square().sum().backward()
+    return ([out.detach(), split.w1.grad, split.w2.grad],
+            [reference[rank * tokens_per_rank:(rank + 1) * tokens_per_rank].detach(),
+             full.w1.grad[rank * n:(rank + 1) * n], full.w2.grad[rank * n:(rank + 1) * n]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(dispatcher):
+    run = compose_run([*MOE, "parallelism=dp2", "parallelism.ep=2", "model.moe_top_k=2"], check="layout")
+    for got, expected in spawn_ranks(_expert_parallel_vs_all_experts, run.parallelism, run.model, 24, dispatcher):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
