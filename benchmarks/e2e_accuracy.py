@@ -213,16 +213,16 @@ def local_memory_part(layouts: list[str]) -> list[tuple[str, float, str]]:
     each rank's peak the running total of torch.profiler's memory record (model built inside it)."""
     from trainsim.trace import trace_layout
     from trainsim.workloads.launch import measure_peak_memory
-    from trainsim.workloads.train_step import layout_of
 
     worst = 0.0
     print(f"{'layout':>7} {'rank':>4} {'measured MiB':>12} {'traced MiB':>10} {'error %':>8}")
     for name in layouts:
         run = compose_run(["model=gpt-small", *LOCAL[name]], check="layout")
-        layout = layout_of(run.parallelism)
-        traced = trace_layout(run.model, run.parallelism).memory.to_pandas().set_index("rank_class")["peak_bytes"]
+        trace = trace_layout(run.model, run.parallelism)
+        traced = trace.memory.to_pandas().set_index("rank_class")["peak_bytes"]
+        class_of = trace.rank_classes.to_pandas().set_index("rank")["rank_class"]
         for rank, measured in enumerate(measure_peak_memory(run.model, run.parallelism)):
-            predicted = traced.loc[layout.position(rank).pp_rank]
+            predicted = traced.loc[class_of[rank]]
             error = 100 * (predicted / measured - 1)
             print(f"{name:>7} {rank:>4} {measured / 2**20:>12.1f} {predicted / 2**20:>10.1f} {error:>+8.2f}")
             worst = max(worst, abs(error))

@@ -3,6 +3,8 @@ classes, and the trace against real expert-parallel gloo steps."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -179,6 +181,15 @@ def test_skewed_routing_splits_stages_into_expert_classes():
     assert memory.loc[0, "parameter_bytes"] == memory.loc[1, "parameter_bytes"]
 
 
+def test_middle_stages_with_differently_routed_layers_are_traced_each():
+    overrides = [*MOE, "parallelism=pp2", "parallelism.pp=4", "parallelism.global_batch_size=8",
+                 "model.moe_routing=zipf:1.5"]
+    graph = trace_layout(*_model_and_layout(overrides)).graph.to_pandas()
+    mm = graph[graph["op"] == "aten::mm"]
+    shapes = [tuple(mm[mm["rank_class"] == c]["input_shapes"]) for c in (1, 2)]  # the two middle stages
+    assert shapes[0] != shapes[1]
+
+
 def _model_and_layout(overrides):
     run = compose_run(overrides, check="layout")
     return run.model, run.parallelism
@@ -300,3 +311,22 @@ def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(dis
     for got, expected in spawn_ranks(_expert_parallel_vs_all_experts, run.parallelism, run.model, 24, dispatcher):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_layout_search_says_it_has_no_experts_yet():
+    from trainsim.search.run import search_layouts
+
+    run = compose_run(["hardware=h100-sxm-dgx", "model=mixtral-8x7b", "parallelism=ep8-pp4-dp16"], check="layout")
+    with pytest.raises(ConfigError, match="does not model mixtures of experts yet"):
+        search_layouts(run, 64)
+
+
+def test_moe_model_flops_count_what_a_token_activates():
+    from trainsim.report.efficiency import model_flops_per_step
+
+    mixtral = compose_run(["model=mixtral-8x7b", "parallelism=ep8-pp4-dp16"], check="layout")
+    model, par = dataclasses.asdict(mixtral.model), dataclasses.asdict(mixtral.parallelism)
+    dense = dict(model, num_experts=0)
+    flops, dense_flops = model_flops_per_step(model, par), model_flops_per_step(dense, par)
+    mlp = 3.0 * 2 * 3 * 4096 * 14336 * 32 * 4096 * 256  # one expert's SwiGLU MLP, all tokens of the step
+    assert flops - dense_flops == pytest.approx(mlp + 3.0 * 2 * 4096 * 8 * 32 * 4096 * 256)  # + 2nd expert, router

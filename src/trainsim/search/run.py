@@ -146,6 +146,10 @@ def evaluate_layouts(layouts: list[ParallelismConfig], costs: dict[str, SliceCos
 def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, jobs: int = 1,
                    calibration_dir: Path | None = None, cache: Path = SLICE_CACHE) -> SearchResult:
     """The whole search for `run`'s model on `run`'s hardware with `budget` GPUs."""
+    if run.model.num_experts:  # the fast path's per-layer slices and estimate have no experts yet
+        raise ConfigError(f"the layout search does not model mixtures of experts yet: model '{run.model.name}' has "
+                          f"model.num_experts={run.model.num_experts}; compose each layout with `trainsim compose` "
+                          "(parallelism.ep, moe_token_dispatcher) instead")
     space = space or SearchSpace()
     hw = cluster_for(run.hardware, budget)
     layouts = enumerate_layouts(run.model, run.parallelism, hw, budget, space)

@@ -180,12 +180,14 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) 
     plan = model_routing_plan(model_cfg, par)
     expert_class = expert_classes(plan, par.ep)
     per_stage = max(expert_class) + 1
+    same_layers = plan is None or bool((plan.counts == plan.counts[:1]).all())
     traced: dict[tuple, _TracedStage] = {}
     graphs, memories, seconds = [], [], []
     for pp_rank, cls in ((s, c) for s in range(par.pp) for c in range(per_stage)):
         start = time.perf_counter()
         representative = layout.stage_representative(pp_rank) + expert_class.index(cls)
-        shape = (_stage_shape(pp_rank, par.pp), cls)
+        # stages hold different layers: with a routing that varies by layer, no middle stage is another's copy
+        shape = (_stage_shape(pp_rank, par.pp) if same_layers else pp_rank, cls)
         if shape not in traced:
             traced[shape] = _trace_rank(model_cfg, par, representative, plan)
         stage = traced[shape]

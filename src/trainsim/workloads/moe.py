@@ -36,7 +36,7 @@ from trainsim.config.schema import ModelConfig
 from trainsim.workloads.fused import swiglu
 from trainsim.workloads.observe import observer
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
-from trainsim.workloads.tensor_parallel import all_gather_tokens, reduce_scatter_tokens
+from trainsim.workloads.tensor_parallel import all_gather_tokens, gather_from_sp, reduce_scatter_to_sp
 
 
 @dataclass
@@ -66,32 +66,6 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         return _AllToAll.apply(grad, input_splits, output_splits, ctx.group), None, None, None
-
-
-class _GatherTokens(torch.autograd.Function):
-    """All-gather rows over the expert-parallel group; the gradient is reduce-scattered back."""
-
-    @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        return all_gather_tokens(x, group, size, group_kind="ep")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_tokens(grad, ctx.group, ctx.size, group_kind="ep"), None, None
-
-
-class _ScatterTokens(torch.autograd.Function):
-    """Reduce-scatter rows over the expert-parallel group; the gradient is all-gathered back."""
-
-    @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        return reduce_scatter_tokens(x, group, size, group_kind="ep")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_tokens(grad, ctx.group, ctx.size, group_kind="ep"), None, None
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -217,8 +191,8 @@ class MoE(nn.Module):
         """Megatron-Core's all-gather dispatcher: every rank gathers all ranks' tokens, routing and probabilities,
         computes the copies routed to its experts, and the partial outputs are reduce-scattered back."""
         k, ep = self.top_k, self.ep
-        gathered = _GatherTokens.apply(tokens, ep.group, ep.size)  # [ep T, h]
-        gathered_probs = _GatherTokens.apply(probs, ep.group, ep.size)
+        gathered = gather_from_sp(tokens, ep.group, ep.size, "ep")  # [ep T, h]
+        gathered_probs = gather_from_sp(probs, ep.group, ep.size, "ep")
         gathered_indices = all_gather_tokens(indices, ep.group, ep.size, group_kind="ep")
         per_expert = everyone.sum(axis=0)  # over all sources
         first = int(per_expert[:ep.rank * self.local_experts].sum())
@@ -227,4 +201,4 @@ class MoE(nn.Module):
         out = self._experts(gathered.index_select(0, order // k), mine.tolist())
         weights = gathered_probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype)
         partial = torch.zeros_like(gathered).index_add(0, order // k, out * weights)
-        return _ScatterTokens.apply(partial, ep.group, ep.size)
+        return reduce_scatter_to_sp(partial, ep.group, ep.size, "ep")

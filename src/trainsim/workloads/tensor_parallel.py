@@ -55,13 +55,13 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
     gradient in backward (Korthikanti et al. 2022, "Reducing Activation Recomputation", section 4.2.2)."""
 
     @staticmethod
-    def forward(ctx, x, group, tp):
-        ctx.group, ctx.tp = group, tp
-        return all_gather_tokens(x, group, tp)
+    def forward(ctx, x, group, tp, group_kind):
+        ctx.group, ctx.tp, ctx.kind = group, tp, group_kind
+        return all_gather_tokens(x, group, tp, group_kind)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_tokens(grad, ctx.group, ctx.tp), None, None
+        return reduce_scatter_tokens(grad, ctx.group, ctx.tp, ctx.kind), None, None, None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -69,13 +69,13 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x, group, tp):
-        ctx.group, ctx.tp, ctx.shape = group, tp, x.shape
-        return reduce_scatter_tokens(x, group, tp)
+    def forward(ctx, x, group, tp, group_kind):
+        ctx.group, ctx.tp, ctx.shape, ctx.kind = group, tp, x.shape, group_kind
+        return reduce_scatter_tokens(x, group, tp, group_kind)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_tokens(grad, ctx.group, ctx.tp).view(ctx.shape), None, None
+        return all_gather_tokens(grad, ctx.group, ctx.tp, ctx.kind).view(ctx.shape), None, None, None
 
 
 class _ScatterToSequenceParallel(torch.autograd.Function):
@@ -255,12 +255,15 @@ class _OverlappedRowLinear(torch.autograd.Function):
         return grad_x, gathered.t().mm(x), None, None
 
 
-def gather_from_sp(x: torch.Tensor, group, tp: int) -> torch.Tensor:
-    return _GatherFromSequenceParallel.apply(x, group, tp)
+def gather_from_sp(x: torch.Tensor, group, tp: int, group_kind: str | None = None) -> torch.Tensor:
+    """All-gather token shards (gradient: reduce-scatter); group_kind names the group where another kind's has
+    the same ranks (MoE's all-gather dispatcher uses it over the expert-parallel group)."""
+    return _GatherFromSequenceParallel.apply(x, group, tp, group_kind)
 
 
-def reduce_scatter_to_sp(x: torch.Tensor, group, tp: int) -> torch.Tensor:
-    return _ReduceScatterToSequenceParallel.apply(x, group, tp)
+def reduce_scatter_to_sp(x: torch.Tensor, group, tp: int, group_kind: str | None = None) -> torch.Tensor:
+    """Reduce-scatter partial sums over tokens (gradient: all-gather)."""
+    return _ReduceScatterToSequenceParallel.apply(x, group, tp, group_kind)
 
 
 def scatter_to_sp(x: torch.Tensor, group, tp: int) -> torch.Tensor:
