@@ -10,6 +10,11 @@
      alone, with the network priors learned on the other clusters (leave-one-cluster-out), next to an
      alpha-beta model transferred the same way (latency and bus bandwidth / nominal bandwidth).
   4. Scale here: gloo sweep on this machine, fit on 2 ranks, predict 3 and 4 (per collective).
+  5. All-to-all (MoE token dispatch): NCCL's all-to-all on Azure NDm A100 v4 (1 x 8, 2 x 1 and 2 x 8 GPUs;
+     1 KiB latency, 1 and 4 GiB bus bandwidth; the mscclpp summary in data/nccl-tests) predicted by the
+     a100-80g-selene config (the same network), which is never fitted to an all-to-all: every point is
+     held out. Baseline: the same model pricing it as a ring (an all-gather of the same size), as it did
+     before all-to-all's network load was modelled.
 The `_all` figures are means over files (each file counts once, whatever its number of sizes), the
 `_cross_cluster` ones over clusters. Priors come from the hardware config describing the file's cluster.
 
@@ -141,6 +146,26 @@ def gloo_scale() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def all_to_all_public() -> pd.DataFrame:
+    """Every NCCL all-to-all point of the mscclpp summary against the a100-80g-selene model (section 5)."""
+    from trainsim.comm.network_fit import MSCCLPP_SECTIONS, mscclpp_nccl_all_reduce
+    from trainsim.config.data_path import resolve_data_path
+    from trainsim.timeline.stage import comm_model
+
+    path = resolve_data_path("data/nccl-tests/a100-ndmv4-azure-1node-2node_summary_mscclpp.txt", "comm_accuracy")
+    rows = []
+    for section, (ranks, nodes) in MSCCLPP_SECTIONS.items():
+        hw = compose_run(["hardware=a100-80g-selene", f"hardware.num_nodes={nodes}"], check="layout").hardware
+        model = comm_model(hw, None)
+        for r in mscclpp_nccl_all_reduce(path, section, ranks, "all_to_all").itertuples():
+            predicted = model.collective_seconds("all_to_all", r.message_bytes, ranks, nodes)
+            ring = model.collective_seconds("all_gather", r.message_bytes, ranks, nodes)
+            rows.append({"section": section, "bytes": r.message_bytes, "measured_ms": 1e3 * r.time_s,
+                         "predicted_ms": 1e3 * predicted, "error_pct": 100 * (predicted / r.time_s - 1),
+                         "ring_error_pct": 100 * (ring / r.time_s - 1)})
+    return pd.DataFrame(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / "data/nccl-tests")
@@ -172,11 +197,18 @@ def main() -> None:
     print(f"figure comm_mape_pct_cross_cluster_small {cross['mape_small'].mean():.2f} %")
     print(f"figure comm_clusters_better_than_baseline {(cross['mape_large'] < cross['base_large']).sum()}/{len(cross)} "
           "clusters")
+    alltoall = all_to_all_public()
+    print("\nNCCL all-to-all on Azure NDm A100 v4, predicted by a100-80g-selene (never fitted to an all-to-all):")
+    print(alltoall.round(3).to_string(index=False))
+    print(f"figure comm_mape_pct_alltoall {alltoall['error_pct'].abs().mean():.2f} %")
+    print(f"figure baseline_mape_pct_alltoall_as_ring {alltoall['ring_error_pct'].abs().mean():.2f} %")
     if not args.skip_gloo:
         gloo = gloo_scale()
         print("\ngloo on this machine, fit on 2 ranks, predict 3-4 (MAPE %):")
         print(gloo[["collective", "model_all", "base_all", "channels", "rows"]].round(2).to_string(index=False))
         print(f"figure comm_mape_pct_scale_gloo {gloo['model_all'].mean():.2f} %")
+        print(f"figure comm_mape_pct_alltoall_gloo "
+              f"{gloo.set_index('collective').loc['all_to_all', 'model_all']:.2f} %")
         print(f"figure baseline_mape_pct_scale_gloo {gloo['base_all'].mean():.2f} %")
     print(f"\nbenchmark wall time {time.perf_counter() - start:.0f} s")
 

@@ -21,7 +21,8 @@ per rank through s steps and all links work in every step, so loops do not overl
   crosses s - s_inter NVLink hops and s_inter = 2(M-1) (M-1 for the others) network hops, so the
   latency is eta ((s - s_inter) l_intra + s_inter l_inter) (NCCL's own composition), and NVLink, local
   work and NIC run pipelined slice by slice: the slowest of eta s b / B_intra, delta S and
-  eta s b / (share B_inter) paces the rest.
+  eta s b / (share B_inter) paces the rest; an all-to-all sends K (N-K) / (N-1) times a ring's bytes through a
+  node's NICs (all_to_all_nic_load).
 Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream through a chain:
   eta = ceil(S / (c_p chunk_p));  b = S / (c_p eta)
   T = alpha_a + sum over stages step(b) + (eta - 1) * max over stages step(b) + delta * S (across
@@ -175,6 +176,18 @@ def _tree_ll128_chunk(size: np.ndarray, channels: np.ndarray, chunk: float, num_
     return out
 
 
+def all_to_all_nic_load(collective: str, num_ranks: int, num_nodes: int) -> float:
+    """Network bytes of an all-to-all relative to a ring's of the same size: a ring crosses each node boundary
+    once per step, (N-1)/N S per rank through the node's NICs; in an all-to-all each of a node's K ranks sends
+    (N-K)/N S to the other nodes, K (N-K)/N S per node: K (N-K) / (N-1) times the ring's (4.3 on 2 x 8 GPUs,
+    where nccl-tests' all-to-all busbw is 37.8 GB/s against the all-gather's 177, data/nccl-tests mscclpp
+    summary). 1 for every other collective."""
+    if collective != "all_to_all" or num_nodes <= 1:
+        return 1.0
+    per_node = num_ranks / num_nodes
+    return per_node * (num_ranks - per_node) / (num_ranks - 1)
+
+
 def tree_nic_load(num_nodes: int) -> float:
     """Bytes each node sends (and receives) per byte of an all-reduce on NCCL's double binary tree."""
     return 1.0 if num_nodes <= 2 else 1.5 if num_nodes == 3 else 2.0
@@ -215,8 +228,8 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
             latency = ((steps - inter_steps) * v[f"latency.intra.{protocol}"]
                        + inter_steps * v[f"latency.inter.{protocol}"])
             moved = loops * steps * per_step
-            transfer = loops * latency + np.maximum.reduce([moved / v[f"bandwidth.intra.{protocol}"], local,
-                                                            moved / (share * v[f"bandwidth.inter.{protocol}"])])
+            nic = moved / (share * v[f"bandwidth.inter.{protocol}"]) * all_to_all_nic_load(name, num_ranks, num_nodes)
+            transfer = loops * latency + np.maximum.reduce([moved / v[f"bandwidth.intra.{protocol}"], local, nic])
         else:
             transfer = loops * steps * _step(v, "intra", protocol, per_step) + local
     else:

@@ -99,8 +99,14 @@ class Cluster:
         return predict_table(with_network_hop(self.base, self.hardware, efficiency, alpha_s), self.table)
 
 
-def mscclpp_nccl_all_reduce(path: Path, section: str = "2 nodes, 8 gpus/node", ranks: int = 16) -> pd.DataFrame:
-    """The NCCL AllReduce column of one section of the mscclpp performance summary: latency rows give
+MSCCLPP_COLUMNS = {"all_reduce": "NCCL AllReduce", "all_gather": "NCCL AllGather", "all_to_all": "NCCL AllToAll"}
+MSCCLPP_SECTIONS = {"1 node, 8 gpus/node": (8, 1), "2 nodes, 1 gpu/node": (2, 2), "2 nodes, 8 gpus/node": (16, 2)}
+"""Section title -> (ranks, nodes) of the mscclpp performance summary."""
+
+
+def mscclpp_nccl_all_reduce(path: Path, section: str = "2 nodes, 8 gpus/node", ranks: int = 16,
+                            collective: str = "all_reduce") -> pd.DataFrame:
+    """One NCCL column (MSCCLPP_COLUMNS) of one section of the mscclpp performance summary: latency rows give
     the time, bus-bandwidth rows give it through nccl-tests' bus factor. MEASUREMENT_COLUMNS."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     rows, current, kind, column = [], None, None, None
@@ -111,17 +117,18 @@ def mscclpp_nccl_all_reduce(path: Path, section: str = "2 nodes, 8 gpus/node", r
             kind = "latency" if "Latency" in line else "busbw"
         elif line.startswith("|") and current == section:
             cells = [c.strip().strip("*").strip() for c in line.strip("|").split("|")]
-            if "NCCL AllReduce" in cells:
-                column = cells.index("NCCL AllReduce")
+            if MSCCLPP_COLUMNS[collective] in cells:
+                column = cells.index(MSCCLPP_COLUMNS[collective])
             elif (size := re.fullmatch(r"(\d+)([KMG])", cells[0])) and column is not None:
                 message = int(size[1]) * units[size[2]]
                 value = float(cells[column])
                 seconds = value * 1e-6 if kind == "latency" else (
-                    message * bus_bandwidth_factor("all_reduce", ranks) / (value * 1e9))
-                rows.append({"collective": "all_reduce", "algorithm": "", "protocol": "", "num_ranks": ranks,
-                             "num_nodes": 2, "message_bytes": message, "time_s": seconds, "source": path.name})
+                    message * bus_bandwidth_factor(collective, ranks) / (value * 1e9))
+                rows.append({"collective": collective, "algorithm": "", "protocol": "", "num_ranks": ranks,
+                             "num_nodes": MSCCLPP_SECTIONS.get(section, (ranks, 2))[1], "message_bytes": message,
+                             "time_s": seconds, "source": path.name})
     if not rows:
-        raise ValueError(f"{path}: no NCCL AllReduce rows in section {section!r}")
+        raise ValueError(f"{path}: no {MSCCLPP_COLUMNS[collective]} rows in section {section!r}")
     return pd.DataFrame(rows)
 
 
