@@ -76,6 +76,8 @@ def test_histogram_round_trip_and_errors(tmp_path):
     assert plan.counts[0].tolist() == [[3, 2, 0, 1], [0, 3, 3, 0]]
     with pytest.raises(ConfigError, match="no tokens for MoE layer 1"):
         read_histogram(path, [0, 1], 4)
+    with pytest.raises(ConfigError, match=r"layers \[0\] are not MoE layers of this model"):
+        read_histogram(path, [1], 4)
     path.write_text("layer,ep_rank,expert,tokens\n0,0,9,3\n")
     with pytest.raises(ConfigError, match=r"expert must be in \[0, 4\)"):
         read_histogram(path, [0], 4)

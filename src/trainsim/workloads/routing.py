@@ -19,7 +19,8 @@ and no expert gets more copies than the source has tokens (a token picks each ex
 Histogram file (CSV, `#` lines are comments; written by `RoutingHistogram.write`): columns layer (index among
 the model's layers), ep_rank (the source's position in its expert-parallel group; summed over the ranks
 holding the same experts), expert (global index) and tokens (token-expert assignments counted, over any number
-of micro-batches and steps). A model layer missing from the file is an error; shares are what is used.
+of micro-batches and steps). A model layer missing from the file, or a file layer the model has no experts in,
+is an error; shares are what is used.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def read_histogram(path: Path, layers: list[int], num_experts: int) -> np.ndarra
     """[len(layers), sources, num_experts] token counts of a histogram file (sources: its ep ranks)."""
     if not path.is_file():
         raise ConfigError(f"model.moe_routing={str(path)!r}: no such routing histogram file; accepted: "
-                          f"{', '.join(PARAMETRIC[:1])}, zipf:<s>, dirichlet:<alpha> or a histogram CSV path")
+                          "balanced, zipf:<s>, dirichlet:<alpha> or a histogram CSV path")
     rows = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
     reader = csv.DictReader(rows)
     if tuple(reader.fieldnames or ()) != HISTOGRAM_COLUMNS:
@@ -106,6 +107,9 @@ def read_histogram(path: Path, layers: list[int], num_experts: int) -> np.ndarra
                               "ep_rank and tokens >= 0")
         entries.append(entry)
     table = np.asarray(entries, dtype=np.int64).reshape(-1, 4)
+    foreign = sorted(set(table[:, 0].tolist()) - set(layers))
+    if foreign:  # (nothing in the file is dropped silently: a histogram of another model is a mistake)
+        raise ConfigError(f"{path}: layers {foreign} are not MoE layers of this model (its MoE layers: {layers})")
     sources = int(table[:, 1].max()) + 1 if len(table) else 1
     counts = np.zeros((len(layers), sources, num_experts), dtype=np.int64)
     for row, layer in enumerate(layers):
