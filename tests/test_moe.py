@@ -332,3 +332,24 @@ def test_moe_model_flops_count_what_a_token_activates():
     flops, dense_flops = model_flops_per_step(model, par), model_flops_per_step(dense, par)
     mlp = 3.0 * 2 * 3 * 4096 * 14336 * 32 * 4096 * 256  # one expert's SwiGLU MLP, all tokens of the step
     assert flops - dense_flops == pytest.approx(mlp + 3.0 * 2 * 4096 * 8 * 32 * 4096 * 256)  # + 2nd expert, router
+
+
+def test_composed_step_reports_the_expert_all_to_alls_and_waits_for_the_busiest_rank():
+    from trainsim.timeline.compose import compose_step
+    from trainsim.timeline.costs import TableComm
+    from trainsim.timeline.outputs import breakdown
+
+    model, par = _model_and_layout([*MOE, "parallelism=dp2", "parallelism.ep=2", "model.moe_routing=zipf:2"])
+    traced = trace_layout(model, par)
+    hw = compose_run(["hardware=local-cpu", "hardware.devices_per_node=2"], check="layout").hardware
+    flops_s = 1e-9  # compute proportional to FLOPs: the rank with the hot expert works longer
+    step = compose_step(traced.graph.to_pandas(), traced.rank_classes.to_pandas(), par, hw,
+                        lambda ops: ops["flops"].to_numpy(dtype=float) * flops_s + 1e-6,
+                        TableComm({"all_to_all": 0.01, "all_gather": 0.001, "all_reduce": 0.002}))
+    rows = breakdown(step).set_index("rank_class")
+    assert (rows["exposed_ep_s"] > 0).all()  # the all-to-alls are reported, not dropped
+    busy = rows["compute_s"]
+    assert busy.max() > busy.min()
+    # the less loaded rank waits for the busier one at the all-to-alls: its idle time is their compute difference
+    waiting = rows["pipeline_bubble_s"]
+    assert waiting[busy.idxmin()] - waiting[busy.idxmax()] == pytest.approx(busy.max() - busy.min(), rel=0.1)

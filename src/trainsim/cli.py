@@ -217,7 +217,7 @@ def _cmd_compose(args, console: Console) -> int:
         table.add_column(column, justify="right")
     for row in summary["classes"]:
         exposed = row["exposed_comm_s"]
-        other = sum(v for k, v in exposed.items() if k not in ("tp", "dp", "pp"))  # cp ring, amax, ...
+        other = sum(v for k, v in exposed.items() if k not in ("tp", "dp", "pp"))  # cp ring, ep all-to-all, ...
         table.add_row(str(row["rank_class"]), str(row["ranks"]), str(row["pp_rank"]),
                       *(f"{v:.4f}" for v in (row["compute_s"], row["slowdown_added_s"], exposed["tp"], exposed["dp"],
                                              exposed["pp"], other, row["pipeline_bubble_s"], row["idle_s"],

@@ -29,8 +29,10 @@ from trainsim.timeline.compose import StepTimeline
 from trainsim.timeline.engine import HOST
 from trainsim.timeline.overlap import covered, is_comm_kind, merged
 from trainsim.timeline.program import BLOCK, COMPUTE, KIND_NAMES
+from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS
 
-COMM_KINDS = ("tp", "cp", "dp", "pp", "mp", "amax", "world", "other")
+COMM_KINDS = (*GROUP_KINDS, *EXPERT_GROUP_KINDS, "world", "other")
+"""Group kinds communication time is reported under (the trace's group_kind values)."""
 SUMMARY_FIELDS = {
     "step_time_s": "predicted wall time of one training step (seconds)",
     "world_size": "ranks (devices) in the layout",
