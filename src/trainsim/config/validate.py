@@ -86,7 +86,7 @@ def _validate_experts(model: ModelConfig) -> None:
     if not 0 <= model.moe_first_dense_layers < model.num_layers:
         raise ConfigError(f"model.moe_first_dense_layers={model.moe_first_dense_layers} must be in "
                           f"[0, num_layers={model.num_layers})")
-    kind, colon, value = model.moe_routing.partition(":")
+    kind, _, value = model.moe_routing.partition(":")
     if kind in ("zipf", "dirichlet"):
         try:
             ok = float(value) > 0

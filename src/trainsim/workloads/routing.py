@@ -178,13 +178,14 @@ def forced_choices(counts: np.ndarray, tokens: int, top_k: int) -> torch.Tensor:
 class _Forcing:
     """Routing forced to a plan (model.moe_force_routing): the router's scores of the planned experts are used."""
 
-    plan: RoutingPlan | None
+    force: RoutingPlan | None
+    """the plan routing is forced to (None: the router chooses)"""
     ep_rank: int
 
     def forced(self, layer: int, tokens: int, top_k: int) -> torch.Tensor | None:
-        if self.plan is None:
+        if self.force is None:
             return None
-        return forced_choices(self.plan.of_layer(layer)[self.ep_rank], tokens, top_k)
+        return forced_choices(self.force.of_layer(layer)[self.ep_rank], tokens, top_k)
 
 
 class RouterCounts(_Forcing):
@@ -193,7 +194,7 @@ class RouterCounts(_Forcing):
     def __init__(self, num_experts: int, ep_group, ep_rank: int, histogram: RoutingHistogram | None = None,
                  force: RoutingPlan | None = None):
         self.num_experts, self.group, self.ep_rank, self.histogram = num_experts, ep_group, ep_rank, histogram
-        self.plan = force
+        self.force = force
 
     def local(self, layer: int, counts: torch.Tensor) -> list[int]:
         """counts: this rank's tokens per expert, as the router computed them."""
@@ -211,15 +212,15 @@ class PlannedCounts(_Forcing):
     """Traces: the plan decides (the router's counts are fake); the same ops and all-gather are issued."""
 
     def __init__(self, plan: RoutingPlan, ep_group, ep_rank: int, force: bool = False):
-        self.routing, self.group, self.ep_rank = plan, ep_group, ep_rank
-        self.plan = plan if force else None
+        self.plan, self.group, self.ep_rank = plan, ep_group, ep_rank
+        self.force = plan if force else None
 
     def local(self, layer: int, counts: torch.Tensor) -> list[int]:
-        return self.routing.of_layer(layer)[self.ep_rank].tolist()
+        return self.plan.of_layer(layer)[self.ep_rank].tolist()
 
     def everyone(self, layer: int, counts: torch.Tensor, ep: int) -> np.ndarray:
         _gather_counts(counts, self.group, ep)
-        return self.routing.of_layer(layer)
+        return self.plan.of_layer(layer)
 
 
 def _gather_counts(counts: torch.Tensor, group, ep: int) -> torch.Tensor:
@@ -260,7 +261,7 @@ class RoutingHistogram:
 
     def merge(self, other: RoutingHistogram) -> None:
         for (layer, ep_rank), counts in other.tokens.items():
-            self.add(layer, ep_rank, torch.from_numpy(counts))
+            self.add(layer, ep_rank, counts)
 
     def rows(self) -> list[tuple[int, int, int, int]]:
         return [(layer, ep_rank, expert, int(n)) for (layer, ep_rank), counts in sorted(self.tokens.items())
