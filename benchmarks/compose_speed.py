@@ -10,11 +10,16 @@ communication: the NCCL model uncalibrated (datasheet rates); overlap slowdown: 
 artifacts/models/a100-80g-dgx when present, else a constant s = 0.2 stand-in (same code path and iterations).
 
 Prints `figure compose_seconds_gpt175b_<N>gpu <seconds> s` and scaling tables over GPUs, micro-batches
-and layers. Targets on 2 cores: <= 1 s, <= 5 s, <= 30 s.
+and layers. Targets on 2 cores: <= 1 s, <= 5 s, <= 30 s. Then two points where ranks stop being alike:
+`compose_seconds_straggler_8192gpu` (the 8,192-GPU layout with one rank 20 % slower; target <= 5 s) and
+`compose_seconds_moe_skewed_8192gpu` (DeepSeek-V3 at 8,192 GPUs with Zipf-skewed routing, 1,024 rank
+classes; target <= 30 s; its trace time is printed as `trace_seconds_moe_skewed_8192gpu`; `--skip-moe`
+leaves it out).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -29,46 +34,56 @@ import pyarrow.parquet as pq
 LAYOUTS = [(128, "pp8-tp8-dp2"), (1024, "pp16-tp8-dp8"), (8192, "pp16-tp8-dp64")]
 ECHO_SECONDS = {128: 83.0, 1024: 719.0, 8192: 4977.0}
 HARDWARE = "a100-80g-dgx"
-MODELS_DIR = Path("artifacts/models") / HARDWARE
+STRAGGLER = "+hardware.stragglers=[{ranks:[1000],factor:1.2}]"
+MOE_SKEWED = ("model=deepseek-v3", "parallelism=ep64-pp16-dp128", "hardware=h800-dgx", "parallelism.dp=512",
+              "hardware.num_nodes=1024", "model.moe_routing=zipf:1.0")
+"""DeepSeek-V3's layout (PP16, EP64, ZeRO-1) widened to 8,192 GPUs: 30 micro-batches of global batch 15,360;
+Zipf-skewed routing gives every expert-parallel rank of every stage its own token counts (1,024 classes)."""
 
 
-def prepare(workdir: Path, parallelism: str, overrides: tuple[str, ...] = ()) -> Path:
-    """Trace the layout and price its kernels analytically; write graph/rank_classes/profile Parquet."""
+def gpt(parallelism: str, *overrides: str) -> tuple[str, ...]:
+    return ("model=gpt-175b", f"parallelism={parallelism}", f"hardware={HARDWARE}", *overrides)
+
+
+def prepare(workdir: Path, config: tuple[str, ...]) -> tuple[Path, float]:
+    """Trace the point and price its kernels analytically; write graph/rank_classes/profile Parquet.
+    Returns the folder and the trace's seconds."""
     from trainsim.config import compose_run
     from trainsim.profile.analytical import predict_rows
     from trainsim.profile.stage import distinct_ops
     from trainsim.trace import trace_layout
 
-    run = compose_run(["model=gpt-175b", f"parallelism={parallelism}", f"hardware={HARDWARE}", *overrides],
-                      check="layout")
-    out = workdir / "-".join([parallelism, *overrides]).replace("=", "_").replace(".", "_")
+    run = compose_run(list(config), check="layout")
+    out = workdir / "-".join(config).replace("=", "_").replace(".", "_").replace(":", "_")
     out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     result = trace_layout(run.model, run.parallelism)
+    seconds = time.perf_counter() - start
     pq.write_table(result.graph, out / "graph.parquet")
     pq.write_table(result.rank_classes, out / "rank_classes.parquet")
     ops = distinct_ops(result.graph.to_pandas())
     pq.write_table(pa.table({"signature": ops["signature"], "median_s": predict_rows(ops, run.hardware)}),
                    out / "kernels.parquet")
-    return out
+    return out, seconds
 
 
 def _models(hw):
     from trainsim.timeline.costs import ConstantSlowdown
     from trainsim.timeline.stage import comm_model, slowdown_model
 
-    slowdown = slowdown_model(hw, MODELS_DIR) if (MODELS_DIR / "manifest.json").is_file() else None
+    models_dir = Path("artifacts/models") / hw.name
+    slowdown = slowdown_model(hw, models_dir) if (models_dir / "manifest.json").is_file() else None
     return comm_model(hw, None), slowdown or ConstantSlowdown(0.2, name="constant s = 0.2 (stand-in)")
 
 
-def measure(inputs: Path, parallelism: str, overrides: list[str], global_batch: int) -> dict:
+def measure(inputs: Path, config: list[str], global_batch: int) -> dict:
     """One composition, timed from reading the inputs to the finished timeline (run in a fresh process)."""
     from trainsim.config import compose_run
     from trainsim.timeline import compose_step
     from trainsim.timeline.chrome import write_chrome_trace
     from trainsim.timeline.outputs import class_table, summary
 
-    run = compose_run(["model=gpt-175b", f"parallelism={parallelism}", f"hardware={HARDWARE}", *overrides],
-                      check="layout")
+    run = compose_run(config, check="layout")
     par = dataclasses.replace(run.parallelism, global_batch_size=global_batch or run.parallelism.global_batch_size)
     comm, slowdown = _models(run.hardware)
     start = time.perf_counter()
@@ -90,8 +105,8 @@ def measure(inputs: Path, parallelism: str, overrides: list[str], global_batch: 
             "comm": t.models["comm"], "slowdown": t.models["slowdown"]}
 
 
-def fresh(inputs: Path, parallelism: str, overrides: tuple[str, ...] = (), global_batch: int = 0) -> dict:
-    args = [sys.executable, __file__, "--one", str(inputs), parallelism, str(global_batch), *overrides]
+def fresh(inputs: Path, config: tuple[str, ...], global_batch: int = 0) -> dict:
+    args = [sys.executable, __file__, "--one", str(inputs), str(global_batch), *config]
     return json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
 
 
@@ -106,38 +121,57 @@ HEADER = (f"{'point':>22} {'GPUs':>6} {'classes':>7} {'m':>6} {'kernels':>12} {'
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-moe", action="store_true", help="leave out the DeepSeek-V3 point (its trace is long)")
+    args = parser.parse_args()
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        inputs = {parallelism: prepare(work, parallelism) for _, parallelism in LAYOUTS}
+        inputs = {parallelism: prepare(work, gpt(parallelism))[0] for _, parallelism in LAYOUTS}
         print("GPT-175B, one step, 3D parallel (each point a fresh process; seconds on this machine)")
         print(HEADER)
         for gpus, parallelism in LAYOUTS:
-            r = fresh(inputs[parallelism], parallelism)
+            r = fresh(inputs[parallelism], gpt(parallelism))
             print(_row(parallelism, r))
-            figures.append((gpus, r))
+            figures.append((f"compose_seconds_gpt175b_{gpus}gpu", r))
         print(f"models: comm = {figures[0][1]['comm']}; slowdown = {figures[0][1]['slowdown']}")
         print("\nmicro-batches (pp16-tp8-dp8, 1,024 GPUs; global batch varied)")
         print(HEADER)
         for global_batch in (192, 768, 1536, 6144):
-            print(_row(f"global batch {global_batch}", fresh(inputs["pp16-tp8-dp8"], "pp16-tp8-dp8",
+            print(_row(f"global batch {global_batch}", fresh(inputs["pp16-tp8-dp8"], gpt("pp16-tp8-dp8"),
                                                              global_batch=global_batch)))
         print("\nlayers (pp16-tp8-dp8, 192 micro-batches)")
         print(HEADER)
         for layers in (48, 96, 192):
-            override = (f"model.num_layers={layers}",)
-            data = inputs["pp16-tp8-dp8"] if layers == 96 else prepare(work, "pp16-tp8-dp8", override)
-            print(_row(f"{layers} layers", fresh(data, "pp16-tp8-dp8", override)))
+            config = gpt("pp16-tp8-dp8", f"model.num_layers={layers}")
+            data = inputs["pp16-tp8-dp8"] if layers == 96 else prepare(work, config)[0]
+            print(_row(f"{layers} layers", fresh(data, config)))
+        print("\none slow rank (pp16-tp8-dp64, 8,192 GPUs; rank 1,000 computes 20 % slower): its class, its tp peers, "
+              "its dp peers and everyone else per stage")
+        print(HEADER)
+        figures.append(("compose_seconds_straggler_8192gpu",
+                        fresh(inputs["pp16-tp8-dp64"], gpt("pp16-tp8-dp64", STRAGGLER))))
+        print(_row("one straggler", figures[-1][1]))
+        if not args.skip_moe:
+            print("\nDeepSeek-V3 on 8,192 H800 (PP16 EP64 DP512, ZeRO-1), Zipf 1.0 routing: a class per stage and "
+                  "expert-parallel rank")
+            data, trace_s = prepare(work, MOE_SKEWED)
+            print(HEADER)
+            figures.append(("compose_seconds_moe_skewed_8192gpu", fresh(data, MOE_SKEWED)))
+            print(_row("deepseek-v3 zipf:1.0", figures[-1][1]))
     print()
-    for gpus, r in figures:
-        print(f"figure compose_seconds_gpt175b_{gpus}gpu {r['seconds']:.2f} s")
-    for gpus, r in figures:
+    for name, r in figures:
+        print(f"figure {name} {r['seconds']:.2f} s")
+    if not args.skip_moe:
+        print(f"figure trace_seconds_moe_skewed_8192gpu {trace_s:.1f} s")
+    for _, r in figures[:len(LAYOUTS)]:
+        gpus = r["gpus"]
         print(f"figure compose_speedup_vs_echo_{gpus}gpu {ECHO_SECONDS[gpus] / r['seconds']:.0f} x "
               f"(Echo {ECHO_SECONDS[gpus]:.0f} s)")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 5 and sys.argv[1] == "--one":
-        print(json.dumps(measure(Path(sys.argv[2]), sys.argv[3], sys.argv[5:], int(sys.argv[4]))))
+    if len(sys.argv) >= 4 and sys.argv[1] == "--one":
+        print(json.dumps(measure(Path(sys.argv[2]), sys.argv[4:], int(sys.argv[3]))))
     else:
         main()

@@ -4,9 +4,9 @@ Part 1, this machine (gpt-small on local-cpu, one thread per process): for each 
 tp2, pp2 with 1F1B over 4 micro-batches, sp2 = tp2 with sequence parallelism, zero1 = dp2 with the
 distributed optimizer, cp2 = context parallelism over 2 ranks, ring attention, fsdp2 = dp2 with FSDP2 fully
 sharded, ZeRO-3; ep2 = dp2 with 4 experts per layer, top-2, split over the 2 ranks and predicted with the
-routing histogram of its own real run) the layout's ops are timed
-again (`--remeasure`) and its hardware's gloo model and system noise calibrated again (once per run); then
-the real step is measured
+routing histogram of its own real run; ep4 the same with 8 experts over 4 ranks, on a machine with 4
+cores) the layout's ops are timed again (`--remeasure`) and its hardware's gloo model and system noise
+calibrated again (once per run); then the real step is measured
 (trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as
 spread; published at artifacts/ground_truth/local-cpu/...) and predicted by the pipeline (`trainsim
 compose`: trace, profile on this CPU, calibrated gloo model, slowdown model; every missing artifact is
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -71,10 +72,15 @@ LOCAL = {
     "ep2": ["parallelism=dp2", "parallelism.ep=2", "model.num_experts=4", "model.moe_top_k=2"],
     "ep2-skew": ["parallelism=dp2", "parallelism.ep=2", "model.num_experts=4", "model.moe_top_k=2",
                  "model.moe_routing=zipf:1.5", "model.moe_force_routing=true"],
+    "ep4": ["parallelism=dp2", "parallelism.dp=4", "parallelism.ep=4", "parallelism.global_batch_size=16",
+            "model.num_experts=8", "model.moe_top_k=2"],
 }
 """Layouts of gpt-small; ep2 makes its MLPs 4 experts (top-2) split over 2 ranks, predicted with the routing of its
-real run (the ground truth's routing histogram as model.moe_routing); ep2-skew forces the real run to a Zipf
-routing (the hot expert takes a copy of every token) and predicts with the same plan."""
+real run (the ground truth's routing histogram as model.moe_routing), ep4 8 experts over 4 ranks; ep2-skew forces
+the real run to a Zipf routing (the hot expert takes a copy of every token) and predicts with the same plan."""
+LOCAL_RANKS = {"ep4": 4}
+"""Ranks of the layouts that need more than 2: one core each (more ranks than cores would time-slice them, which
+the prediction does not model), so they are measured only on a machine with as many cores."""
 FIGURE_NAMES = {"ep2-skew": "moe_imbalance_error_pct_local"}
 
 
@@ -235,11 +241,15 @@ def main() -> None:
     parser.add_argument("--skip-vtrain", action="store_true")
     parser.add_argument("--skip-korthikanti", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
-    parser.add_argument("--layouts", nargs="+", choices=list(LOCAL), default=list(LOCAL),
-                        help="local layouts to measure and predict (default: all)")
+    cores = os.cpu_count() or 1
+    fitting = [name for name in LOCAL if LOCAL_RANKS.get(name, 2) <= cores]
+    parser.add_argument("--layouts", nargs="+", choices=list(LOCAL), default=fitting,
+                        help="local layouts to measure and predict (default: all that have a core per rank)")
     parser.add_argument("--reuse-ground-truth", action="store_true",
                         help="predict against ground-truth artifacts already measured instead of measuring anew")
     args = parser.parse_args()
+    for name in sorted(set(LOCAL) - set(fitting) - set(args.layouts)):
+        print(f"{name}: not measured, needs {LOCAL_RANKS[name]} cores (this machine has {cores})")
     start = time.perf_counter()
     figures = []
     if not args.skip_local:  # first: the real runs need a quiet machine

@@ -66,6 +66,9 @@ def test_wrongly_typed_field_names_field_and_value():
 @pytest.mark.parametrize("overrides, message", [
     (["parallelism.tp=3"], r"tp=3 does not divide model.num_attention_heads=4.*choose tp among 1, 2, 4"),
     (["parallelism=pp2", "parallelism.pp=3"], r"num_layers=4 .* cannot be split evenly .* pp \* virtual_stages"),
+    (["parallelism=pp2", "parallelism.pp=3", "parallelism.last_stage_layers=1"], r"leave 3 for 2 other stage"),
+    (["parallelism=pp2", "parallelism.first_stage_layers=4"], r"leave 0 for 1 other stage"),
+    (["parallelism=pp2-interleaved", "parallelism.last_stage_layers=1"], r"without virtual stages"),
     (["parallelism.global_batch_size=7"], r"global_batch_size=7 is not a multiple of micro_batch_size \* dp"),
     (["parallelism.dp=4", "parallelism.global_batch_size=8"], r"4 devices, but hardware 'local-cpu' has"),
     (["parallelism=pp2", "parallelism.virtual_stages=2"], r"virtual_stages=2 needs schedule='interleaved-1f1b'"),

@@ -56,6 +56,7 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
     ["parallelism=tp2", "model.attention=unfused", "model.attention_dropout=0.1", "model.dropout=0.1"],
     ["parallelism=pp2"],
     ["parallelism=pp2", "parallelism.micro_batch_size=1"],
+    ["parallelism=pp2", "model.num_layers=3", "parallelism.last_stage_layers=1"],
     ["parallelism=pp2-interleaved"],
     ["parallelism=pp2", "parallelism.pp=4", "parallelism.global_batch_size=8", "hardware.devices_per_node=4"],
     pytest.param(["parallelism=tp2", "parallelism.precision=fp8"], id="tp2-fp8"),

@@ -353,3 +353,32 @@ def test_composed_step_reports_the_expert_all_to_alls_and_waits_for_the_busiest_
     # the less loaded rank waits for the busier one at the all-to-alls: its idle time is their compute difference
     waiting = rows["pipeline_bubble_s"]
     assert waiting[busy.idxmin()] - waiting[busy.idxmax()] == pytest.approx(busy.max() - busy.min(), rel=0.1)
+
+
+def test_composed_classes_that_share_a_structure_keep_their_own_groups_and_sizes():
+    """Middle stages and skewed expert-parallel ranks share one set of passes (the same ops on other sizes,
+    renamed groups): every class's all-to-alls still span its own expert-parallel group, at its own sizes."""
+    from trainsim.timeline.compose import compose_step
+    from trainsim.timeline.costs import TableComm
+
+    model, par = _model_and_layout([*MOE, "model.num_layers=6", "parallelism=dp2", "parallelism.ep=2",
+                                    "parallelism.pp=3", "parallelism.global_batch_size=12",
+                                    "hardware.devices_per_node=6", "model.moe_routing=zipf:2"])
+    traced = trace_layout(model, par)
+    graph = traced.graph.to_pandas()
+    hw = compose_run(["hardware=local-cpu", "hardware.devices_per_node=6"], check="layout").hardware
+    step = compose_step(graph, traced.rank_classes.to_pandas(), par, hw, lambda ops: np.full(len(ops), 1e-6),
+                        TableComm({"all_to_all": 0.01, "all_gather": 0.001, "all_reduce": 0.002}))
+    layout = layout_of(par)
+    a2a = [comm for comm in step.info.comm if comm and comm["collective"] == "all_to_all"]
+    assert a2a and all(comm["num_ranks"] == par.ep for comm in a2a)
+    for c in range(step.classes.count):
+        rep = int(step.classes.representative[c])
+        mine = graph[(graph["rank_class"] == step.classes.base_class[c]) & (graph["collective"] == "all_to_all")]
+        sent = sorted(mine["message_bytes"].unique())
+        nodes = step.graph.cls == c
+        labels = {step.info.label[t] for t in step.graph.tnode[nodes] if "all_to_all" in step.info.label[t]}
+        assert sorted(int(label.split()[2]) for label in labels) == sent
+        source = [s for t in step.graph.tnode[nodes] for s in [step.info.source[t]]
+                  if s[0].ops["collective"].iat[s[2]] == "all_to_all"]
+        assert all(list(s[0].ops["group_ranks"].iat[s[2]]) == layout.group_ranks(rep, "ep") for s in source)

@@ -436,6 +436,11 @@ class ParallelismConfig:
     'all_gather' (one all-gather of K and V before attention, a reduce-scatter of their gradients after)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B); 1 for gpipe and 1f1b."""
+    first_stage_layers: int = 0
+    """Layers on the first pipeline stage, the rest split evenly (Megatron's --decoder-first-pipeline-num-layers:
+    DeepSeek-V3's 61 layers on 16 stages); 0: every stage the same number."""
+    last_stage_layers: int = 0
+    """Layers on the last pipeline stage (Megatron's --decoder-last-pipeline-num-layers); 0: as the middle ones."""
     micro_batch_size: int = 1
     """Samples per micro-batch."""
     global_batch_size: int = 1

@@ -11,6 +11,7 @@ from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfi
 from trainsim.config.validate_nccl import validate_links
 from trainsim.errors import ConfigError
 from trainsim.what_if import validate_what_if
+from trainsim.workloads.layout import stage_layer_counts
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -156,12 +157,26 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if ffn % par.tp:
         raise ConfigError(f"parallelism.tp={par.tp} does not divide the MLP width {ffn} of '{model.name}'")
 
-    chunks = par.pp * par.virtual_stages
-    if model.num_layers % chunks:
+    if par.first_stage_layers or par.last_stage_layers:
+        fields = (f"parallelism.first_stage_layers={par.first_stage_layers}, "
+                  f"last_stage_layers={par.last_stage_layers}")
+        if min(par.first_stage_layers, par.last_stage_layers) < 0:
+            raise ConfigError(f"{fields}: layer counts must be >= 0 (0 = as the other stages)")
+        if par.pp < 2 or par.virtual_stages > 1:
+            raise ConfigError(f"{fields} need pipeline stages without virtual stages (pp >= 2, virtual_stages 1; "
+                              f"got pp={par.pp}, virtual_stages={par.virtual_stages})")
+        try:
+            stage_layer_counts(model.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
+        except ValueError as exc:
+            raise ConfigError(f"{fields} with parallelism.pp={par.pp} for model.num_layers={model.num_layers} of "
+                              f"'{model.name}': {exc}") from None
+    elif model.num_layers % (par.pp * par.virtual_stages):
+        chunks = par.pp * par.virtual_stages
         raise ConfigError(
             f"model.num_layers={model.num_layers} of '{model.name}' cannot be split evenly into "
             f"parallelism.pp * parallelism.virtual_stages = {par.pp} * {par.virtual_stages} = {chunks} stages; "
-            f"choose pp * virtual_stages among {_divisors(model.num_layers)}"
+            f"choose pp * virtual_stages among {_divisors(model.num_layers)}, or set "
+            "parallelism.first_stage_layers / last_stage_layers"
         )
 
     samples_per_microbatch_round = par.micro_batch_size * par.dp

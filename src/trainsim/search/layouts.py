@@ -89,6 +89,7 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
                                            f"{zero_name}",
                                 dp=dp, tp=tp, cp=cp, pp=pp, micro_batch_size=mbs, schedule=schedule,
                                 virtual_stages=v, recompute=recompute, zero_stage=zero,
+                                first_stage_layers=0, last_stage_layers=0,
                                 overlap_param_gather=base.overlap_param_gather and zero == 1)
                             try:
                                 validate_layout(model, par)

@@ -3,7 +3,7 @@
 The trace groups ranks whose graphs are identical up to renaming (a pipeline stage). Timing is
 symmetric too, until one rank or node is slower. Then the slow ranks get their own class, and so does
 every rank that now waits differently: the refinement repeats "same class, and the members of my
-tp / dp groups and my pipeline neighbours are in the same classes" until nothing splits (colour
+tp / dp / ep groups and my pipeline neighbours are in the same classes" until nothing splits (colour
 refinement). One slow rank in a pp x dp x tp grid yields at most 4 classes per stage (the rank, its tp
 peers, its dp peers, everyone else), so an 8192-GPU straggler study stays cheap.
 """
@@ -71,7 +71,12 @@ def _refine_once(layout: Layout, labels: np.ndarray) -> np.ndarray:
     tp_sig = np.broadcast_to(np.sort(grid, axis=2)[:, :, None, :], (pp, dp, tp, tp))
     dp_sig = np.broadcast_to(np.sort(grid, axis=1).transpose(0, 2, 1)[:, None, :, :], (pp, dp, tp, dp))
     pp_sig = np.broadcast_to(grid.transpose(1, 2, 0)[None, :, :, :], (pp, dp, tp, pp))
-    sig = np.concatenate([grid[..., None], tp_sig, dp_sig, pp_sig], axis=3).reshape(pp * dp * tp, -1)
+    parts = [grid[..., None], tp_sig, dp_sig, pp_sig]
+    if layout.ep > 1:  # expert-parallel groups: consecutive ranks of a stage
+        stage = grid.reshape(pp, -1, layout.ep)
+        ep_sig = np.broadcast_to(np.sort(stage, axis=2)[:, :, None, :], (*stage.shape, layout.ep))
+        parts.append(ep_sig.reshape(pp, dp, tp, layout.ep))
+    sig = np.concatenate(parts, axis=3).reshape(pp * dp * tp, -1)
     _, inverse = np.unique(sig, axis=0, return_inverse=True)
     return inverse.reshape(-1)
 

@@ -147,34 +147,65 @@ def _describe(p: PassOps, costs: OpCosts, nodes: PassNodes) -> list[tuple]:
     return out
 
 
-def _fingerprint(events: pd.DataFrame) -> int:
-    """Equal for classes whose graphs are equal up to renaming of groups and peers (middle stages)."""
-    cols = ["id", "phase", "chunk", "per_microbatch", "kind", "op", "signature", "no_kernel", "collective",
-            "group_kind", "message_bytes"]
-    rows = pd.util.hash_pandas_object(events[cols], index=False).to_numpy()
-    deps = events["deps"].to_list()
-    lengths = np.fromiter((len(d) for d in deps), dtype=np.int64, count=len(deps))
-    flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in deps]) if lengths.sum() else lengths[:0]
-    return hash((rows.tobytes(), lengths.tobytes(), flat.tobytes()))
+VALUE_COLUMNS = ("signature", "flops", "bytes_moved", "message_bytes")
+"""What differs between classes that run the same ops on other sizes (expert-parallel ranks of a skewed routing)."""
 
 
-def _renamed(passes: list[PassOps], layout: Layout, source_rep: int, rep: int) -> list[PassOps]:
-    """The passes as `rep` runs them: groups and peers of their communication renamed (rename_for_rank,
-    called once on the communication rows of all passes)."""
-    comm = [np.flatnonzero(p.ops["kind"].to_numpy() != "compute") for p in passes]
-    if not sum(len(c) for c in comm):
-        return passes
-    rows = pd.concat([p.ops.iloc[c] for p, c in zip(passes, comm)], ignore_index=True)
-    renamed = rename_for_rank(rows, layout, source_rep, rep)
-    groups_all, peers_all = renamed["group_ranks"].to_numpy(), renamed["peer"].to_numpy()
-    out, offset = [], 0
-    for p, c in zip(passes, comm):
-        groups, peers = p.ops["group_ranks"].to_numpy().copy(), p.ops["peer"].to_numpy().copy()
-        groups[c], peers[c] = groups_all[offset:offset + len(c)], peers_all[offset:offset + len(c)]
-        offset += len(c)
-        out.append(PassOps(p.phase, p.chunk, p.variant, p.ops.assign(group_ranks=groups, peer=peers), p.edges,
-                           p.external))
-    return out
+STRUCTURE_COLUMNS = ["id", "phase", "chunk", "per_microbatch", "kind", "stream", "op", "no_kernel", "collective",
+                     "group_kind", "async_op"]
+
+
+def _row_hashes(graph: pd.DataFrame) -> np.ndarray:
+    """Per event, a hash of what makes graphs equal up to renaming of groups and peers (middle stages) and
+    the sizes of their ops (VALUE_COLUMNS): STRUCTURE_COLUMNS and the dependencies. Computed once for all
+    classes (per class it costs more than the composition of a thousand classes may)."""
+    rows = pd.util.hash_pandas_object(graph[STRUCTURE_COLUMNS], index=False).to_numpy()
+    deps = np.fromiter((hash(tuple(d)) for d in graph["deps"].to_list()), dtype=np.int64, count=len(graph))
+    return rows ^ (deps.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+
+
+@dataclass
+class _Structure:
+    """Passes shared by the classes of one structure, as built for the first of them."""
+
+    representative: int
+    base: int
+    passes: list[PassOps]
+    comm_rows: pd.DataFrame
+    """The passes' communication rows, concatenated (what renaming rewrites)."""
+    comm: list[np.ndarray]
+    """Positions of those rows in each pass."""
+
+    @classmethod
+    def of(cls, representative: int, base: int, passes: list[PassOps]) -> _Structure:
+        comm = [np.flatnonzero(p.ops["kind"].to_numpy() != "compute") for p in passes]
+        rows = pd.concat([p.ops.iloc[c] for p, c in zip(passes, comm)], ignore_index=True)
+        return cls(representative, base, passes, rows, comm)
+
+
+def _class_passes(structure: _Structure, layout: Layout, rep: int, events: pd.DataFrame | None) -> list[PassOps]:
+    """The structure's passes as class `rep` runs them: its own op sizes (VALUE_COLUMNS taken from `events` by
+    trace id; None: the structure's own), its own groups and peers (rename_for_rank). Edges and runs depend on
+    the structure only."""
+    updates: list[dict] = [{} for _ in structure.passes]
+    if events is not None:
+        ids = events["id"].to_numpy()
+        order = np.argsort(ids, kind="stable")
+        values = {c: events[c].to_numpy()[order] for c in VALUE_COLUMNS}
+        for update, p in zip(updates, structure.passes):
+            at = np.searchsorted(ids[order], p.ops["id"].to_numpy())
+            update.update({c: v[at] for c, v in values.items()})
+    if rep != structure.representative and len(structure.comm_rows):
+        renamed = rename_for_rank(structure.comm_rows, layout, structure.representative, rep)
+        groups_all, peers_all = renamed["group_ranks"].to_numpy(), renamed["peer"].to_numpy()
+        offset = 0
+        for update, p, c in zip(updates, structure.passes, structure.comm):
+            groups, peers = p.ops["group_ranks"].to_numpy().copy(), p.ops["peer"].to_numpy().copy()
+            groups[c], peers[c] = groups_all[offset:offset + len(c)], peers_all[offset:offset + len(c)]
+            offset += len(c)
+            update.update(group_ranks=groups, peer=peers)
+    return [PassOps(p.phase, p.chunk, p.variant, p.ops.assign(**update), p.edges, p.external) if update else p
+            for p, update in zip(structure.passes, updates)]
 
 
 def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: ParallelismConfig, hw: HardwareConfig,
@@ -182,37 +213,43 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
                     schedule: str, rules: tuple[str, ...], collapse: bool):
     """Pass templates of every class. Classes with the same graph up to renaming share the work of
     splitting, rule evaluation, collapsing and labelling."""
-    layout = Layout(par.dp, par.tp, par.pp, par.cp)
+    layout = Layout(par.dp, par.tp, par.pp, par.cp, par.ep)
     lookup, comm_s = _compute_lookup(compute_seconds), _comm_lookup(comm)
     base_rep = rank_classes.groupby("rank_class")["rank"].min().to_dict()
-    by_base = {b: g for b, g in graph.groupby("rank_class", sort=True)}
-    shapes: dict[int, tuple[int, list[PassOps]]] = {}  # fingerprint -> (its representative, passes)
+    graph = graph.reset_index(drop=True)
+    row_hashes = _row_hashes(graph)
+    rows_of_base = graph.groupby("rank_class", sort=True).indices
+    structures: dict[int, _Structure] = {}  # fingerprint -> the passes of the first class with it
     shape_of_base: dict[int, int] = {}
     runs_cache: dict = {}
     described: dict = {}
+    groups: dict = {}  # op_costs' group members -> (their classes, nodes)
     programs, info, pp_rank = [], TemplateInfo(), []
     for c in range(classes.count):
         base, rep = int(classes.base_class[c]), int(classes.representative[c])
-        if base not in by_base:
+        if base not in rows_of_base:
             raise ConfigError(f"graph.parquet has no events for rank class {base} (rank {rep})")
         if base not in shape_of_base:
-            shape_of_base[base] = _fingerprint(by_base[base])
-            if shape_of_base[base] not in shapes:
-                shapes[shape_of_base[base]] = (base_rep[base], pass_ops(kernel_graph(by_base[base]), rules))
+            rows = rows_of_base[base]
+            shape_of_base[base] = hash(row_hashes[rows].tobytes())
+            if shape_of_base[base] not in structures:
+                passes = pass_ops(kernel_graph(graph.iloc[rows]), rules)
+                structures[shape_of_base[base]] = _Structure.of(base_rep[base], base, passes)
         shape = shape_of_base[base]
-        source_rep, passes = shapes[shape]
-        if rep != source_rep:
-            passes = _renamed(passes, layout, source_rep, rep)
+        structure = structures[shape]
+        passes = _class_passes(structure, layout, rep,
+                               None if base == structure.base else graph.iloc[rows_of_base[base]])
         templates = []
         for i, p in enumerate(passes):
             costs = op_costs(p, c, classes.class_of_rank, rep, float(classes.compute_factor[c]), domain_size(hw),
-                             lookup, comm_s, comm.sync_wait_s)
+                             lookup, comm_s, comm.sync_wait_s, groups)
             key = (shape, i, costs.kind.tobytes(), costs.internal.tobytes(), collapse)
             nodes = pass_nodes(p, costs, collapse, runs_cache.get(key))
             runs_cache[key] = nodes.node_of_op
-            if key not in described:
-                described[key] = _describe(p, costs, nodes)
-            for (label, group_kind, stream, comm_info), first, last in zip(described[key], nodes.first_op.tolist(),
+            labels = (key, base)  # labels name message sizes: per base class
+            if labels not in described:
+                described[labels] = _describe(p, costs, nodes)
+            for (label, group_kind, stream, comm_info), first, last in zip(described[labels], nodes.first_op.tolist(),
                                                                          nodes.last_op.tolist()):
                 info.label.append(label)
                 info.group_kind.append(group_kind)
@@ -344,7 +381,7 @@ def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Paralleli
     """
     started = time.perf_counter()
     slowdown = slowdown or NoSlowdown()
-    layout = Layout(par.dp, par.tp, par.pp, par.cp)
+    layout = Layout(par.dp, par.tp, par.pp, par.cp, par.ep)
     classes = timeline_classes(rank_classes, layout, straggler_factors(hw, layout.world_size))
     programs, info, pp_rank = _class_programs(_plain(graph), rank_classes, par, hw, classes, compute_seconds, comm,
                                               schedule or par.schedule, tuple(rules), collapse)

@@ -95,7 +95,9 @@ def replay(graph: StepGraph, duration_s: np.ndarray, csr=None,
         if g < 0:  # the common case: no other class to wait for
             cause[i] = latest_pred[i]
             start[i] = t
-            e = max(t + dur[i], min_end[i])
+            e = t + dur[i]
+            if e < min_end[i]:
+                e = min_end[i]
             end[i] = e
             done += 1
             for k in succ[ptr[i]:ptr[i + 1]]:
@@ -117,7 +119,9 @@ def replay(graph: StepGraph, duration_s: np.ndarray, csr=None,
         for j in members:  # the last member has arrived: all start together
             cause[j] = latest_pred[j] if j == last else last
             start[j] = t
-            e = max(t + dur[j], min_end[j])
+            e = t + dur[j]
+            if e < min_end[j]:
+                e = min_end[j]
             end[j] = e
             done += 1
             for k in succ[ptr[j]:ptr[j + 1]]:

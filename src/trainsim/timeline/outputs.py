@@ -87,47 +87,50 @@ def pipeline_flush_s(t: StepTimeline) -> float:
 
 def breakdown(t: StepTimeline) -> pd.DataFrame:
     """One row per class: the parts of the step time (module docstring)."""
-    kind, cls = _node_kind(t), t.graph.cls
-    start, step = t.replay.start_s, t.step_time_s
-    end = np.minimum(t.replay.end_s, start + t.duration_s)  # a run waiting for its last issue is idle, not busy
+    kind_all, cls = _node_kind(t), t.graph.cls
+    start_all, step = t.replay.start_s, t.step_time_s
+    end_all = np.minimum(t.replay.end_s, start_all + t.duration_s)  # a run waiting for its last issue is idle
     flush = pipeline_flush_s(t)
-    group_kind = np.asarray(t.info.group_kind, dtype=object)[t.graph.tnode]
-    phase = t.graph.table.phase[t.graph.tnode]
-    on_compute = (kind == COMPUTE) | (kind == BLOCK)
-    comm = is_comm_kind(kind)
+    group_kind_all = np.asarray(t.info.group_kind, dtype=object)[t.graph.tnode]
+    backward_all = t.graph.table.phase[t.graph.tnode] == "backward"
+    order = np.argsort(cls, kind="stable")  # each class's nodes once: the cost grows with nodes, not classes x nodes
+    bounds = np.searchsorted(cls[order], np.arange(t.classes.count + 1))
     rows = []
     for c in range(t.classes.count):
-        mine = cls == c
-        busy = mine & on_compute
+        mine = order[bounds[c]:bounds[c + 1]]
+        kind, group_kind, start, end = kind_all[mine], group_kind_all[mine], start_all[mine], end_all[mine]
+        fixed, replay_end = t.fixed_s[mine], t.replay.end_s[mine]
+        busy = (kind == COMPUTE) | (kind == BLOCK)
+        comm = is_comm_kind(kind)
         b0, b1 = merged(start[busy], end[busy])
         busy_len = float((b1 - b0).sum())
-        exposed = {k: float(t.fixed_s[busy & (group_kind == k)].sum()) for k in COMM_KINDS}
+        exposed = {k: float(fixed[busy & (group_kind == k)].sum()) for k in COMM_KINDS}
         uncovered: dict[str, float] = {}
         for k in COMM_KINDS:
-            q = mine & comm & (group_kind == k)
+            q = comm & (group_kind == k)
             a, b = merged(start[q], end[q])
             uncovered[k] = float((b - a).sum() - (covered(b0, b1, b) - covered(b0, b1, a)).sum())
-        q = mine & comm
-        a, b = merged(start[q], end[q])
+        a, b = merged(start[comm], end[comm])
         total_exposed = float((b - a).sum() - (covered(b0, b1, b) - covered(b0, b1, a)).sum())
         scale = total_exposed / sum(uncovered.values()) if sum(uncovered.values()) > 0 else 0.0
         for k in COMM_KINDS:
             exposed[k] += uncovered[k] * scale
         u0, u1 = merged(np.concatenate([b0, a]), np.concatenate([b1, b]))
         in_flush = float(covered(u0, u1, np.asarray([flush]))[0])
-        compute_s = float(t.solo_compute_s[busy].sum())
-        backward = busy & (phase == "backward")
-        last_backward = float(t.replay.end_s[backward].max()) if backward.any() else 0.0
+        compute_s = float(t.solo_compute_s[mine][busy].sum())
+        backward = busy & backward_all[mine]
+        last_backward = float(replay_end[backward].max()) if backward.any() else 0.0
+        class_end = float(replay_end.max()) if len(mine) else 0.0
         rows.append({
             "rank_class": c,
             "compute_s": compute_s,
-            "slowdown_added_s": max(busy_len - compute_s - float(t.fixed_s[busy].sum()), 0.0),
+            "slowdown_added_s": max(busy_len - compute_s - float(fixed[busy].sum()), 0.0),
             **{f"exposed_{k}_s": v for k, v in exposed.items()},
             "pipeline_bubble_s": max(flush - in_flush, 0.0),
             "idle_s": max((step - flush) - (float((u1 - u0).sum()) - in_flush), 0.0),
-            "optimizer_step_s": max(float(t.replay.end_s[mine].max()) - last_backward, 0.0) if mine.any() else 0.0,
+            "optimizer_step_s": max(class_end - last_backward, 0.0) if len(mine) else 0.0,
             "contention_added_s": float(t.contention_s[mine].sum()),
-            "end_s": float(t.replay.end_s[mine].max()) if mine.any() else 0.0,
+            "end_s": class_end,
         })
     return pd.DataFrame(rows)
 

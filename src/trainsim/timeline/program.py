@@ -204,14 +204,16 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
 
 def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representative: int, factor: float,
              node_size: int, compute_seconds: Callable[[pd.DataFrame, np.ndarray], np.ndarray],
-             comm_seconds: Callable[..., float], sync_wait: Callable[[float, int], float]) -> OpCosts:
+             comm_seconds: Callable[..., float], sync_wait: Callable[[float, int], float],
+             groups: dict[tuple, tuple] | None = None) -> OpCosts:
     """Durations and synchronisation of a pass's kernels as run by `class_id` (groups already renamed).
 
     Members of an internal collective run the same program, so the replay has them arrive together;
     really the last one is late by the system noise of the compute since their previous
     synchronisation (`sync_wait`), which is added to the collective's time.
     Communication whose group spans nodes also gets its bandwidth-bound part (`nic_s`: its time minus
-    that of a 1-byte message on the same ranks), which NIC contention stretches (contention.py)."""
+    that of a 1-byte message on the same ranks), which NIC contention stretches (contention.py).
+    groups: a cache of (member classes, nodes spanned) by group members, shared by the calls of one step."""
     ops = p.ops
     kind_col = ops["kind"].to_numpy()
     collective = ops["collective"].to_numpy()
@@ -229,7 +231,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
     node_of = representative // per_node
     group_ranks, message = ops["group_ranks"].to_numpy(), ops["message_bytes"].to_numpy()
     group_kind, peers = ops["group_kind"].to_numpy(), ops["peer"].to_numpy()
-    groups: dict[tuple, tuple] = {}
+    groups = {} if groups is None else groups
     for i in np.flatnonzero(kind == COLLECTIVE):
         members_key = tuple(group_ranks[i])
         if members_key not in groups:

@@ -44,7 +44,7 @@ def rename_for_rank(events: pd.DataFrame, layout: Layout, representative: int, r
     (next pipeline stage stays next stage, wrapping around for interleaved schedules; next rank of a
     tensor-parallel ring stays next).
     """
-    kinds = GROUP_KINDS + EXPERT_GROUP_KINDS
+    kinds = set(GROUP_KINDS + EXPERT_GROUP_KINDS) & set(events["group_kind"].dropna()) | {"pp"}
     groups = {kind: layout.group_ranks(rank, kind) for kind in kinds}
     own = {kind: layout.group_ranks(representative, kind) for kind in kinds}
 

@@ -318,6 +318,11 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
                     written += [t for t in tree_flatten(args[i])[0] if isinstance(t, torch.Tensor)]
             for t in written:
                 self._last_writer[_storage_key(t)] = event_id
+        else:  # an allocation (new_empty, empty): a fresh storage may sit where a freed one was; nobody wrote it
+            read = set(map(_storage_key, tensors))
+            for t in outputs:
+                if _storage_key(t) not in read:
+                    self._last_writer.pop(_storage_key(t), None)
 
     def _fill_communication(self, event: dict, func, args, tensors: list[torch.Tensor]) -> None:
         op_name = func._overloadpacket.__name__

@@ -188,9 +188,9 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) 
         representative = layout.stage_representative(pp_rank) + expert_class.index(cls)
         # stages hold different layers: with a routing that varies by layer, no middle stage is another's copy
         shape = (_stage_shape(pp_rank, par.pp) if same_layers else pp_rank, cls)
-        if shape not in traced:
-            traced[shape] = _trace_rank(model_cfg, par, representative, plan)
-        stage = traced[shape]
+        stage = traced.get(shape) or _trace_rank(model_cfg, par, representative, plan)
+        if same_layers:  # kept for the stages that reuse it (else no other class has this shape)
+            traced[shape] = stage
         events = pd.DataFrame(stage.events)
         if stage.rank != representative:
             events = rename_for_rank(events, layout, stage.rank, representative)

@@ -23,6 +23,34 @@ tokens by all-to-all; edp, the ranks holding the same experts (where their gradi
 of every stage of one expert replica (where the experts' gradient norm is summed)."""
 
 
+def stage_layer_counts(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[int]:
+    """Layers per pipeline stage: `first` on stage 0 and `last` on the last stage where set (> 0), the rest
+    split evenly over the other stages (Megatron-Core's --decoder-first/last-pipeline-num-layers). Raises
+    ValueError where the rest does not split evenly."""
+    if pp == 1:
+        return [num_layers]
+    fixed = {0: first, pp - 1: last}
+    fixed = {stage: n for stage, n in fixed.items() if n > 0}
+    rest, others = num_layers - sum(fixed.values()), pp - len(fixed)
+    if rest < others or (others and rest % others) or (not others and rest):
+        raise ValueError(f"{num_layers} layers minus {sum(fixed.values())} on the first/last stage leave {rest} "
+                         f"for {others} other stage(s): not an even split of at least one layer each")
+    return [fixed.get(stage, rest // others if others else 0) for stage in range(pp)]
+
+
+def chunk_layers(num_layers: int, pp: int, virtual_stages: int, pp_rank: int, chunk: int,
+                 first: int = 0, last: int = 0) -> range:
+    """Global layer indices of one model chunk: virtual stage chunk * pp + pp_rank of an even split
+    (Megatron's interleaved assignment), or the stage's part of an uneven split (one chunk per stage)."""
+    if first or last:
+        counts = stage_layer_counts(num_layers, pp, first, last)
+        start = sum(counts[:pp_rank])
+        return range(start, start + counts[pp_rank])
+    per_chunk = num_layers // (pp * virtual_stages)
+    start = (chunk * pp + pp_rank) * per_chunk
+    return range(start, start + per_chunk)
+
+
 @dataclass(frozen=True)
 class RankPosition:
     rank: int

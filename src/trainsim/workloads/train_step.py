@@ -17,7 +17,7 @@ from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.data_parallel import GradientBuckets
 from trainsim.workloads.fp8 import fp8_settings
 from trainsim.workloads.fully_sharded import local, shard_chunk
-from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
+from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers
 from trainsim.workloads.model import DTYPES, TransformerChunk
 from trainsim.workloads.moe import ExpertParallel
 from trainsim.workloads.observe import observer
@@ -91,7 +91,6 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     layout = layout_of(par)
     pos = layout.position(rank)
     v = par.virtual_stages
-    layers_per_chunk = model_cfg.num_layers // (par.pp * v)
     dtype = DTYPES[par.precision]
     fp8 = fp8_settings(par, groups["amax"])
     cp = ContextParallel(par.cp, pos.cp_rank, groups["cp"], par.cp_comm_type) if par.cp > 1 else None
@@ -104,11 +103,11 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     chunks = []
     try:
         for c in range(v):
-            virtual_stage = c * par.pp + pos.pp_rank  # Megatron's interleaved assignment
-            first_layer = virtual_stage * layers_per_chunk
+            virtual_stage = c * par.pp + pos.pp_rank
             chunks.append(TransformerChunk(
                 model_cfg,
-                layers=range(first_layer, first_layer + layers_per_chunk),
+                layers=chunk_layers(model_cfg.num_layers, par.pp, v, pos.pp_rank, c, par.first_stage_layers,
+                                    par.last_stage_layers),
                 first=virtual_stage == 0,
                 last=virtual_stage == par.pp * v - 1,
                 tp=par.tp, tp_rank=pos.tp_rank, tp_group=groups["tp"],
