@@ -23,7 +23,7 @@ from trainsim.timeline import (
     register_schedule,
 )
 from trainsim.timeline.chrome import chrome_trace
-from trainsim.timeline.engine import replay
+from trainsim.timeline.engine import replay, replay_batched
 from trainsim.timeline.outputs import SUMMARY_FIELDS, breakdown, class_table, summary
 from trainsim.trace.schema import GRAPH_SCHEMA
 from trainsim.workloads.layout import Layout
@@ -236,6 +236,37 @@ def test_plug_in_schedule_and_dependency_rule():
     assert t.step_time_s == pytest.approx(6.0 + 0.5 + 0.5 + 0.1)
 
 
+@pytest.mark.parametrize("parallelism", ["dp2", "pp2", "pp2-interleaved"])
+def test_batched_replay_gives_the_heap_replay_times(tiny_traces, parallelism):
+    """Graphs of many classes are replayed in rounds of ready nodes (engine.replay_batched): same starts and
+    ends as node by node, with host dispatch, stragglers (cross-class waits) and pipeline P2P."""
+    from trainsim.comm.model import CommModel
+    from trainsim.timeline.compose import host_issue
+
+    run, graph, rank_classes = tiny_traces[parallelism]
+    hw = dataclasses.replace(run.hardware, stragglers=[StragglerConfig(ranks=[1], factor=1.3)])
+    t = compose_step(graph, rank_classes, run.parallelism, hw, _flop_times, CommModel.from_hardware(hw))
+    host = host_issue(t.graph, hw.host_dispatch_s)
+    heap, batched = replay(t.graph, t.duration_s, host=host), replay_batched(t.graph, t.duration_s, host=host)
+    assert t.classes.count > 1 and host is not None
+    np.testing.assert_array_equal(heap.start_s, batched.start_s)
+    np.testing.assert_array_equal(heap.end_s, batched.end_s)
+    assert (heap.cause == batched.cause).mean() > 0.99  # ties between predecessors may name the other one
+
+
+def test_batched_replay_reports_a_cyclic_wait():
+    events = [_event(0, 0, "forward", "F"),
+              _event(0, 1, "forward", "ar", kind="collective", collective="all_reduce", group_kind="dp",
+                     group=[0, 1], deps=(0,))]
+    hw = HardwareConfig(name="test", device_kind="cuda", devices_per_node=8, memory_capacity_bytes=1e9,
+                        stragglers=[StragglerConfig(ranks=[1], factor=1.5)])
+    t = _compose(events, _par(dp=2), hw=hw)
+    assert len(t.graph.group_size)
+    graph = dataclasses.replace(t.graph, group_size=t.graph.group_size + 1)  # a member that never comes
+    with pytest.raises(TimelineError, match="cyclic wait"):
+        replay_batched(graph, t.duration_s)
+
+
 def test_unmatched_communication_is_reported_with_the_classes():
     events = [e for e in _pipeline_events(2) if not (e["rank_class"] == 1 and e["op"] == "send")]
     with pytest.raises(TimelineError, match="unmatched communication"):
@@ -408,3 +439,12 @@ def test_host_dispatch_must_be_small_and_non_negative():
 
     with pytest.raises(ConfigError, match="hardware.host_dispatch_s=-1"):
         validate_hardware(dataclasses.replace(HW, host_dispatch_s=-1e-6))
+
+
+def test_a_straggler_splits_its_expert_parallel_peers_from_the_rest():
+    from trainsim.timeline.classes import timeline_classes
+
+    layout = Layout(dp=4, tp=1, pp=1, ep=2)  # ep groups {0, 1}, {2, 3}; one dp group of all four
+    classes = timeline_classes(_rank_classes(layout), layout, np.array([1.5, 1.0, 1.0, 1.0]))
+    # rank 0, its all-to-all partner 1 (waits for it every layer), and the other expert-parallel group
+    assert classes.class_of_rank.tolist() == [0, 1, 2, 2]

@@ -211,8 +211,8 @@ def _class_passes(structure: _Structure, layout: Layout, rep: int, events: pd.Da
 def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: ParallelismConfig, hw: HardwareConfig,
                     classes: TimelineClasses, compute_seconds: ComputeSeconds, comm: CommCost,
                     schedule: str, rules: tuple[str, ...], collapse: bool):
-    """Pass templates of every class. Classes with the same graph up to renaming share the work of
-    splitting, rule evaluation, collapsing and labelling."""
+    """Pass templates of every class. Classes with the same graph up to renaming and op sizes share the work
+    of splitting, rule evaluation and collapsing (labels, which name sizes, are per trace class)."""
     layout = Layout(par.dp, par.tp, par.pp, par.cp, par.ep)
     lookup, comm_s = _compute_lookup(compute_seconds), _comm_lookup(comm)
     base_rep = rank_classes.groupby("rank_class")["rank"].min().to_dict()
