@@ -382,3 +382,18 @@ def test_composed_classes_that_share_a_structure_keep_their_own_groups_and_sizes
         source = [s for t in step.graph.tnode[nodes] for s in [step.info.source[t]]
                   if s[0].ops["collective"].iat[s[2]] == "all_to_all"]
         assert all(list(s[0].ops["group_ranks"].iat[s[2]]) == layout.group_ranks(rep, "ep") for s in source)
+
+
+def test_many_distinct_traces_run_in_worker_processes_with_the_same_result(monkeypatch):
+    """A skewed routing gives every stage and expert-parallel rank its own trace; they run in spawned processes
+    (trace/tracer.py PARALLEL_MIN_TRACES) and give what tracing them one by one gives."""
+    from trainsim.trace import tracer
+
+    model, par = _model_and_layout([*MOE, "model.num_layers=2", "parallelism=dp2", "parallelism.ep=2",
+                                    "parallelism.pp=2", "parallelism.global_batch_size=8",
+                                    "hardware.devices_per_node=4", "model.moe_routing=zipf:2"])
+    serial = trace_layout(model, par, jobs=1)
+    monkeypatch.setattr(tracer, "PARALLEL_MIN_TRACES", 2)
+    parallel = trace_layout(model, par, jobs=2)
+    assert serial.rank_classes.to_pandas()["rank_class"].nunique() == 4
+    assert parallel.graph.equals(serial.graph) and parallel.memory.equals(serial.memory)

@@ -8,8 +8,12 @@ dtypes only), so a 175B-parameter shard traces in well under a second.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 import hashlib
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,12 +170,30 @@ def expert_classes(plan: RoutingPlan | None, ep: int) -> list[int]:
     return [seen.setdefault(plan.rank_signature(r, ep), len(seen)) for r in range(ep)]
 
 
-def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) -> TraceResult:
+PARALLEL_MIN_TRACES = 16
+"""From this many distinct traces on (a skewed MoE routing: one per stage and expert-parallel rank), they run in
+worker processes: each starts with a torch import of seconds, which fewer traces do not repay."""
+
+
+def _start_traces(model_cfg: ModelConfig, par: ParallelismConfig, plan: RoutingPlan | None,
+                  todo: dict[tuple, int], jobs: int):
+    """shape -> a zero-argument function giving its _TracedStage: traced in `jobs` spawned processes where
+    there are many, else traced when asked."""
+    jobs = min(jobs or os.cpu_count() or 1, len(todo))
+    if jobs < 2 or len(todo) < PARALLEL_MIN_TRACES:
+        return {shape: functools.partial(_trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}, None
+    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    futures = {shape: pool.submit(_trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}
+    return {shape: future.result for shape, future in futures.items()}, pool
+
+
+def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, jobs: int = 0) -> TraceResult:
     """Trace one representative rank per class; `progress(done, total)` is called after each class.
 
     Classes are pipeline stages (their schedules differ), split by expert-parallel rank where an MoE model's
     routing plan gives ranks different token counts. Middle stages build identical layers, so one of them is
-    traced and the others get its events with groups and peers renamed.
+    traced and the others get its events with groups and peers renamed. Many distinct traces run in `jobs`
+    processes (0: one per core; see PARALLEL_MIN_TRACES).
     """
     if dist.is_initialized():
         raise TraceError("ex-situ tracing needs its own (fake) process group; call it in a process where "
@@ -181,33 +203,46 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None) 
     expert_class = expert_classes(plan, par.ep)
     per_stage = max(expert_class) + 1
     same_layers = plan is None or bool((plan.counts == plan.counts[:1]).all())
+    classes = [(pp_rank, cls, layout.stage_representative(pp_rank) + expert_class.index(cls),
+                # stages hold different layers: with a routing that varies by layer, no middle stage is another's
+                (_stage_shape(pp_rank, par.pp) if same_layers else pp_rank, cls))
+               for pp_rank in range(par.pp) for cls in range(per_stage)]
+    todo: dict[tuple, int] = {}
+    for _, _, representative, shape in classes:
+        todo.setdefault(shape, representative)
+    traces, pool = _start_traces(model_cfg, par, plan, todo, jobs)
+    uses = collections.Counter(shape for *_, shape in classes)
     traced: dict[tuple, _TracedStage] = {}
     graphs, memories, seconds = [], [], []
-    for pp_rank, cls in ((s, c) for s in range(par.pp) for c in range(per_stage)):
-        start = time.perf_counter()
-        representative = layout.stage_representative(pp_rank) + expert_class.index(cls)
-        # stages hold different layers: with a routing that varies by layer, no middle stage is another's copy
-        shape = (_stage_shape(pp_rank, par.pp) if same_layers else pp_rank, cls)
-        stage = traced.get(shape) or _trace_rank(model_cfg, par, representative, plan)
-        if same_layers:  # kept for the stages that reuse it (else no other class has this shape)
-            traced[shape] = stage
-        events = pd.DataFrame(stage.events)
-        if stage.rank != representative:
-            events = rename_for_rank(events, layout, stage.rank, representative)
-        class_id = pp_rank * per_stage + cls
-        graphs.append(events_table(events, rank_class=class_id))
-        memories.append(memory_row(
-            class_id,
-            parameter_bytes=stage.parameter_bytes,
-            gradient_bytes=stage.gradient_bytes,
-            optimizer_state_bytes=stage.optimizer_state_bytes,
-            saved_bytes_per_chunk=stage.saved_bytes_per_chunk,
-            actions=pipeline_actions(par.schedule, par.pp, pp_rank, par.num_microbatches, par.virtual_stages),
-            transient_bytes=stage.transient_bytes,
-        ))
-        seconds.append(time.perf_counter() - start)
-        if progress:
-            progress(class_id + 1, par.pp * per_stage)
+    try:
+        for pp_rank, cls, representative, shape in classes:
+            start = time.perf_counter()
+            stage = traced.get(shape) or traces.pop(shape)()  # a finished trace is not kept by its future
+            uses[shape] -= 1
+            if uses[shape]:  # kept for the classes that reuse it
+                traced[shape] = stage
+            else:
+                traced.pop(shape, None)
+            events = pd.DataFrame(stage.events)
+            if stage.rank != representative:
+                events = rename_for_rank(events, layout, stage.rank, representative)
+            class_id = pp_rank * per_stage + cls
+            graphs.append(events_table(events, rank_class=class_id))
+            memories.append(memory_row(
+                class_id,
+                parameter_bytes=stage.parameter_bytes,
+                gradient_bytes=stage.gradient_bytes,
+                optimizer_state_bytes=stage.optimizer_state_bytes,
+                saved_bytes_per_chunk=stage.saved_bytes_per_chunk,
+                actions=pipeline_actions(par.schedule, par.pp, pp_rank, par.num_microbatches, par.virtual_stages),
+                transient_bytes=stage.transient_bytes,
+            ))
+            seconds.append(time.perf_counter() - start)
+            if progress:
+                progress(class_id + 1, par.pp * per_stage)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return TraceResult(
         graph=pa.concat_tables(graphs),
         rank_classes=rank_class_table(layout, expert_class),
