@@ -170,8 +170,7 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         except ValueError as exc:
             raise ConfigError(f"{fields} with parallelism.pp={par.pp} for model.num_layers={model.num_layers} of "
                               f"'{model.name}': {exc}") from None
-    elif model.num_layers % (par.pp * par.virtual_stages):
-        chunks = par.pp * par.virtual_stages
+    elif model.num_layers % (chunks := par.pp * par.virtual_stages):
         raise ConfigError(
             f"model.num_layers={model.num_layers} of '{model.name}' cannot be split evenly into "
             f"parallelism.pp * parallelism.virtual_stages = {par.pp} * {par.virtual_stages} = {chunks} stages; "

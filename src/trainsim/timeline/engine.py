@@ -191,14 +191,15 @@ def replay_batched(graph: StepGraph, duration_s: np.ndarray, describe: Callable[
         t = np.maximum(ready[frontier], issued[frontier])
         latest_pred[frontier[issued[frontier] > ready[frontier]]] = HOST
         g = group[frontier]
-        solo = frontier[g < 0]
-        start[solo] = t[g < 0]
+        grouped = g >= 0
+        solo = frontier[~grouped]
+        start[solo] = t[~grouped]
         cause[solo] = latest_pred[solo]
-        waiting = frontier[g >= 0]
-        arrival[waiting] = t[g >= 0]
+        waiting = frontier[grouped]
+        arrival[waiting] = t[grouped]
         has_arrived[waiting] = True
-        np.add.at(arrived, g[g >= 0], 1)
-        complete = np.unique(g[g >= 0])
+        np.add.at(arrived, g[grouped], 1)
+        complete = np.unique(g[grouped])
         complete = complete[arrived[complete] == size[complete]]
         if len(complete):  # every member starts at the latest arrival; the last to arrive (highest node on a tie,
             # as the heap pops) is what the others waited for
@@ -217,9 +218,6 @@ def replay_batched(graph: StepGraph, duration_s: np.ndarray, describe: Callable[
         end[released] = np.maximum(start[released] + duration_s[released], min_end[released])
         done += len(released)
         counts = ptr[released + 1] - ptr[released]
-        if not counts.sum():
-            frontier = released[:0]
-            continue
         src = np.repeat(released, counts)
         dst = succ[_ranges(ptr[released], counts)]
         np.maximum.at(ready, dst, end[src])
