@@ -102,6 +102,32 @@ def test_collectives_depend_on_their_producers():
         assert len(consumers) > 0, f"nothing reads the result of collective {event_id}"
 
 
+def test_a_freed_storage_leaves_no_writer_to_one_allocated_where_it_was():
+    """Storages are keyed by address, which a later one may reuse: a constant or an empty buffer there was
+    written by nobody. (Before, such ops inherited the freed storage's writer, so traces depended on the
+    process's allocation history and differed between processes.)"""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainsim.trace.recorder import ExecutionRecorder
+
+    run = compose_run([], check="layout")
+    recorder = ExecutionRecorder(layout_of(run.parallelism), 0)
+    freed, reallocated = set(), set()
+    with FakeTensorMode(), recorder:
+        x = torch.zeros(4)
+        for _ in range(200):
+            y = x + 1
+            freed.add(y.untyped_storage()._cdata)
+            del y
+            for fresh in (torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.empty(4)):
+                reallocated.add(fresh.untyped_storage()._cdata)
+    events = pd.DataFrame(recorder.events)
+    assert freed & reallocated, "no address was reused: the check below would prove nothing"
+    fresh_ops = events[events["op"].isin(["aten::lift_fresh", "aten::empty.memory_format"])]
+    assert len(fresh_ops) >= 200 and all(len(deps) == 0 for deps in fresh_ops["deps"])
+
+
 def test_optimizer_is_one_fused_adam_kernel_not_per_parameter_host_reads():
     _, result = _trace("parallelism.precision=bf16")
     optimizer = result.graph.to_pandas().query("phase == 'optimizer'")

@@ -181,7 +181,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._group_ranks_cache: dict[int, list[int]] = {}
         self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
         self.allocations = StepAllocations()
-        self._saved_storages: set[tuple[int, int]] = set()
+        self._saved_storages: set[int] = set()  # storages of micro-batch 0 counted in saved_activation_bytes
+        self._storage_refs: dict[int, weakref.ref] = {}  # the storages _last_writer and _saved_storages name
 
     # -- StepObserver -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -217,13 +218,31 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         finally:
             self._in_communication, self._async_op, self._named_kind = previous
 
+    def _watch(self, t: torch.Tensor) -> int:
+        """The key of `t`'s storage, whose entries in _last_writer and _saved_storages go when it is freed.
+
+        The key is the storage's address, which a storage allocated later may reuse: a stale entry would give
+        it a writer it never had (how often depends on the process's allocation history, so traces would
+        differ between processes). torch keeps a storage's Python object as long as the storage lives, so a
+        weak reference to it is told of the free."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._storage_refs:
+            self._storage_refs[key] = weakref.ref(storage, lambda _, key=key: self._forget_storage(key))
+        return key
+
+    def _forget_storage(self, key: int) -> None:
+        self._storage_refs.pop(key, None)
+        self._last_writer.pop(key, None)
+        self._saved_storages.discard(key)
+
     def _on_save(self, t: torch.Tensor) -> torch.Tensor:
-        """Count each storage kept for backward once per (micro-batch, chunk); parameters and views of them
+        """Count each storage kept for backward once (micro-batch 0 stands for all); parameters and views of them
         (a linear's transposed weight) excluded: they are model states, counted once."""
         base = t._base if t._base is not None else t
-        if not isinstance(base, torch.nn.Parameter):
-            key = (self._microbatch, _storage_key(t))
-            if key not in self._saved_storages and self._microbatch == 0:
+        if self._microbatch == 0 and not isinstance(base, torch.nn.Parameter):
+            key = self._watch(t)
+            if key not in self._saved_storages:
                 self._saved_storages.add(key)
                 self.saved_activation_bytes[self._chunk] = (
                     self.saved_activation_bytes.get(self._chunk, 0) + t.untyped_storage().nbytes()
@@ -317,12 +336,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
                 if arg_schema.alias_info is not None and arg_schema.alias_info.is_write and i < len(args):
                     written += [t for t in tree_flatten(args[i])[0] if isinstance(t, torch.Tensor)]
             for t in written:
-                self._last_writer[_storage_key(t)] = event_id
-        else:  # an allocation (new_empty, empty): a fresh storage may sit where a freed one was; nobody wrote it
-            read = set(map(_storage_key, tensors))
-            for t in outputs:
-                if _storage_key(t) not in read:
-                    self._last_writer.pop(_storage_key(t), None)
+                self._last_writer[self._watch(t)] = event_id
 
     def _fill_communication(self, event: dict, func, args, tensors: list[torch.Tensor]) -> None:
         op_name = func._overloadpacket.__name__
