@@ -14,6 +14,11 @@ Global batch 1,536 sequences of 2,048 tokens (GPT-3), bf16, hardware a100-80g-dg
 NCCL model calibrated from the A100 nccl-tests tables when artifacts/calibration/a100-80g-dgx exists).
 Prints `figure sweep_layouts_per_second_gpt175b_1024gpu <v> 1/s`, `figure sweep_layouts_per_second_1core
 <v> 1/s`, `figure search_fast_vs_full_mape_pct <v> %` and the tables behind them.
+
+4. Mixture of experts: Mixtral 8x7B on 64 H100s (NeMo's layout as the base), searching tensor and expert
+   parallelism, pipeline depth, schedule and recompute; `figure search_layouts_mixtral_64gpu`,
+   `figure search_fast_vs_full_mape_pct_moe` (the same agreement check on four of its layouts).
+   `--moe-only` runs this part alone.
 """
 
 from __future__ import annotations
@@ -28,12 +33,37 @@ import numpy as np
 HARDWARE, MODEL, BUDGET = "a100-80g-dgx", "gpt-175b", 1024
 BASE = [f"hardware={HARDWARE}", f"model={MODEL}", "parallelism=pp16-tp8-dp8", "parallelism.global_batch_size=1536"]
 CALIBRATION = Path("artifacts/calibration") / HARDWARE
+MOE_BASE = ["hardware=h100-sxm-dgx", "model=mixtral-8x7b", "parallelism=ep8-pp4-dp16"]
+MOE_BUDGET = 64
 
 
-def main() -> int:
+def agreement(base: list[str], budget: int, table, label: str) -> list[float]:
+    """|fast - full| / full in % for the fastest, median and slowest layouts that fit and the deepest pipeline."""
     from trainsim.config import compose_run
-    from trainsim.search.run import STATUS_OK, cluster_for, layout_overrides, search_layouts
+    from trainsim.search.run import STATUS_OK, cluster_for, layout_overrides
     from trainsim.timeline.stage import compose_run_artifacts
+
+    run = compose_run(base, check="layout")
+    ok = table[table["status"] == STATUS_OK].sort_values("step_time_s").reset_index(drop=True)
+    picks = {0, len(ok) // 2, len(ok) - 1, int(ok["pp"].idxmax())}
+    nodes = cluster_for(run.hardware, budget).num_nodes
+    errors = []
+    print(f"\n{label}\n| layout | fast (s) | full (s) | error | full compose wall (s) |\n|---|---|---|---|---|")
+    for i in sorted(picks):
+        row = ok.iloc[i]
+        started = time.perf_counter()
+        summary, _ = compose_run_artifacts(compose_run(base + layout_overrides(row, nodes)))
+        wall = time.perf_counter() - started
+        error = 100 * (row["step_time_s"] / summary["step_time_s"] - 1)
+        errors.append(abs(error))
+        print(f"| {row['layout']} | {row['step_time_s']:.3f} | {summary['step_time_s']:.3f} | {error:+.1f} % "
+              f"| {wall:.1f} |")
+    return errors
+
+
+def dense() -> None:
+    from trainsim.config import compose_run
+    from trainsim.search.run import search_layouts
 
     run = compose_run(BASE, check="layout")
     cold = search_layouts(run, BUDGET, jobs=1, calibration_dir=CALIBRATION)
@@ -48,30 +78,40 @@ def main() -> int:
         wall = time.perf_counter() - started
         rates[jobs] = len(warm.table) / wall
         print(f"| {jobs} | {len(warm.table)} | {wall:.2f} | {rates[jobs]:.1f} |")
-    table = warm.table
-    print("\nstatus:", table["status"].value_counts().to_dict())
-
-    ok = table[table["status"] == STATUS_OK].sort_values("step_time_s").reset_index(drop=True)
-    picks = {0, len(ok) // 2, len(ok) - 1, int(ok["pp"].idxmax())}
-    nodes = cluster_for(run.hardware, BUDGET).num_nodes
-    errors = []
-    print("\n| layout | fast (s) | full (s) | error | full compose wall (s) |\n|---|---|---|---|---|")
-    for i in sorted(picks):
-        row = ok.iloc[i]
-        full_run = compose_run(BASE + layout_overrides(row, nodes))
-        started = time.perf_counter()
-        summary, _ = compose_run_artifacts(full_run)
-        wall = time.perf_counter() - started
-        error = 100 * (row["step_time_s"] / summary["step_time_s"] - 1)
-        errors.append(abs(error))
-        print(f"| {row['layout']} | {row['step_time_s']:.3f} | {summary['step_time_s']:.3f} | {error:+.1f} % "
-              f"| {wall:.1f} |")
-
+    print("\nstatus:", warm.table["status"].value_counts().to_dict())
+    errors = agreement(BASE, BUDGET, warm.table, f"{MODEL} on {BUDGET} GPUs")
     print()
     print(f"figure sweep_layouts_per_second_gpt175b_1024gpu {rates[max(rates)]:.1f} 1/s")
     print(f"figure sweep_layouts_per_second_1core {rates[1]:.1f} 1/s")
     print(f"figure sweep_slices_cold_seconds_gpt175b {cold.slices_s:.1f} s")
     print(f"figure search_fast_vs_full_mape_pct {np.mean(errors):.2f} %")
+
+
+def mixture_of_experts() -> None:
+    from trainsim.config import compose_run
+    from trainsim.search.layouts import SearchSpace
+    from trainsim.search.run import search_layouts
+
+    run = compose_run(MOE_BASE, check="layout")
+    space = SearchSpace(micro_batch_sizes=(1,), recompute=("none", "full"), tp_sizes=(1, 2))
+    result = search_layouts(run, MOE_BUDGET, space, jobs=os.cpu_count() or 1,
+                            calibration_dir=Path("artifacts/calibration") / "h100-sxm-dgx")
+    table = result.table
+    print(f"\nMixtral 8x7B: {len(table)} layouts ({table['status'].value_counts().to_dict()}), slices "
+          f"{result.slices_s:.1f} s, estimates {result.estimate_s:.2f} s; expert-parallel degrees "
+          f"{sorted(table['ep'].unique().tolist())}")
+    best = table[table["status"] == "ok"].nsmallest(5, "step_time_s")
+    print(best[["layout", "step_time_s", "peak_memory_gib", "tp_comm_s"]].to_string(index=False))
+    errors = agreement(MOE_BASE, MOE_BUDGET, table, f"mixtral-8x7b on {MOE_BUDGET} GPUs")
+    print()
+    print(f"figure search_layouts_mixtral_64gpu {len(table)} layouts")
+    print(f"figure search_fast_vs_full_mape_pct_moe {np.mean(errors):.2f} %")
+
+
+def main() -> int:
+    if "--moe-only" not in sys.argv:
+        dense()
+    mixture_of_experts()
     return 0
 
 

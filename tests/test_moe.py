@@ -315,14 +315,6 @@ def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(dis
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_layout_search_says_it_has_no_experts_yet():
-    from trainsim.search.run import search_layouts
-
-    run = compose_run(["hardware=h100-sxm-dgx", "model=mixtral-8x7b", "parallelism=ep8-pp4-dp16"], check="layout")
-    with pytest.raises(ConfigError, match="does not model mixtures of experts yet"):
-        search_layouts(run, 64)
-
-
 def test_moe_model_flops_count_what_a_token_activates():
     from trainsim.report.efficiency import model_flops_per_step
 

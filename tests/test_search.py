@@ -99,23 +99,73 @@ def test_search_ranks_layouts_and_a_second_search_traces_nothing(small_search):
 @pytest.mark.parametrize("layout", ["dp2-tp2-pp2-mbs1-1f1b-v1-none", "dp1-tp2-pp4-mbs2-1f1b-v1-full",
                                     "dp4-tp1-pp2-mbs2-interleaved-1f1b-v2-none"])
 def test_fast_path_agrees_with_the_full_composer(small_search, layout, tmp_path):
+    run, result, cache = small_search
+    row = result.table.set_index("layout").loc[layout]
+    summary, memory = _compose_fully(SMALL + layout_overrides(row, cluster_for(run.hardware, 16).num_nodes), tmp_path)
+    assert row["step_time_s"] == pytest.approx(summary["step_time_s"], rel=0.10)
+    # the fast path takes a stage's transient bytes from its 1- and 2-layer slices (one replica)
+    assert row["peak_memory_gib"] * 2**30 == pytest.approx(memory["peak_bytes"].max(), rel=0.02)
+    assert summary["num_microbatches"] == row["num_microbatches"]
+
+
+def _compose_fully(run_overrides: list[str], tmp_path):
+    """Trace, profile and compose one layout as the pipeline does: (step summary, memory table)."""
+    from trainsim.profile.stage import write_profile_artifact
     from trainsim.timeline.stage import write_timeline_artifact
     from trainsim.trace.stage import write_trace_artifact
 
-    run, result, cache = small_search
-    row = result.table.set_index("layout").loc[layout]
-    full = compose_run(SMALL + layout_overrides(row, cluster_for(run.hardware, 16).num_nodes))
-    from trainsim.profile.stage import write_profile_artifact
-
+    full = compose_run(run_overrides)
     write_trace_artifact(full.model, full.parallelism, full.keys, tmp_path / "trace")
     write_profile_artifact(full.hardware, full.keys, tmp_path / "trace", tmp_path / "db", tmp_path / "profile")
     summary = write_timeline_artifact(full.hardware, full.model, full.parallelism, full.keys,
                                       {"trace": tmp_path / "trace", "profile": tmp_path / "profile"}, tmp_path / "tl")
+    return summary, pd.read_parquet(tmp_path / "trace/memory.parquet")
+
+
+MOE_SMALL = ["hardware=a100-80g-dgx", "model=gpt-small", "model.num_experts=8", "model.moe_top_k=2",
+             "model.moe_first_dense_layers=1", "parallelism=dp2", "parallelism.global_batch_size=16"]
+MOE_SPACE = SearchSpace(micro_batch_sizes=(1,), schedules=("1f1b",), recompute=("none",), tp_sizes=(1, 2),
+                        zero_stages=(0, 1))
+
+
+@pytest.fixture(scope="module")
+def moe_search(tmp_path_factory):
+    run = compose_run(MOE_SMALL, check="layout")
+    workdir = tmp_path_factory.mktemp("moe-search")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(workdir)
+        yield run, search_layouts(run, 16, MOE_SPACE, jobs=1, cache=workdir / "slices")
+
+
+@pytest.mark.slow
+def test_search_enumerates_expert_parallelism_with_its_memory(moe_search):
+    """Every divisor of the expert count that folds into a stage is tried; tensor parallelism comes with sequence
+    parallelism (Megatron-Core requires it with experts); splitting the experts frees their memory."""
+    run, result = moe_search
+    table = result.table.set_index("layout")
+    assert set(table["ep"]) == {1, 2, 4, 8} and table[table["tp"] > 1]["sequence_parallel"].all()
+    assert (table[table["ep"] > 1]["dp"] * table[table["ep"] > 1]["tp"] % table[table["ep"] > 1]["ep"] == 0).all()
+    memory = table.loc[[f"dp8-tp2{ep}-pp1-mbs1-1f1b-v1-none-zero0" for ep in ("", "-ep2", "-ep4", "-ep8")],
+                       "peak_memory_gib"]
+    assert memory.is_monotonic_decreasing and memory.iloc[-1] < 0.8 * memory.iloc[0]
+    sharded = table.loc["dp8-tp2-ep4-pp1-mbs1-1f1b-v1-none-zero1", "peak_memory_gib"]
+    assert sharded < table.loc["dp8-tp2-ep4-pp1-mbs1-1f1b-v1-none-zero0", "peak_memory_gib"]
+    with pytest.raises(ConfigError, match="moe_routing='zipf:1.0'"):
+        search_layouts(compose_run([*MOE_SMALL, "model.moe_routing=zipf:1.0"], check="layout"), 16, MOE_SPACE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp4-tp1-ep4-pp2-mbs1-1f1b-v1-none-zero1",
+                                    "dp4-tp2-ep8-pp2-mbs1-1f1b-v1-none-zero0"])
+def test_fast_path_agrees_with_the_full_composer_on_experts(moe_search, layout, tmp_path):
+    """Token all-to-alls, grouped GEMMs at the layout's sizes, the dense first layer, expert gradients reduced
+    over the expert replicas and their states sharded there: the estimate follows the composed step."""
+    run, result = moe_search
+    row = result.table.set_index("layout").loc[layout]
+    summary, memory = _compose_fully(MOE_SMALL + layout_overrides(row, cluster_for(run.hardware, 16).num_nodes),
+                                     tmp_path)
     assert row["step_time_s"] == pytest.approx(summary["step_time_s"], rel=0.10)
-    memory = pd.read_parquet(tmp_path / "trace/memory.parquet")
-    # the fast path takes a stage's transient bytes from its 1- and 2-layer slices (one replica)
     assert row["peak_memory_gib"] * 2**30 == pytest.approx(memory["peak_bytes"].max(), rel=0.02)
-    assert summary["num_microbatches"] == row["num_microbatches"]
 
 
 @pytest.mark.slow
@@ -212,6 +262,13 @@ def test_fast_path_bounds_each_pass_by_host_dispatch():
     host = dataclasses.replace(hw, host_dispatch_s=1.0)  # every pass and the optimizer wait for the host
     host_bound = estimate_layout(costs, model, par, host, CommModel.from_hardware(host))
     assert host_bound.step_time_s == pytest.approx(m * layers * 30.0 + layers * 5.0)
+    # the host runs ahead of the device: a forward the host binds (2 s to issue, 1 s to run) lets the device
+    # catch up with the backward's issue (1 s) while that runs (3 s), so a micro-batch takes 4 s a layer, not 5
+    mixed = dataclasses.replace(costs, layer=dataclasses.replace(
+        layer, forward_s=1.0, backward_s=3.0, host_ops={"forward": 20, "backward": 10, "optimizer": 5}))
+    host = dataclasses.replace(hw, host_dispatch_s=0.1)
+    run_ahead = estimate_layout(mixed, model, par, host, CommModel.from_hardware(host))
+    assert run_ahead.step_time_s == pytest.approx((4 * m + 1) * layers + layers * 0.5)
 
 
 def test_fast_path_adds_the_noise_wait_before_each_tensor_parallel_collective():

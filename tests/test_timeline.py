@@ -26,6 +26,7 @@ from trainsim.timeline.chrome import chrome_trace
 from trainsim.timeline.engine import replay, replay_batched
 from trainsim.timeline.outputs import SUMMARY_FIELDS, breakdown, class_table, summary
 from trainsim.trace.schema import GRAPH_SCHEMA
+from trainsim.trace.tracer import tracer_code_digest
 from trainsim.workloads.layout import Layout
 from trainsim.workloads.schedules import pipeline_actions
 
@@ -392,7 +393,12 @@ def test_predict_builds_every_input_by_default_and_says_what_it_used(tmp_path, m
     assert any(w.startswith("collectives: no calibration") for w in quick.warnings)
     assert any(w.startswith("slowdown: no overlap-slowdown model") for w in quick.warnings)
 
-    full = trainsim.predict(*overrides)
+    trace = next(tmp_path.glob("artifacts/traces/*/*/manifest.json"))
+    made_by_old_code = json.loads(trace.read_text())
+    made_by_old_code["config"]["tracer_code"] = "an older tracer"
+    trace.write_text(json.dumps(made_by_old_code))
+    full = trainsim.predict(*overrides)  # traces again rather than reuse a trace of other code
+    assert json.loads(trace.read_text())["config"]["tracer_code"] == tracer_code_digest()
     assert "calibrated: artifacts/calibration/" in full.summary["models"]["comm"]
     assert full.summary["models"]["slowdown"] == "xgboost"
     assert full.warnings == [] and full.inputs == full.summary["inputs"]

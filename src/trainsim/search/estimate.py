@@ -4,8 +4,10 @@ Per stage and micro-batch, forward = layers x (layer compute + its tensor-parall
 block compute as in Megatron-LM) plus the embedding on the first stage and the head on the last; the
 same for backward. The pipeline schedule is then played out exactly: every stage runs its actions
 (`pipeline_actions`, the schedule the tracer and composer use) in order, a forward waits for the same
-micro-batch's forward on the previous virtual stage plus the P2P transfer, a backward for the next
-stage's backward. Data-parallel gradients are all-reduced in buckets that become ready during the
+micro-batch's forward on the previous virtual stage, a backward for the next stage's backward, and then
+for the P2P transfer, which starts only when the stage has posted its receive (a stage posts it when it
+reaches the action, as Megatron's blocking send/recv pairs do; NCCL moves a large message once both sides
+are posted). Data-parallel gradients are all-reduced in buckets that become ready during the
 stage's last backward and run back to back on the communication stream; the optimizer follows.
 With the distributed optimizer (zero_stage 1) the buckets are reduce-scattered, the optimizer updates 1/dp
 of the stage and its states take 1/dp of the memory, and the updated weights are all-gathered bucket by
@@ -18,8 +20,13 @@ gradients, Adam moments); the gathered bf16 weights of two layers (3: the one ru
 one) or of the whole stage (2: kept from forward to backward) and one layer's gradients are transient.
 Memory: model states plus activations of the forwards in flight, as the trace stage computes them.
 
-Host dispatch (hardware.host_dispatch_s): a pass takes at least its ops times the dispatch time (the
-composer lets the host run ahead across passes; here each pass is bounded on its own).
+Mixtures of experts: a layer also waits for its token dispatch and combine over the expert-parallel group
+(Megatron's all-to-all dispatcher, no overlap with the experts' compute), and the expert weights' share of a
+stage's gradients is reduced over the expert replicas (dp * cp * tp / ep ranks, their own stream), where the
+distributed optimizer also shards their states and update. Routing is balanced (every rank the same tokens).
+
+Host dispatch (hardware.host_dispatch_s): each stage's host issues its passes' ops back to back, running
+ahead of the device (as the composer's host model): a pass cannot end before its last op is issued.
 
 What the full composer adds and this does not: overlap slowdown of compute that runs beside the
 gradient all-reduce, op-level dependencies inside a pass, stragglers. benchmarks/sweep_speed.py prints
@@ -34,9 +41,9 @@ from dataclasses import dataclass
 from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size, nodes_spanned
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.search.slices import PartCost, SliceCosts
+from trainsim.search.slices import PART_NAMES, PartCost, SliceCosts
 from trainsim.trace.memory import memory_row
-from trainsim.workloads.layout import Layout
+from trainsim.workloads.layout import Layout, chunk_layers
 from trainsim.workloads.model import DTYPES
 from trainsim.workloads.schedules import pipeline_actions
 
@@ -49,7 +56,8 @@ class LayoutEstimate:
     exposed_dp_s: float
     optimizer_s: float
     tp_comm_s: float
-    """tensor-parallel collective time per step on the busiest stage (inside pipeline_s)"""
+    """the collectives layers wait for (tensor-, context- and expert-parallel), per step on the busiest stage
+    (inside pipeline_s)"""
     peak_memory_bytes: int
     oom: bool
 
@@ -78,27 +86,37 @@ def _context_parallel_seconds(counts: dict[str, int], comm: CommModel, cp: int, 
     return max(ring - attention_s, 0.0) + other
 
 
-def _chunk_parts(pp: int, v: int) -> dict[tuple[int, int], list[str]]:
-    """(stage, chunk) -> the end parts it carries: the embedding on virtual stage 0, the head on the last."""
-    parts = {(s, c): [] for s in range(pp) for c in range(v)}
-    parts[(0, 0)].append("first")
-    parts[(pp - 1, v - 1)].append("last")
+def _chunk_parts(model: ModelConfig, pp: int, v: int) -> dict[tuple[int, int], dict[str, int]]:
+    """(stage, chunk) -> how many of each part it runs: its layers (a mixture of experts' first dense layers
+    apart), the embedding on virtual stage 0, the head on the last."""
+    dense_layers = model.moe_first_dense_layers if model.num_experts else 0
+    parts = {}
+    for s in range(pp):
+        for c in range(v):
+            layers = chunk_layers(model.num_layers, pp, v, s, c)
+            dense = sum(layer < dense_layers for layer in layers)
+            parts[(s, c)] = {"layer": len(layers) - dense, "dense_layer": dense}
+    parts[(0, 0)]["first"] = 1
+    parts[(pp - 1, v - 1)]["last"] = 1
     return parts
 
 
 def play_pipeline(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, schedule: str,
-                  num_microbatches: int) -> tuple[list[float], list[float], list[float]]:
+                  num_microbatches: int, host_s: dict | None = None) -> tuple[list[float], list[float], list[float]]:
     """Per stage: end of its last action, start and duration of its last backward (for the DP overlap).
 
     forward_s / backward_s: (stage, chunk) -> seconds per micro-batch. Virtual stage of (s, c) is c*pp + s.
+    host_s: ("F" or "B", stage, chunk) -> seconds the host takes to issue the pass's ops. Each stage's host
+    issues its passes back to back from the start of the step, never waiting for the device (as the composer's
+    host_issue): a pass starts no earlier than its issue starts and ends no earlier than its issue ends.
     Past a few rounds of micro-batches the schedule is periodic (every further round of pp micro-batches
     shifts the end by the same time), so long pipelines are played for 2 pp and 3 pp micro-batches and
     extrapolated linearly; a test checks this against playing every micro-batch.
     """
     short, long = 2 * pp, 3 * pp
     if schedule == "gpipe" or num_microbatches <= long:  # GPipe's memory of m forwards is not periodic in m
-        return _play(forward_s, backward_s, p2p_s, pp, v, schedule, num_microbatches)
-    a, b = (_play(forward_s, backward_s, p2p_s, pp, v, schedule, m) for m in (short, long))
+        return _play(forward_s, backward_s, p2p_s, pp, v, schedule, num_microbatches, host_s)
+    a, b = (_play(forward_s, backward_s, p2p_s, pp, v, schedule, m, host_s) for m in (short, long))
     scale = (num_microbatches - long) / (long - short)
     ends = [e_b + (e_b - e_a) * scale for e_a, e_b in zip(a[0], b[0], strict=True)]
     starts = [s_b + (s_b - s_a) * scale for s_a, s_b in zip(a[1], b[1], strict=True)]
@@ -106,10 +124,10 @@ def play_pipeline(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: i
 
 
 def _play(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, schedule: str,
-          num_microbatches: int) -> tuple[list[float], list[float], list[float]]:
+          num_microbatches: int, host_s: dict | None = None) -> tuple[list[float], list[float], list[float]]:
     actions = [pipeline_actions(schedule, pp, s, num_microbatches, v) for s in range(pp)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
-    position, clock = [0] * pp, [0.0] * pp
+    position, clock, issued = [0] * pp, [0.0] * pp, [0.0] * pp
     last_backward = [(0.0, 0.0)] * pp
     last_virtual = pp * v - 1
     remaining = sum(len(a) for a in actions)
@@ -129,9 +147,12 @@ def _play(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, sche
                     duration = backward_s[(s, a.chunk)]
                 if dep is not None and dep not in done:
                     break
-                ready = 0.0 if dep is None else done[dep] + (p2p_s if dep[1] != virtual else 0.0)
-                start = max(clock[s], ready)
-                clock[s] = start + duration
+                if dep is None or dep[1] == virtual:
+                    start = max(clock[s], done.get(dep, 0.0), issued[s])
+                else:  # the transfer starts once the sender has sent and this stage posted its receive
+                    start = max(clock[s], done[dep], issued[s]) + p2p_s
+                issued[s] += host_s[(a.kind, s, a.chunk)] if host_s else 0.0
+                clock[s] = max(start + duration, issued[s])
                 done[(a.kind, virtual, a.microbatch)] = clock[s]
                 if a.kind == "B":
                     last_backward[s] = (start, duration)
@@ -143,15 +164,14 @@ def _play(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, sche
     return clock, [b[0] for b in last_backward], [b[1] for b in last_backward]
 
 
-def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chunk: int,
-                  par: ParallelismConfig) -> int:
+def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: ParallelismConfig) -> int:
     def total(field: str, chunk: int) -> int:
-        extra = sum(getattr(getattr(costs, p), field) for p in parts[(s, chunk)])
-        return layers_per_chunk * getattr(costs.layer, field) + extra
+        return sum(n * getattr(getattr(costs, p), field) for p, n in parts[(s, chunk)].items())
 
     states = {f: sum(total(f, c) for c in range(v)) for f in ("parameter_bytes", "gradient_bytes",
                                                                "optimizer_state_bytes")}
-    states["optimizer_state_bytes"] //= optimizer_shards(par)
+    expert = _expert_share(sum(total("expert_parameter_bytes", c) for c in range(v)), states["parameter_bytes"])
+    states["optimizer_state_bytes"] = int(states["optimizer_state_bytes"] * _optimizer_share(par, expert))
     gathered = 0
     if par.zero_stage >= 2:  # FSDP: 16 bytes per parameter sharded; gathered weights and gradients transient
         element = DTYPES[par.precision].itemsize
@@ -159,7 +179,7 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, layers_per_chu
         states = {"parameter_bytes": 4 * parameters // replicas, "gradient_bytes": 4 * parameters // replicas,
                   "optimizer_state_bytes": 8 * parameters // replicas}
         layer = costs.layer.parameter_bytes
-        weights = 2 * layer if par.zero_stage >= 3 else layers_per_chunk * v * layer
+        weights = 2 * layer if par.zero_stage >= 3 else sum(parts[(s, c)]["layer"] for c in range(v)) * layer
         gathered = weights + costs.layer.gradient_bytes * (1 + 4 // element)
     # the forwards in flight peak within the first 2 pp (+ v pp) actions, so 4 pp micro-batches show the peak
     # of any longer 1F1B pipeline; GPipe keeps all m in flight
@@ -186,15 +206,35 @@ def optimizer_shards(par: ParallelismConfig) -> int:
     return par.weight_replicas if par.zero_stage >= 1 else 1
 
 
+def expert_replicas(par: ParallelismConfig) -> int:
+    """Ranks holding the same experts (Megatron's expert data-parallel group: a stage's ranks over ep)."""
+    return par.dp * par.cp * par.tp // par.ep
+
+
+def expert_shards(par: ParallelismConfig) -> int:
+    """Over how many ranks the distributed optimizer splits the experts' states and update."""
+    return expert_replicas(par) if par.zero_stage >= 1 else 1
+
+
+def _expert_share(expert_bytes: float, parameter_bytes: float) -> float:
+    """Share of a stage's parameters (so of its gradients and optimizer states) that are expert weights."""
+    return expert_bytes / parameter_bytes if parameter_bytes else 0.0
+
+
+def _optimizer_share(par: ParallelismConfig, expert_share: float) -> float:
+    """Share of a stage's optimizer states (and of its update) one rank holds: the dense weights' split over
+    the model's replicas, the experts' over theirs."""
+    return (1 - expert_share) / optimizer_shards(par) + expert_share / expert_shards(par)
+
+
 def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig,
                     comm: CommModel, memory_only: bool = False) -> LayoutEstimate:
     """Fast step-time and memory estimate of one layout. Memory comes first: a layout that does not fit
     (or memory_only) is returned without timing (step fields NaN)."""
     pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
-    layout = Layout(par.dp, par.tp, par.pp, par.cp)
-    layers_per_chunk = model.num_layers // (pp * v)
-    parts = _chunk_parts(pp, v)
-    peak = max(_stage_memory(costs, parts, s, v, layers_per_chunk, par) for s in range(pp))
+    layout = Layout(par.dp, par.tp, par.pp, par.cp, par.ep)
+    parts = _chunk_parts(model, pp, v)
+    peak = max(_stage_memory(costs, parts, s, v, par) for s in range(pp))
     oom = bool(hw.memory_capacity_bytes) and peak > hw.memory_capacity_bytes
     if memory_only or oom:
         return LayoutEstimate(math.nan, math.nan, math.nan, math.nan, math.nan, peak, oom)
@@ -202,6 +242,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     domain = domain_size(hw)  # the collective model's node: an NVLink domain
     tp_nodes = nodes_spanned(layout.group_ranks(0, "tp"), hw)
     cp_nodes = nodes_spanned(layout.group_ranks(0, "cp"), hw)
+    ep_nodes = nodes_spanned(layout.group_ranks(0, "ep"), hw)
 
     def pass_seconds(part: PartCost, phase: str) -> tuple[float, float, float]:
         forward = phase == "F"
@@ -209,14 +250,16 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         counts = part.forward_collectives if forward else part.backward_collectives
         host = part.host_ops.get("forward" if forward else "backward", 0) * hw.host_dispatch_s
         comm_s = _collective_seconds(counts, comm, par.tp, tp_nodes, compute) if par.tp > 1 else 0.0
+        if par.ep > 1:  # token dispatch and combine: the layer waits for them (no overlap modelled)
+            comm_s += _collective_seconds(part.forward_ep if forward else part.backward_ep, comm, par.ep, ep_nodes,
+                                          compute)
         if par.cp > 1:
             comm_s += _context_parallel_seconds(part.forward_cp if forward else part.backward_cp, comm, par.cp,
                                                 cp_nodes, part.forward_attention_s if forward else
                                                 part.backward_attention_s)
         return compute, comm_s, host
 
-    per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in ("layer", "first",
-                                                                                                "last")}
+    per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in PART_NAMES}
     dp_nodes = nodes_spanned(layout.group_ranks(0, "dp"), hw)  # (FSDP; the buckets below: per stage)
     if par.zero_stage >= 2:  # FSDP: each part's compute beside its weights' gather and gradients' scatter
         for name, by_phase in per_part.items():
@@ -224,46 +267,48 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
             for phase, comm_s in (("F", gather_s), ("B", scatter_s + (gather_s if par.zero_stage >= 3 else 0.0))):
                 compute, collectives, host = by_phase[phase]
                 by_phase[phase] = (max(compute, comm_s - collectives), collectives, host)
-    forward, backward, tp_comm = {}, {}, [0.0] * pp
-    for (s, c), extra in parts.items():
+    forward, backward, host_s, tp_comm = {}, {}, {}, [0.0] * pp
+    for (s, c), counts in parts.items():
         for phase, table in (("F", forward), ("B", backward)):
-            compute, collectives, host = (layers_per_chunk * x for x in per_part["layer"][phase])
-            compute += sum(per_part[p][phase][0] for p in extra)
-            collectives += sum(per_part[p][phase][1] for p in extra)
-            host += sum(per_part[p][phase][2] for p in extra)
-            table[(s, c)] = max(compute + collectives, host)
+            compute, collectives, host = (sum(n * per_part[p][phase][i] for p, n in counts.items()) for i in range(3))
+            table[(s, c)], host_s[(phase, s, c)] = compute + collectives, host
             tp_comm[s] += collectives * m
     next_stage = layout.rank_of(0, 0, 1) if pp > 1 else 0
     p2p_s = comm.p2p_seconds(costs.p2p_message_bytes, same_node=next_stage // domain == 0) if pp > 1 else 0.0
-    ends, backward_start, backward_len = play_pipeline(forward, backward, p2p_s, pp, v, par.schedule, m)
+    ends, backward_start, backward_len = play_pipeline(forward, backward, p2p_s, pp, v, par.schedule, m, host_s)
 
     step = exposed_max = optimizer_max = 0.0
     for s in range(pp):
-        stage_parts = [costs.layer] * (layers_per_chunk * v) + [getattr(costs, p) for c in range(v)
-                                                                 for p in parts[(s, c)]]
-        grads = sum(part.gradient_bytes for part in stage_parts)
+        stage_parts = [(getattr(costs, p), n) for c in range(v) for p, n in parts[(s, c)].items()]
+        grads = sum(n * part.gradient_bytes for part, n in stage_parts)
+        expert = _expert_share(sum(n * part.expert_parameter_bytes for part, n in stage_parts),
+                               sum(n * part.parameter_bytes for part, n in stage_parts))
         end, gather_s = ends[s], 0.0
-        replicas = par.weight_replicas  # the gradient group
+        representative = layout.rank_of(0, 0, s)
         if par.zero_stage >= 2:  # the last part's reduce-scatter has no compute left beside it
             last_part = costs.first if s == 0 else costs.layer
             scatter_s = _fsdp_seconds(last_part, par, comm, dp_nodes)[1]
             exposed_max = max(exposed_max, scatter_s)
             end += scatter_s
-        elif replicas > 1 and grads > 0:
-            buckets = max(1, math.ceil(grads / par.dp_bucket_size_bytes))
-            dp_nodes = nodes_spanned(layout.group_ranks(layout.rank_of(0, 0, s), "dp"), hw)
+        # dense gradients over the model's replicas, expert gradients over the experts' (own stream each)
+        for group_bytes, replicas, kind in ((grads * (1 - expert), par.weight_replicas, "dp"),
+                                            (grads * expert, expert_replicas(par), "edp")):
+            if par.zero_stage >= 2 or replicas == 1 or group_bytes <= 0:
+                continue
+            buckets = max(1, math.ceil(group_bytes / par.dp_bucket_size_bytes))
+            bucket_bytes = math.ceil(group_bytes / buckets)
+            group_nodes = nodes_spanned(layout.group_ranks(representative, kind), hw)
             reduction = "reduce_scatter" if par.zero_stage >= 1 else "all_reduce"
-            bucket_s = comm.collective_seconds(reduction, math.ceil(grads / buckets), replicas, dp_nodes)
+            bucket_s = comm.collective_seconds(reduction, bucket_bytes, replicas, group_nodes)
             if par.zero_stage >= 1 and not par.overlap_param_gather:
-                gather_s = buckets * comm.collective_seconds("all_gather", math.ceil(grads / buckets), replicas,
-                                                             dp_nodes)
+                gather_s += buckets * comm.collective_seconds("all_gather", bucket_bytes, replicas, group_nodes)
             clock = backward_start[s]
             for i in range(buckets):  # bucket i is ready after (i+1)/buckets of the last backward
                 clock = max(clock, backward_start[s] + backward_len[s] * (i + 1) / buckets) + bucket_s
             exposed_max = max(exposed_max, max(clock - ends[s], 0.0))
             end = max(end, clock)
-        optimizer = sum(part.optimizer_s for part in stage_parts) / optimizer_shards(par)
-        optimizer_ops = sum(part.host_ops.get("optimizer", 0) for part in stage_parts)
+        optimizer = sum(n * part.optimizer_s for part, n in stage_parts) * _optimizer_share(par, expert)
+        optimizer_ops = sum(n * part.host_ops.get("optimizer", 0) for part, n in stage_parts)
         optimizer = max(optimizer, optimizer_ops * hw.host_dispatch_s) + gather_s
         optimizer_max = max(optimizer_max, optimizer)
         step = max(step, end + optimizer)

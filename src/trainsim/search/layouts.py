@@ -1,6 +1,8 @@
 """Enumerate the parallel layouts of a model on a GPU budget.
 
-A layout is (dp, tp, pp, micro-batch size, schedule with its virtual stages, recompute). World sizes are
+A layout is (dp, tp, pp, micro-batch size, schedule with its virtual stages, recompute), and for a mixture
+of experts its expert-parallel degree (folded over a stage's dp * cp * tp ranks; tensor parallelism then comes
+with sequence parallelism, as Megatron-Core requires). World sizes are
 the budget and its halvings down to one node, so the search can trade time for cost. Tensor
 parallelism stays inside a node (its collectives block compute on every layer, so nobody runs it
 across nodes). Layouts the model cannot be split into are dropped here with validate_layout's reason.
@@ -33,6 +35,8 @@ class SearchSpace:
     """context-parallel degrees to try (1: none; e.g. (1, 2, 4, 8) for long sequences)"""
     zero_stages: tuple[int, ...] = ()
     """state sharding to try (0 replicated, 1 distributed optimizer, 2/3 FSDP); empty: the base config's"""
+    ep_sizes: tuple[int, ...] = ()
+    """expert-parallel degrees to try for a mixture of experts; empty: every divisor of the expert count"""
 
     def __post_init__(self):
         for name, values, accepted in (("schedules", self.schedules, SCHEDULES),
@@ -44,9 +48,10 @@ class SearchSpace:
         if unknown:
             raise ConfigError(f"search space zero_stages={list(self.zero_stages)}: accepted values are "
                               f"{', '.join(map(str, ZERO_STAGES))}")
-        bad = [b for b in (*self.micro_batch_sizes, *self.virtual_stages, *self.tp_sizes, *self.cp_sizes) if b < 1]
+        bad = [b for b in (*self.micro_batch_sizes, *self.virtual_stages, *self.tp_sizes, *self.cp_sizes,
+                           *self.ep_sizes) if b < 1]
         if bad or not self.micro_batch_sizes or not self.cp_sizes:
-            raise ConfigError(f"search space: micro-batch sizes, virtual stages, tp and cp sizes must be >= 1, "
+            raise ConfigError(f"search space: micro-batch sizes, virtual stages, tp, cp and ep sizes must be >= 1, "
                               f"got {bad}")
 
 
@@ -67,18 +72,22 @@ def world_sizes(budget: int, hw: HardwareConfig, space: SearchSpace) -> list[int
 
 def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareConfig, budget: int,
                       space: SearchSpace) -> list[ParallelismConfig]:
-    """Every valid layout within the budget, in a stable order (world size, tp, cp, pp, mbs, schedule, recompute)."""
+    """Every valid layout within the budget, in a stable order (world size, tp, cp, pp, ep, mbs, schedule,
+    recompute)."""
     if budget < 1:
         raise ConfigError(f"GPU budget {budget} must be positive")
     heads = model.num_attention_heads
     tps = space.tp_sizes or tuple(t for t in _divisors(heads) if t <= hw.devices_per_node)
+    eps = (space.ep_sizes or tuple(_divisors(model.num_experts))) if model.num_experts else (1,)
     layouts = []
-    grid = [(world, tp, cp, pp) for world in world_sizes(budget, hw, space) for tp in tps for cp in space.cp_sizes
-            for pp in _divisors(model.num_layers) if world % (tp * cp * pp) == 0]
+    grid = [(world, tp, cp, pp, ep) for world in world_sizes(budget, hw, space) for tp in tps
+            for cp in space.cp_sizes for pp in _divisors(model.num_layers) for ep in eps
+            if world % (tp * cp * pp) == 0 and (world // pp) % ep == 0]
     sharding = [(z, f"-zero{z}" if space.zero_stages else "") for z in space.zero_stages or (base.zero_stage,)]
-    for world, tp, cp, pp in grid:
+    for world, tp, cp, pp, ep in grid:
         dp = world // (tp * cp * pp)
-        context = f"-cp{cp}" if cp > 1 else ""
+        context = (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
+        sequence_parallel = base.sequence_parallel or (model.num_experts > 0 and tp > 1)
         for mbs in space.micro_batch_sizes:
             for schedule in space.schedules:
                 for v in (space.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
@@ -87,7 +96,8 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
                             par = dataclasses.replace(
                                 base, name=f"dp{dp}-tp{tp}{context}-pp{pp}-mbs{mbs}-{schedule}-v{v}-{recompute}"
                                            f"{zero_name}",
-                                dp=dp, tp=tp, cp=cp, pp=pp, micro_batch_size=mbs, schedule=schedule,
+                                dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
+                                micro_batch_size=mbs, schedule=schedule,
                                 virtual_stages=v, recompute=recompute, zero_stage=zero,
                                 first_stage_layers=0, last_stage_layers=0,
                                 overlap_param_gather=base.overlap_param_gather and zero == 1)

@@ -65,7 +65,7 @@ def load_slice_costs(model: ModelConfig, layouts: list[ParallelismConfig], hw: H
     (an edited config file keeps its key) and the tracer's code; slices made under others are not reused."""
     started, costs = time.perf_counter(), {}
     node = dataclasses.asdict(dataclasses.replace(hw, num_nodes=1))
-    content = stable_hash([node, dataclasses.asdict(model), tracer_code_digest()])
+    content = stable_hash([node, dataclasses.asdict(model), tracer_code_digest(), SliceCosts.format_digest()])
     directory = Path(cache) / keys["hardware"] / keys["model"] / content
     database = Path(STAGES["profile"].database_path(keys))  # the profile stage's: nothing is timed twice
     for par in layouts:
@@ -101,6 +101,7 @@ def _evaluate(par: ParallelismConfig) -> dict:
     w = _WORKER
     est = estimate_layout(w["costs"][slice_key(par)], w["model"], par, w["hw"], w["comm"])
     row = {"layout": par.name, "world_size": par.world_size, "dp": par.dp, "tp": par.tp, "cp": par.cp, "pp": par.pp,
+           "ep": par.ep, "sequence_parallel": par.sequence_parallel, "zero_stage": par.zero_stage,
            "micro_batch_size": par.micro_batch_size, "num_microbatches": par.num_microbatches,
            "schedule": par.schedule, "virtual_stages": par.virtual_stages, "recompute": par.recompute,
            "peak_memory_gib": est.peak_memory_bytes / 2**30}
@@ -146,10 +147,10 @@ def evaluate_layouts(layouts: list[ParallelismConfig], costs: dict[str, SliceCos
 def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, jobs: int = 1,
                    calibration_dir: Path | None = None, cache: Path = SLICE_CACHE) -> SearchResult:
     """The whole search for `run`'s model on `run`'s hardware with `budget` GPUs."""
-    if run.model.num_experts:  # the fast path's per-layer slices and estimate have no experts yet
-        raise ConfigError(f"the layout search does not model mixtures of experts yet: model '{run.model.name}' has "
-                          f"model.num_experts={run.model.num_experts}; compose each layout with `trainsim compose` "
-                          "(parallelism.ep, moe_token_dispatcher) instead")
+    if run.model.num_experts and run.model.moe_routing != "balanced":  # one slice stands for every rank
+        raise ConfigError(f"the layout search estimates balanced routing, but model.moe_routing="
+                          f"'{run.model.moe_routing}'; search with model.moe_routing=balanced, then compose the chosen "
+                          "layouts with the skewed routing (`snakemake --config sweep_file=...` on the sweep file)")
     space = space or SearchSpace()
     hw = cluster_for(run.hardware, budget)
     layouts = enumerate_layouts(run.model, run.parallelism, hw, budget, space)
@@ -173,7 +174,9 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
 def layout_overrides(row: pd.Series, num_nodes: int) -> list[str]:
     """Hydra overrides that reproduce one searched layout in the full pipeline."""
     return [f"parallelism.dp={row.dp}", f"parallelism.tp={row.tp}", f"parallelism.cp={row.cp}",
-            f"parallelism.pp={row.pp}",
+            f"parallelism.pp={row.pp}", f"parallelism.ep={row.ep}",
+            f"parallelism.sequence_parallel={str(bool(row.sequence_parallel)).lower()}",
+            f"parallelism.zero_stage={row.zero_stage}",
             f"parallelism.micro_batch_size={row.micro_batch_size}", f"parallelism.schedule={row.schedule}",
             f"parallelism.virtual_stages={row.virtual_stages}", f"parallelism.recompute={row.recompute}",
             f"hardware.num_nodes={num_nodes}"]

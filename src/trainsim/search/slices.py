@@ -12,12 +12,20 @@ through the hardware's profile database (nothing is timed twice), and take diffe
 Each part keeps its forward, backward and optimizer compute seconds, its tensor-parallel collectives per
 micro-batch (priced later by the communication model, since their cost depends on the hardware only),
 and its memory (parameters, gradients, optimizer states, activations saved per micro-batch).
+
+A mixture of experts' layer is traced with the layout's expert parallelism (the slice gets the fewest
+data-parallel ranks that fold into ep groups), so its token all-to-alls and grouped GEMMs have the layout's
+sizes; its expert weights are counted apart, since their gradients and optimizer states are split over the
+expert replicas, not the model's. The dense layers a model starts with (model.moe_first_dense_layers) are a
+part of their own, from two more slices of the model without experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +36,11 @@ from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfi
 from trainsim.profile.database import ProfileDatabase
 from trainsim.profile.stage import distinct_ops, profile_ops
 from trainsim.what_if import scaled_compute_times
+from trainsim.workloads.model import DTYPES
 
-PART_NAMES = ("layer", "first", "last")
-MEMORY_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes")
+PART_NAMES = ("layer", "first", "last", "dense_layer")
+MEMORY_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes",
+                 "expert_parameter_bytes")
 
 
 @dataclass
@@ -48,6 +58,9 @@ class PartCost:
     """'collective:message_bytes' -> count, context-parallel communication in the forward pass (ring sends,
     all-gathers, reduce-scatters)"""
     backward_cp: dict[str, int] = field(default_factory=dict)
+    forward_ep: dict[str, int] = field(default_factory=dict)
+    """'collective:message_bytes' -> count, expert-parallel token dispatch and combine in the forward pass"""
+    backward_ep: dict[str, int] = field(default_factory=dict)
     forward_attention_s: float = 0.0
     """the attention kernels' time, which the context-parallel ring's sends run beside"""
     backward_attention_s: float = 0.0
@@ -56,6 +69,8 @@ class PartCost:
     optimizer_state_bytes: int = 0
     activation_bytes: int = 0
     """saved for the backward pass, per micro-batch"""
+    expert_parameter_bytes: int = 0
+    """the part of parameter_bytes that is expert weights (their gradients and states go with them)"""
     host_ops: dict[str, int] = field(default_factory=dict)
     """phase -> ops the host dispatches (kernels, no-kernel ops, collectives), for hardware.host_dispatch_s"""
 
@@ -71,6 +86,8 @@ class PartCost:
             backward_collectives=counts(self.backward_collectives, other.backward_collectives),
             forward_cp=counts(self.forward_cp, other.forward_cp),
             backward_cp=counts(self.backward_cp, other.backward_cp),
+            forward_ep=counts(self.forward_ep, other.forward_ep),
+            backward_ep=counts(self.backward_ep, other.backward_ep),
             forward_attention_s=max(self.forward_attention_s - other.forward_attention_s, 0.0),
             backward_attention_s=max(self.backward_attention_s - other.backward_attention_s, 0.0),
             host_ops=counts(self.host_ops, other.host_ops),
@@ -91,9 +108,16 @@ class SliceCosts:
     (trace/memory.py): a stage without the output layer"""
     last_transient_bytes: int
     """the same for the stage with the output layer and the loss (their logits-sized temporaries)"""
+    dense_layer: PartCost = field(default_factory=PartCost)
+    """a dense layer of a mixture of experts (model.moe_first_dense_layers); empty for other models"""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def format_digest() -> str:
+        """Hash of this module: slice files written by other code (other fields, other parts) are not read."""
+        return hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:16]
 
     @classmethod
     def from_json(cls, text: str) -> SliceCosts:
@@ -105,11 +129,12 @@ class SliceCosts:
 
 def slice_key(par: ParallelismConfig) -> str:
     """The parallelism fields a slice depends on (dp, pp, schedule, batch and the optimizer's sharding do not
-    change a layer: slices are traced with one replica and estimate.py shards the optimizer)."""
+    change a layer: slices are traced with the fewest replicas and estimate.py shards the optimizer)."""
     sp = "-sp" + ("-overlap" if par.tp_comm_overlap else "") if par.sequence_parallel and par.tp > 1 else ""
     precision = f"fp8-{par.fp8_recipe}" if par.precision == "fp8" else par.precision
     context = f"-cp{par.cp}-{par.cp_comm_type}" if par.cp > 1 else ""
-    return f"tp{par.tp}{sp}{context}-mbs{par.micro_batch_size}-{par.recompute}-{precision}"
+    experts = f"-ep{par.ep}-{par.moe_token_dispatcher}" if par.ep > 1 else ""
+    return f"tp{par.tp}{sp}{context}{experts}-mbs{par.micro_batch_size}-{par.recompute}-{precision}"
 
 
 def _comm_counts(events: pd.DataFrame, phase: str) -> dict[str, int]:
@@ -118,7 +143,8 @@ def _comm_counts(events: pd.DataFrame, phase: str) -> dict[str, int]:
     return dict(Counter(events["collective"] + ":" + events["message_bytes"].astype(str)))
 
 
-def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series) -> PartCost:
+def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series,
+                expert_parameter_bytes: int = 0) -> PartCost:
     compute = graph[(graph["kind"] == "compute") & ~graph["no_kernel"]]
     seconds = compute["signature"].map(times).groupby(compute["phase"]).sum()
     attention = compute[compute["op"].str.contains("scaled_dot_product")]
@@ -126,47 +152,73 @@ def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series)
     per_microbatch = graph[graph["per_microbatch"]]
     tp = per_microbatch[(per_microbatch["kind"] == "collective") & (per_microbatch["group_kind"] == "tp")]
     cp = per_microbatch[(per_microbatch["group_kind"] == "cp") & (per_microbatch["collective"] != "recv")]
+    ep = per_microbatch[(per_microbatch["kind"] == "collective") & (per_microbatch["group_kind"] == "ep")]
     return PartCost(
         forward_s=float(seconds.get("forward", 0.0)), backward_s=float(seconds.get("backward", 0.0)),
         optimizer_s=float(seconds.get("optimizer", 0.0)),
         forward_collectives=_comm_counts(tp, "forward"), backward_collectives=_comm_counts(tp, "backward"),
         forward_cp=_comm_counts(cp, "forward"), backward_cp=_comm_counts(cp, "backward"),
+        forward_ep=_comm_counts(ep, "forward"), backward_ep=_comm_counts(ep, "backward"),
         forward_attention_s=float(attention_s.get("forward", 0.0)),
         backward_attention_s=float(attention_s.get("backward", 0.0)),
         parameter_bytes=int(memory["parameter_bytes"]), gradient_bytes=int(memory["gradient_bytes"]),
         optimizer_state_bytes=int(memory["optimizer_state_bytes"]),
         activation_bytes=int(memory["activation_bytes_per_microbatch"]),
+        expert_parameter_bytes=expert_parameter_bytes,
         host_ops={str(k): int(v) for k, v in graph.groupby("phase").size().items()})
 
 
 def _trace_slice(model: ModelConfig, par: ParallelismConfig, layers_per_stage: int):
+    """A 2-stage slice of the model with `layers_per_stage` layers per stage, on the fewest data-parallel ranks
+    the layout's expert groups fold into (one without experts)."""
     from trainsim.trace.tracer import trace_layout  # torch: only when a slice is actually traced
 
     sliced_model = dataclasses.replace(model, num_layers=2 * layers_per_stage)
-    sliced_par = dataclasses.replace(par, dp=1, pp=2, virtual_stages=1, schedule="1f1b",
-                                     global_batch_size=par.micro_batch_size, zero_stage=0, overlap_param_gather=False)
+    dp = par.ep // math.gcd(par.ep, par.tp * par.cp)
+    sliced_par = dataclasses.replace(par, dp=dp, pp=2, virtual_stages=1, schedule="1f1b",
+                                     global_batch_size=par.micro_batch_size * dp, zero_stage=0,
+                                     overlap_param_gather=False, first_stage_layers=0, last_stage_layers=0)
     result = trace_layout(sliced_model, sliced_par)
     return result.graph.to_pandas(), result.memory.to_pandas().set_index("rank_class")
 
 
-def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, hardware_key: str,
-                        database: Path) -> SliceCosts:
-    """Trace the two slices, profile their ops into `database`, and split them into parts."""
+def _layer_parts(model: ModelConfig, par: ParallelismConfig, times_of) -> tuple[PartCost, PartCost, PartCost, int,
+                                                                            int, int]:
+    """(layer, first, last, p2p bytes, first and last transient bytes) of `model` from its two slices;
+    `times_of(ops)` profiles the ops of both slices."""
+    from trainsim.workloads.moe import expert_parameters
+
     one, one_memory = _trace_slice(model, par, 1)
     two, two_memory = _trace_slice(model, par, 2)
-    ops = distinct_ops(pd.concat([one, two], ignore_index=True))
-    rows, _ = profile_ops(ops, hw, hardware_key, ProfileDatabase(database))
-    times = scaled_compute_times(dict(zip(rows["signature"], rows["median_s"].astype(float))), ops, hw)
+    times = times_of(distinct_ops(pd.concat([one, two], ignore_index=True)))
+    per_layer = expert_parameters(model, par.ep) * DTYPES[par.precision].itemsize if model.num_experts else 0
 
-    def stage(graph, memory, cls):
-        return _stage_cost(graph[graph["rank_class"] == cls], times, memory.loc[cls])
+    def stage(graph, memory, cls, layers):
+        return _stage_cost(graph[graph["rank_class"] == cls], times, memory.loc[cls], layers * per_layer)
 
-    first_one, last_one, first_two = stage(one, one_memory, 0), stage(one, one_memory, 1), stage(two, two_memory, 0)
+    first_one, last_one, first_two = stage(one, one_memory, 0, 1), stage(one, one_memory, 1, 1), \
+        stage(two, two_memory, 0, 2)
     layer = first_two.minus(first_one)
     sends = one[(one["group_kind"] == "pp") & (one["collective"] == "send")]["message_bytes"]
-    return SliceCosts(layer=layer, first=first_one.minus(layer), last=last_one.minus(layer),
-                      p2p_message_bytes=int(sends.max()) if len(sends) else 0,
-                      first_transient_bytes=int(max(one_memory.loc[0, "transient_bytes"],
-                                                    two_memory.loc[0, "transient_bytes"])),
-                      last_transient_bytes=int(max(one_memory.loc[1, "transient_bytes"],
-                                                   two_memory.loc[1, "transient_bytes"])))
+    transient = [int(max(one_memory.loc[c, "transient_bytes"], two_memory.loc[c, "transient_bytes"]))
+                 for c in (0, 1)]
+    return (layer, first_one.minus(layer), last_one.minus(layer), int(sends.max()) if len(sends) else 0,
+            *transient)
+
+
+def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, hardware_key: str,
+                        database: Path) -> SliceCosts:
+    """Trace the slices, profile their ops into `database`, and split them into parts."""
+    def times_of(ops: pd.DataFrame) -> dict[str, float]:
+        rows, _ = profile_ops(ops, hw, hardware_key, ProfileDatabase(database))
+        return scaled_compute_times(dict(zip(rows["signature"], rows["median_s"].astype(float))), ops, hw)
+
+    moe_only = dataclasses.replace(model, moe_first_dense_layers=0)
+    layer, first, last, p2p_bytes, first_transient, last_transient = _layer_parts(moe_only, par, times_of)
+    dense_layer = PartCost()
+    if model.num_experts and model.moe_first_dense_layers:
+        dense = dataclasses.replace(model, num_experts=0, moe_first_dense_layers=0)
+        dense_layer = _layer_parts(dense, dataclasses.replace(par, ep=1), times_of)[0]
+    return SliceCosts(layer=layer, first=first, last=last, p2p_message_bytes=p2p_bytes,
+                      first_transient_bytes=first_transient, last_transient_bytes=last_transient,
+                      dense_layer=dense_layer)

@@ -126,6 +126,7 @@ def compose_run_artifacts(run, output: Path | None = None, build_missing: bool =
     from trainsim.slowdown.stage import write_dataset_artifact, write_model_artifact
     from trainsim.slowdown.train import SCHEMA_VERSION as SLOWDOWN_SCHEMA_VERSION
     from trainsim.trace.stage import write_trace_artifact
+    from trainsim.trace.tracer import tracer_code_digest
 
     keys, hw = run.keys, run.hardware
     paths = {name: Path(stage.path(keys)) for name, stage in STAGES.items()}
@@ -138,9 +139,15 @@ def compose_run_artifacts(run, output: Path | None = None, build_missing: bool =
         schema = paths["slowdown_model"] / "schema.json"
         return schema.is_file() and json.loads(schema.read_text()).get("schema_version") != SLOWDOWN_SCHEMA_VERSION
 
-    if missing("trace"):
+    def outdated_trace() -> bool:
+        """A trace made by other tracer or workload code (before an upgrade) is traced again, not reused."""
+        manifest = paths["trace"] / "manifest.json"
+        return json.loads(manifest.read_text())["config"].get("tracer_code") != tracer_code_digest()
+
+    retrace = missing("trace") or outdated_trace()
+    if retrace:
         write_trace_artifact(run.model, run.parallelism, keys, paths["trace"])
-    if missing("profile"):
+    if retrace or missing("profile"):
         write_profile_artifact(hw, keys, paths["trace"], Path(STAGES["profile"].database_path(keys)), paths["profile"])
     if build_missing and missing("calibration"):
         write_calibration_artifact(hw, keys, paths["calibration"])

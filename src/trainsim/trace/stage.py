@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from trainsim.artifacts import atomic_artifact
 from trainsim.config.schema import ModelConfig, ParallelismConfig
-from trainsim.trace.tracer import TraceResult, trace_layout
+from trainsim.trace.tracer import TraceResult, trace_layout, tracer_code_digest
 
 GRAPH_FILE = "graph.parquet"
 RANK_CLASSES_FILE = "rank_classes.parquet"
@@ -18,7 +18,9 @@ MEMORY_FILE = "memory.parquet"
 
 def write_trace_artifact(model: ModelConfig, par: ParallelismConfig, keys: dict[str, str], output: Path,
                          progress=None) -> TraceResult:
-    config = {"model": dataclasses.asdict(model), "parallelism": dataclasses.asdict(par)}
+    # the tracer's code is part of what the trace depends on: `trainsim compose` traces again after an upgrade
+    config = {"model": dataclasses.asdict(model), "parallelism": dataclasses.asdict(par),
+              "tracer_code": tracer_code_digest()}
     with atomic_artifact(output, stage="trace", config=config, config_keys=keys) as tmp:
         result = trace_layout(model, par, progress=progress)
         pq.write_table(result.graph, tmp / GRAPH_FILE)

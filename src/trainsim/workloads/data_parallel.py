@@ -122,7 +122,7 @@ class GradientBuckets:
                 buffer.div_(self.average_over)  # average (gloo has no AVG reduction; DDP divides before too)
                 if self.dp == 1:
                     return
-                with observer().communication():
+                with observer().communication(async_op=True):  # waited for in finish(), before the optimizer
                     if self.shard:
                         work = reduce_scatter_flat(self._my_slice(buffer), buffer, group=self.group,
                                                           async_op=True)

@@ -115,6 +115,18 @@ def _regroup(x: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
     return _Regroup.apply(x, torch.tensor(order, device=x.device), torch.tensor(np.argsort(order), device=x.device))
 
 
+def expert_weight_shapes(cfg: ModelConfig, local_experts: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Shapes of a rank's grouped expert weights in one MoE layer: w1 (up; gate and up with SwiGLU), w2 (down)."""
+    ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    up = 2 * ffn if cfg.family == "llama" else ffn
+    return (local_experts, cfg.hidden_size, up), (local_experts, ffn, cfg.hidden_size)
+
+
+def expert_parameters(cfg: ModelConfig, ep: int) -> int:
+    """Expert weights one rank holds per MoE layer (the rest of the layer is replicated over the expert groups)."""
+    return sum(math.prod(shape) for shape in expert_weight_shapes(cfg, cfg.num_experts // ep))
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ep: ExpertParallel, dtype: torch.dtype, loss_scale: float,
                  sequence_parallel: bool, shared_expert: nn.Module | None):
@@ -125,13 +137,11 @@ class MoE(nn.Module):
         self.sigmoid = cfg.moe_router == "sigmoid"
         self.capacity_factor, self.aux_coeff = cfg.moe_capacity_factor, cfg.moe_aux_loss_coeff
         self.swiglu = cfg.family == "llama"
-        ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size
-        up = 2 * ffn if self.swiglu else ffn
-        h = cfg.hidden_size
-        self.router = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=dtype))
+        self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype))
         self.router.sequence_parallel = sequence_parallel  # each tp rank routes its own tokens: partial gradients
-        self.w1 = nn.Parameter(torch.empty(self.local_experts, h, up, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(self.local_experts, ffn, h, dtype=dtype))
+        w1, w2 = expert_weight_shapes(cfg, self.local_experts)
+        self.w1 = nn.Parameter(torch.empty(w1, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(w2, dtype=dtype))
         for weight in (self.router, self.w1, self.w2):
             nn.init.normal_(weight, std=0.02)
         self.w1.expert = self.w2.expert = True
