@@ -122,8 +122,9 @@ def _compose_fully(run_overrides: list[str], tmp_path):
     return summary, pd.read_parquet(tmp_path / "trace/memory.parquet")
 
 
-MOE_SMALL = ["hardware=a100-80g-dgx", "model=gpt-small", "model.num_experts=8", "model.moe_top_k=2",
-             "model.moe_first_dense_layers=1", "parallelism=dp2", "parallelism.global_batch_size=16"]
+MOE_SMALL = ["hardware=a100-80g-dgx", "model=gpt-small", "model.num_layers=11", "model.num_experts=8",
+             "model.moe_top_k=2", "model.moe_first_dense_layers=1", "parallelism=dp2",
+             "parallelism.global_batch_size=16"]
 MOE_SPACE = SearchSpace(micro_batch_sizes=(1,), schedules=("1f1b",), recompute=("none",), tp_sizes=(1, 2),
                         zero_stages=(0, 1))
 
@@ -155,11 +156,12 @@ def test_search_enumerates_expert_parallelism_with_its_memory(moe_search):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dp4-tp1-ep4-pp2-mbs1-1f1b-v1-none-zero1",
-                                    "dp4-tp2-ep8-pp2-mbs1-1f1b-v1-none-zero0"])
+@pytest.mark.parametrize("layout", ["dp4-tp1-ep4-pp2-last5-mbs1-1f1b-v1-none-zero0",
+                                    "dp8-tp2-ep8-pp1-mbs1-1f1b-v1-none-zero1"])
 def test_fast_path_agrees_with_the_full_composer_on_experts(moe_search, layout, tmp_path):
     """Token all-to-alls, grouped GEMMs at the layout's sizes, the dense first layer, expert gradients reduced
-    over the expert replicas and their states sharded there: the estimate follows the composed step."""
+    over the expert replicas and their states sharded there, 11 layers as 6 + 5: the estimate follows the
+    composed step."""
     run, result = moe_search
     row = result.table.set_index("layout").loc[layout]
     summary, memory = _compose_fully(MOE_SMALL + layout_overrides(row, cluster_for(run.hardware, 16).num_nodes),
@@ -183,6 +185,22 @@ def test_search_artifact_page_and_sweep_file(small_search, tmp_path):
         rendered = render_report(tmp_path / "search/search.html")
         assert broken_elements(rendered, SECTIONS) == []
         assert "pareto-figure" in {img["id"] for img in rendered["images"]}
+
+
+def test_pipeline_depths_that_do_not_divide_the_layers_get_lighter_end_stages():
+    """DeepSeek-V3's 61 layers: its own 16 stages of 4 layers with 1 on the last are searched, as a run would
+    configure them (first/last_stage_layers); interleaving needs an even split, so it is not tried there."""
+    run = compose_run(["hardware=h800-dgx", "model=deepseek-v3", "parallelism=ep64-pp16-dp128"], check="layout")
+    space = SearchSpace(micro_batch_sizes=(1,), recompute=("none",), tp_sizes=(1,), ep_sizes=(64,),
+                        min_world_size=2048)
+    layouts = {p.name: p for p in enumerate_layouts(run.model, run.parallelism, cluster_for(run.hardware, 2048),
+                                                    2048, space)}
+    own = layouts["dp128-tp1-ep64-pp16-last1-mbs1-1f1b-v1-none"]
+    assert (own.first_stage_layers, own.last_stage_layers) == (0, 1)
+    # pp 1: 2,048 replicas do not divide the batch of 15,360; pp 32: 61 layers cannot be 2 per stage less 1 at each end
+    assert {p.pp for p in layouts.values()} == {2, 4, 8, 16}
+    assert not any(p.last_stage_layers and p.schedule == "interleaved-1f1b" for p in layouts.values())
+    assert all(p.last_stage_layers for p in layouts.values() if p.pp > 1)  # 61 is prime
 
 
 def test_oom_layouts_are_screened_before_timing(tmp_path, monkeypatch):
@@ -254,7 +272,7 @@ def test_fast_path_bounds_each_pass_by_host_dispatch():
     layer = PartCost(forward_s=1.0, backward_s=2.0, optimizer_s=0.1,
                      host_ops={"forward": 10, "backward": 20, "optimizer": 5})
     costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0,
-                       first_transient_bytes=0, last_transient_bytes=0)
+                       first_transient_bytes=[0, 0], last_transient_bytes=[0, 0])
     hw = dataclasses.replace(run.hardware, memory_capacity_bytes=0)
     m, layers = par.num_microbatches, model.num_layers
     device_bound = estimate_layout(costs, model, par, hw, CommModel.from_hardware(hw))

@@ -86,14 +86,15 @@ def _context_parallel_seconds(counts: dict[str, int], comm: CommModel, cp: int, 
     return max(ring - attention_s, 0.0) + other
 
 
-def _chunk_parts(model: ModelConfig, pp: int, v: int) -> dict[tuple[int, int], dict[str, int]]:
+def _chunk_parts(model: ModelConfig, par: ParallelismConfig) -> dict[tuple[int, int], dict[str, int]]:
     """(stage, chunk) -> how many of each part it runs: its layers (a mixture of experts' first dense layers
     apart), the embedding on virtual stage 0, the head on the last."""
     dense_layers = model.moe_first_dense_layers if model.num_experts else 0
+    pp, v = par.pp, par.virtual_stages
     parts = {}
     for s in range(pp):
         for c in range(v):
-            layers = chunk_layers(model.num_layers, pp, v, s, c)
+            layers = chunk_layers(model.num_layers, pp, v, s, c, par.first_stage_layers, par.last_stage_layers)
             dense = sum(layer < dense_layers for layer in layers)
             parts[(s, c)] = {"layer": len(layers) - dense, "dense_layer": dense}
     parts[(0, 0)]["first"] = 1
@@ -185,7 +186,9 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: Paralleli
     # of any longer 1F1B pipeline; GPipe keeps all m in flight
     m = par.num_microbatches if par.schedule == "gpipe" else min(par.num_microbatches, 4 * par.pp)
     holds_loss = any("last" in parts[(s, c)] for c in range(v))
-    transient = max(costs.first_transient_bytes, costs.last_transient_bytes if holds_loss else 0) + gathered
+    depth = min(sum(parts[(s, c)]["layer"] + parts[(s, c)]["dense_layer"] for c in range(v)), 2) - 1
+    transient = max(costs.first_transient_bytes[depth], costs.last_transient_bytes[depth] if holds_loss else 0) \
+        + gathered
     row = memory_row(s, **states, saved_bytes_per_chunk={c: total("activation_bytes", c) for c in range(v)},
                      actions=pipeline_actions(par.schedule, par.pp, s, m, v), transient_bytes=transient)
     return int(row["peak_bytes"])
@@ -233,7 +236,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     (or memory_only) is returned without timing (step fields NaN)."""
     pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
     layout = Layout(par.dp, par.tp, par.pp, par.cp, par.ep)
-    parts = _chunk_parts(model, pp, v)
+    parts = _chunk_parts(model, par)
     peak = max(_stage_memory(costs, parts, s, v, par) for s in range(pp))
     oom = bool(hw.memory_capacity_bytes) and peak > hw.memory_capacity_bytes
     if memory_only or oom:

@@ -2,7 +2,8 @@
 
 A layout is (dp, tp, pp, micro-batch size, schedule with its virtual stages, recompute), and for a mixture
 of experts its expert-parallel degree (folded over a stage's dp * cp * tp ranks; tensor parallelism then comes
-with sequence parallelism, as Megatron-Core requires). World sizes are
+with sequence parallelism, as Megatron-Core requires). Pipeline depths that do not divide the layers get
+lighter end stages (first/last_stage_layers; DeepSeek-V3's 61 layers as 4 per stage, 1 on the last). World sizes are
 the budget and its halvings down to one node, so the search can trade time for cost. Tensor
 parallelism stays inside a node (its collectives block compute on every layer, so nobody runs it
 across nodes). Layouts the model cannot be split into are dropped here with validate_layout's reason.
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.config.validate import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, validate_layout
 from trainsim.errors import ConfigError
+from trainsim.workloads.layout import lighter_end_stages
 
 
 @dataclass(frozen=True)
@@ -80,26 +82,33 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
     tps = space.tp_sizes or tuple(t for t in _divisors(heads) if t <= hw.devices_per_node)
     eps = (space.ep_sizes or tuple(_divisors(model.num_experts))) if model.num_experts else (1,)
     layouts = []
+    # pipeline depths: the even splits of the layers, and the others with lighter end stages (lighter_end_stages)
+    splits = {pp: (0, 0) if model.num_layers % pp == 0 else lighter_end_stages(model.num_layers, pp)
+              for pp in range(1, model.num_layers + 1)}
     grid = [(world, tp, cp, pp, ep) for world in world_sizes(budget, hw, space) for tp in tps
-            for cp in space.cp_sizes for pp in _divisors(model.num_layers) for ep in eps
-            if world % (tp * cp * pp) == 0 and (world // pp) % ep == 0]
+            for cp in space.cp_sizes for pp, split in splits.items() for ep in eps
+            if split is not None and world % (tp * cp * pp) == 0 and (world // pp) % ep == 0]
     sharding = [(z, f"-zero{z}" if space.zero_stages else "") for z in space.zero_stages or (base.zero_stage,)]
     for world, tp, cp, pp, ep in grid:
         dp = world // (tp * cp * pp)
         context = (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
+        first, last = splits[pp]
+        stages = f"pp{pp}" + (f"-first{first}" if first else "") + (f"-last{last}" if last else "")
         sequence_parallel = base.sequence_parallel or (model.num_experts > 0 and tp > 1)
         for mbs in space.micro_batch_sizes:
             for schedule in space.schedules:
+                if last and schedule == "interleaved-1f1b":  # an uneven split has one chunk per stage
+                    continue
                 for v in (space.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
                     for recompute in space.recompute:
                         for zero, zero_name in sharding:
                             par = dataclasses.replace(
-                                base, name=f"dp{dp}-tp{tp}{context}-pp{pp}-mbs{mbs}-{schedule}-v{v}-{recompute}"
+                                base, name=f"dp{dp}-tp{tp}{context}-{stages}-mbs{mbs}-{schedule}-v{v}-{recompute}"
                                            f"{zero_name}",
                                 dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
                                 micro_batch_size=mbs, schedule=schedule,
                                 virtual_stages=v, recompute=recompute, zero_stage=zero,
-                                first_stage_layers=0, last_stage_layers=0,
+                                first_stage_layers=first, last_stage_layers=last,
                                 overlap_param_gather=base.overlap_param_gather and zero == 1)
                             try:
                                 validate_layout(model, par)

@@ -38,6 +38,20 @@ def stage_layer_counts(num_layers: int, pp: int, first: int = 0, last: int = 0) 
     return [fixed.get(stage, rest // others if others else 0) for stage in range(pp)]
 
 
+def lighter_end_stages(num_layers: int, pp: int) -> tuple[int, int] | None:
+    """(first_stage_layers, last_stage_layers) for `pp` stages when `num_layers` does not split evenly: the other
+    stages take ceil(num_layers / pp) and the shortfall comes off the last stage (which also holds the output
+    layer and the loss), then the first (the embedding), each keeping a layer (0: as the other stages); None
+    when the split is even or cannot be made so. DeepSeek-V3's 61 layers on 16 stages: 4 each, 1 on the last."""
+    if pp < 2 or num_layers % pp == 0:
+        return None
+    per_stage = -(-num_layers // pp)
+    shortfall = pp * per_stage - num_layers
+    last = per_stage - min(shortfall, per_stage - 1)
+    first = per_stage - (shortfall - (per_stage - last))
+    return (0 if first == per_stage else first, last) if first >= 1 else None
+
+
 def chunk_layers(num_layers: int, pp: int, virtual_stages: int, pp_rank: int, chunk: int,
                  first: int = 0, last: int = 0) -> range:
     """Global layer indices of one model chunk: virtual stage chunk * pp + pp_rank of an even split
