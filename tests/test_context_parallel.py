@@ -167,7 +167,7 @@ def test_layout_search_tries_context_parallel_degrees_and_prices_the_ring():
         layer = PartCost(forward_s=1e-3, backward_s=2e-3, forward_cp={f"send:{message}": 1},
                          forward_attention_s=attention_s, parameter_bytes=1 << 20, gradient_bytes=1 << 20)
         costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0,
-                           first_transient_bytes=0, last_transient_bytes=0)
+                           first_transient_bytes=[0, 0], last_transient_bytes=[0, 0])
         return estimate_layout(costs, run.model, dataclasses.replace(run.parallelism, dp=1), hw, comm).step_time_s
 
     layers, microbatches = run.model.num_layers, run.parallelism.num_microbatches

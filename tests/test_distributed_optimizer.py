@@ -126,7 +126,7 @@ def test_layout_search_shards_states_and_update_and_prices_the_gather():
     layer = PartCost(forward_s=1e-3, backward_s=2e-3, optimizer_s=8e-3, parameter_bytes=2 << 20,
                      gradient_bytes=2 << 20, optimizer_state_bytes=12 << 20)
     costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0,
-                       first_transient_bytes=0, last_transient_bytes=0)
+                       first_transient_bytes=[0, 0], last_transient_bytes=[0, 0])
     hw = run.hardware
     comm = CommModel.from_hardware(hw)
 

@@ -112,7 +112,7 @@ def test_layout_search_tries_fsdp_and_prices_its_communication():
         layer = PartCost(forward_s=layer_s, backward_s=2 * layer_s, optimizer_s=8e-3, parameter_bytes=2 << 20,
                          gradient_bytes=2 << 20, optimizer_state_bytes=16 << 20)
         costs = SliceCosts(layer=layer, first=PartCost(), last=PartCost(), p2p_message_bytes=0,
-                           first_transient_bytes=0, last_transient_bytes=0)
+                           first_transient_bytes=[0, 0], last_transient_bytes=[0, 0])
         return estimate_layout(costs, run.model, dataclasses.replace(run.parallelism, **fields), run.hardware,
                                CommModel.from_hardware(run.hardware))
 

@@ -65,14 +65,19 @@ def test_long_pipelines_are_extrapolated_exactly(schedule, v, pp):
         assert got == pytest.approx(want, rel=1e-9)
 
 
-@pytest.fixture(scope="module")
-def small_search(tmp_path_factory):
-    """One search in a scratch directory (its profile database and slice cache stay out of the checkout)."""
-    run = compose_run(SMALL, check="layout")
+def _scratch_search(tmp_path_factory, overrides: list[str], space: SearchSpace, jobs: int):
+    """One search on 16 GPUs in a scratch directory (its profile database and slice cache stay out of the
+    checkout): (run, result, slice cache)."""
+    run = compose_run(overrides, check="layout")
     workdir = tmp_path_factory.mktemp("search")
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(workdir)
-        yield run, search_layouts(run, 16, SPACE, jobs=2, cache=workdir / "slices"), workdir / "slices"
+        yield run, search_layouts(run, 16, space, jobs=jobs, cache=workdir / "slices"), workdir / "slices"
+
+
+@pytest.fixture(scope="module")
+def small_search(tmp_path_factory):
+    yield from _scratch_search(tmp_path_factory, SMALL, SPACE, jobs=2)
 
 
 @pytest.mark.slow
@@ -131,18 +136,14 @@ MOE_SPACE = SearchSpace(micro_batch_sizes=(1,), schedules=("1f1b",), recompute=(
 
 @pytest.fixture(scope="module")
 def moe_search(tmp_path_factory):
-    run = compose_run(MOE_SMALL, check="layout")
-    workdir = tmp_path_factory.mktemp("moe-search")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(workdir)
-        yield run, search_layouts(run, 16, MOE_SPACE, jobs=1, cache=workdir / "slices")
+    yield from _scratch_search(tmp_path_factory, MOE_SMALL, MOE_SPACE, jobs=1)
 
 
 @pytest.mark.slow
 def test_search_enumerates_expert_parallelism_with_its_memory(moe_search):
     """Every divisor of the expert count that folds into a stage is tried; tensor parallelism comes with sequence
     parallelism (Megatron-Core requires it with experts); splitting the experts frees their memory."""
-    run, result = moe_search
+    run, result, _ = moe_search
     table = result.table.set_index("layout")
     assert set(table["ep"]) == {1, 2, 4, 8} and table[table["tp"] > 1]["sequence_parallel"].all()
     assert (table[table["ep"] > 1]["dp"] * table[table["ep"] > 1]["tp"] % table[table["ep"] > 1]["ep"] == 0).all()
@@ -162,7 +163,7 @@ def test_fast_path_agrees_with_the_full_composer_on_experts(moe_search, layout, 
     """Token all-to-alls, grouped GEMMs at the layout's sizes, the dense first layer, expert gradients reduced
     over the expert replicas and their states sharded there, 11 layers as 6 + 5: the estimate follows the
     composed step."""
-    run, result = moe_search
+    run, result, _ = moe_search
     row = result.table.set_index("layout").loc[layout]
     summary, memory = _compose_fully(MOE_SMALL + layout_overrides(row, cluster_for(run.hardware, 16).num_nodes),
                                      tmp_path)
