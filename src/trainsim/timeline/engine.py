@@ -53,13 +53,16 @@ class Replay:
         return float(self.end_s.max()) if len(self.end_s) else 0.0
 
 
+def _csr(graph: StepGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pointer, successor) arrays of the edges by source node, and each node's predecessor count."""
+    order = np.argsort(graph.src, kind="stable")
+    ptr = np.searchsorted(graph.src[order], np.arange(graph.num_nodes + 1))
+    return ptr, graph.dst[order], np.bincount(graph.dst, minlength=graph.num_nodes)
+
+
 def successors(graph: StepGraph) -> tuple[list[int], list[int], list[int], list[int]]:
     """CSR (pointer, successor) lists, predecessor counts and the initially ready nodes, once per graph."""
-    n = graph.num_nodes
-    order = np.argsort(graph.src, kind="stable")
-    succ = graph.dst[order]
-    ptr = np.searchsorted(graph.src[order], np.arange(n + 1))
-    npred = np.bincount(graph.dst, minlength=n)
+    ptr, succ, npred = _csr(graph)
     return ptr.tolist(), succ.tolist(), npred.tolist(), np.flatnonzero(npred == 0).tolist()
 
 
@@ -168,10 +171,7 @@ def replay_batched(graph: StepGraph, duration_s: np.ndarray, describe: Callable[
     latest arrival among them, whatever order nodes are released in: the times equal the heap's. Ties
     in `cause` (two predecessors ending at once) may name the other one."""
     n = graph.num_nodes
-    order = np.argsort(graph.src, kind="stable")
-    succ = graph.dst[order]
-    ptr = np.searchsorted(graph.src[order], np.arange(n + 1))
-    remaining = np.bincount(graph.dst, minlength=n)
+    ptr, succ, remaining = _csr(graph)
     group, size = graph.sync_group, graph.group_size
     member_order = np.argsort(group, kind="stable")
     member_order = member_order[group[member_order] >= 0]

@@ -47,8 +47,8 @@ def lighter_end_stages(num_layers: int, pp: int) -> tuple[int, int] | None:
         return None
     per_stage = -(-num_layers // pp)
     shortfall = pp * per_stage - num_layers
-    last = per_stage - min(shortfall, per_stage - 1)
-    first = per_stage - (shortfall - (per_stage - last))
+    off_last = min(shortfall, per_stage - 1)
+    first, last = per_stage - (shortfall - off_last), per_stage - off_last
     return (0 if first == per_stage else first, last) if first >= 1 else None
 
 
