@@ -1,33 +1,41 @@
 """One GPU, for real: measured kernels against the kernel model, and a real training step against its prediction.
 
 Runs where torch sees a CUDA device (the hardware config must name it). For each case (a few full-width
-layers of a 7-8B model, bf16 or FP8 (Transformer Engine-style, workloads/fp8.py), one GPU, fused attention) this
-  1. traces the step ex-situ and times its distinct ops on the GPU with CUDA events (the profile stage's
-     CUDA backend), and also prices them with the hardware's analytical kernel model,
-  2. composes the step twice: with the measured op times and with the analytical ones,
-  3. runs the real step on the GPU (trainsim/validation/ground_truth.py: warm-up steps discarded, median of
-     the measured steps), and
-prints per case `figure gpu_step_error_pct_<case>_measured` / `_analytical` (|predicted / measured - 1|),
-`figure gpu_memory_error_pct_<case>` (the trace's peak memory against the CUDA allocator's peak over the
-measured steps),
-`figure gpu_kernel_model_ratio_<case>_<kind>` (analytical / measured seconds summed over the step's ops of one
-kind: matmul, attention, elementwise, ...), and the raw rates the kernel model's datasheet-derived parameters
-stand for: `figure gpu_matmul_tflops_<dtype>` of an 8192^3 GEMM (bf16, and fp8 through torch._scaled_mm when
-the GPU has it) and `figure gpu_flash_attention_tflops_<fwd|bwd>` (causal, 8192 tokens, head dim 128).
+layers of a 7-8B dense model, bf16 or FP8 (Transformer Engine-style, workloads/fp8.py), or two layers of an MoE
+(Mixtral 8x7B, Qwen3-30B-A3B); one GPU, fused attention) this
+  1. runs the real step on the GPU (trainsim/validation/ground_truth.py: warm-up steps discarded, median of
+     the measured steps; an MoE's routing histogram recorded),
+  2. traces the step ex-situ (an MoE with its real run's routing) and times its distinct ops on the GPU (the
+     profile stage's CUDA backend: CUDA events, and beside them the kernels' profiled durations, a CUDA-graph
+     replay and the host's issue time), and also prices them with the hardware's analytical kernel model,
+  3. composes the step with each set of op times,
+and prints per case `figure gpu_step_error_pct_<case>_<source>` (|predicted / measured - 1|; source
+`measured` (events), `measured_kernel`, `measured_graph`, `measured_graph_host` (graph times plus the measured
+issue time per op as hardware.host_dispatch_s), `analytical`), `figure gpu_memory_error_pct_<case>` (the trace's
+peak memory against the CUDA allocator's peak over the measured steps), `figure gpu_kernel_model_ratio_<case>_<kind>`
+(analytical / measured seconds summed over the step's ops of one kind: matmul, attention, elementwise, ...), and
+the raw rates the kernel model's datasheet-derived parameters stand for: `figure gpu_matmul_tflops_<dtype>` of an
+8192^3 GEMM (bf16, and fp8 through torch._scaled_mm when the GPU has it) and
+`figure gpu_flash_attention_tflops_<fwd|bwd>` (causal, 8192 tokens, head dim 128). It also prints where the real
+step's device time goes against the replayed ops' (busy time, per op name).
 
     python benchmarks/gpu_accuracy.py [--hardware h100-sxm-dgx] [--cases llama8b-4l gpt7b-4l] [--steps 5]
-On a machine without a GPU it says so and stops (`--hardware local-cpu --small` runs the same path on the
-CPU with a tiny model: a check of the script, not a figure).
+One case per process is safest: on an H200 a 128-expert case once left 73 GiB held by the profiling process and
+the next case's real step ran out of memory (ops are now rebuilt one at a time on a GPU; not rerun since). On a machine without a GPU it says so and stops (`--hardware local-cpu --small` runs the same
+path on the CPU with tiny models: a check of the script, not a figure).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -41,6 +49,7 @@ from trainsim.timeline.compose import compose_step
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step
 from trainsim.validation.ground_truth import measure
+from trainsim.workloads.routing import RoutingHistogram
 from trainsim.workloads.schedules import pipeline_actions
 
 ONE_GPU = ["parallelism=single", "parallelism.precision=bf16", "parallelism.micro_batch_size=1",
@@ -50,8 +59,11 @@ CASES = {
     "llama8b-4l-fp8": ["model=llama3-8b", "model.num_layers=4", "model.seq_length=4096", "parallelism.precision=fp8"],
     "gpt7b-4l": ["model=gpt-13b", "model.hidden_size=4096", "model.num_attention_heads=32", "model.num_layers=4",
                  "model.seq_length=4096"],
+    "mixtral-2l": ["model=mixtral-8x7b", "model.num_layers=2"],
+    "qwen3moe-2l": ["model=qwen3-30b-a3b", "model.num_layers=2"],
 }
-SMALL = {"tiny": ["model=gpt-tiny"]}
+SMALL = {"tiny": ["model=gpt-tiny"], "tiny-moe": ["model=gpt-tiny", "model.num_experts=4", "model.moe_top_k=2"]}
+ROUTING_FILE = "routing.csv"
 
 
 def _seconds(call, repeats: int = 20) -> float:
@@ -101,21 +113,59 @@ def step_counts(graph: pd.DataFrame, par) -> pd.Series:
     return kernels["signature"].value_counts()
 
 
-def evaluate_case(name: str, overrides: list[str], hardware: str, steps: int, db: ProfileDatabase) -> list[tuple]:
+def print_real_against_replay(name: str, in_step: pd.DataFrame, table: pd.DataFrame) -> None:
+    """Where the real step's time goes that the replayed ops do not carry: its kernels' busy time against its
+    length (the rest is the device waiting for the host), and device seconds per op name, real (one profiled
+    step; an op's own kernels) against the replayed ops' sum. A trainsim:: fused op shows in the real step as
+    the aten ops it is made of."""
+    kernels = in_step[(in_step["total_s"] == 0) & (in_step["device_s"] > 0)]
+    replayed = table.assign(name=table["op"].str.split(".").str[0]).groupby("name")["measured_s"].sum()
+    real = in_step[in_step["total_s"] > 0].groupby("name")["device_s"].sum()
+    both = pd.DataFrame({"real_s": real, "replayed_s": replayed}).fillna(0.0)
+    both = both[(both["real_s"] > 0) | (both["replayed_s"] > 0)]
+    both["difference_s"] = both["replayed_s"] - both["real_s"]
+    print(f"{name}: kernels of the profiled real step busy {kernels['device_s'].sum() * 1e3:.2f} ms; "
+          f"replayed ops {table['measured_s'].sum() * 1e3:.2f} ms; per op name, largest differences:")
+    print(both.reindex(both["difference_s"].abs().sort_values(ascending=False).index).head(12).round(5).to_string())
+
+
+def evaluate_case(name: str, overrides: list[str], hardware: str, steps: int, db: ProfileDatabase,
+                  scratch: Path) -> list[tuple]:
+    started = time.perf_counter()
     run = compose_run([f"hardware={hardware}", *ONE_GPU, *overrides])
     hw, par = run.hardware, run.parallelism
+    # the real step first (its own process: the GPU's memory is all its own); an MoE model is then traced
+    # with the routing its real run took (the router's choice is data: a trace cannot know it)
+    routing = RoutingHistogram()
+    truth, in_step = measure(hw, run.model, par, steps=steps, warmup=2, profile=True, routing=routing)
+    real = truth["step_time_median_s"]
+    if routing.tokens:
+        routing.write(scratch / f"{name}-{ROUTING_FILE}", f"gpu_accuracy.py case {name}, real run on one GPU")
+        run = compose_run([f"hardware={hardware}", *ONE_GPU, *overrides,
+                           f"model.moe_routing={scratch / f'{name}-{ROUTING_FILE}'}"])
+        per_expert = np.array([counts for _, counts in sorted(routing.tokens.items())])
+        print(f"{name}: routing of the real run, busiest / mean expert per layer: "
+              f"{np.round(per_expert.max(axis=1) / per_expert.mean(axis=1), 2).tolist()}")
     traced = trace_layout(run.model, par)
     graph, rank_classes = traced.graph.to_pandas(), traced.rank_classes.to_pandas()
     ops = distinct_ops(graph)
-    started = time.perf_counter()
+    profiling = time.perf_counter()
     rows, summary = profile_ops(ops, hw, run.key("hardware"), db)
     print(f"{name}: {len(ops)} distinct ops profiled with backend {summary.backend} in "
-          f"{time.perf_counter() - started:.1f} s ({summary.analytical} fell back to the kernel model)")
+          f"{time.perf_counter() - profiling:.1f} s ({summary.analytical} fell back to the kernel model)")
     reasons = {f["signature"]: f["reason"] for f in summary.fallback}
     for op, signature in zip(ops["op"], ops["signature"]):
         if signature in reasons:
             print(f"  not measured: {op}: {reasons[signature]}")
     sources = {"measured": dict(zip(rows["signature"], rows["median_s"]))}
+    # the same ops by the other device timings the profile records (profile/measure.py time_cuda)
+    metrics = rows.drop_duplicates("signature", keep="last").set_index("signature")["metrics"].map(json.loads)
+    for variant in ("kernel_s", "graph_s"):
+        timed = metrics.map(lambda m, v=variant: m.get(v))
+        if timed.notna().any():
+            sources[f"measured_{variant.removesuffix('_s')}"] = {
+                sig: (t if t is not None and t == t else sources["measured"][sig]) for sig, t in timed.items()}
+    host_s = metrics.map(lambda m: m.get("host_s"))
     try:
         sources["analytical"] = dict(zip(ops["signature"], predict_rows(ops, hw)))
     except ConfigError as exc:  # a CPU has no datasheet peak: measured only
@@ -123,18 +173,21 @@ def evaluate_case(name: str, overrides: list[str], hardware: str, steps: int, db
     comm = CommModel.from_hardware(hw)
     predicted = {source: compose_step(graph, rank_classes, par, hw, times, comm).step_time_s
                  for source, times in sources.items()}
-    if torch.cuda.is_available():  # the real step runs in its own process: hand it the GPU's memory
-        gc.collect()
-        torch.cuda.empty_cache()
-    truth, in_step = measure(hw, run.model, par, steps=steps, warmup=2, profile=True)
-    real = truth["step_time_median_s"]
+    counts = step_counts(graph, par)
+    if host_s.notna().any() and "measured_graph" in sources:  # the host as measured: issue time per op
+        calls = ops["signature"].map(counts).fillna(0).to_numpy()
+        issue = ops["signature"].map(host_s).fillna(0).to_numpy()
+        dispatch_s = float((calls * issue).sum() / max(calls.sum(), 1))
+        print(f"{name}: host issue time per op, replayed, weighted by the step's calls: {dispatch_s * 1e6:.1f} us")
+        with_host = dataclasses.replace(hw, host_dispatch_s=dispatch_s)
+        predicted["measured_graph_host"] = compose_step(graph, rank_classes, par, with_host,
+                                                        sources["measured_graph"], comm).step_time_s
     attention = in_step[in_step["name"].str.contains("attention|flash|fmha", case=False)]
     print(f"{name}: attention inside one profiled real step (torch.profiler, device seconds):")
     print(attention[["name", "calls", "device_s"]].to_string(index=False))
     print(f"{name}: real step {real * 1e3:.2f} ms (spread {truth['step_time_spread_s'] * 1e3:.2f} ms); predicted "
           + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in predicted.items()))
 
-    counts = step_counts(graph, par)
     table = ops.assign(kind=ops["op"].map(op_kind), calls=ops["signature"].map(counts).fillna(0),
                        measured_s=ops["signature"].map(sources["measured"]),
                        analytical_s=ops["signature"].map(sources.get("analytical", {})))
@@ -144,6 +197,10 @@ def evaluate_case(name: str, overrides: list[str], hardware: str, steps: int, db
     by_kind["ratio"] = by_kind["analytical_s"] / by_kind["measured_s"]
     print(by_kind.round(5).to_string())
     print(table[table["kind"] == "attention"][["op", "calls", "measured_s", "analytical_s"]].to_string(index=False))
+    print_real_against_replay(name, in_step, table)
+    if torch.cuda.is_available():  # the next case's real step runs in its own process: hand it the GPU's memory
+        gc.collect()
+        torch.cuda.empty_cache()
     figures = [(f"gpu_step_error_pct_{name}_{source}", 100 * abs(p / real - 1), "%") for source, p in predicted.items()]
     measured_peak = truth["ranks"][0]["peak_memory_bytes"]
     if measured_peak:  # the allocator's record (a GPU): against the trace's peak of the same rank
@@ -155,6 +212,7 @@ def evaluate_case(name: str, overrides: list[str], hardware: str, steps: int, db
     if "analytical" in sources:
         figures += [(f"gpu_kernel_model_ratio_{name}_{kind}", r, "ratio") for kind, r in by_kind["ratio"].items()
                     if by_kind.loc[kind, "measured_s"] > 0]
+    print(f"{name}: {time.perf_counter() - started:.0f} s in all")
     return figures
 
 
@@ -175,13 +233,13 @@ def main() -> None:
     db = ProfileDatabase(args.database or Path(tempfile.mkdtemp(prefix="trainsim-gpu-")) / "kernels.parquet")
     if on_gpu:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    figures = []
+    scratch = Path(tempfile.mkdtemp(prefix="trainsim-gpu-routing-"))
+    figures = raw_rates() if on_gpu else []  # first: seconds, and they need nothing else
     for name, overrides in cases.items():
-        figures += evaluate_case(name, overrides, args.hardware, args.steps, db)
-    if on_gpu:
-        figures += raw_rates()
-    for name, value, unit in figures:
-        print(f"figure {name} {value:.3f} {unit}")
+        figures += evaluate_case(name, overrides, args.hardware, args.steps, db, scratch)
+        for figure, value, unit in figures:  # as each case ends: a run cut short keeps what it measured
+            print(f"figure {figure} {value:.3f} {unit}", flush=True)
+        figures = []
 
 
 if __name__ == "__main__":

@@ -86,6 +86,32 @@ def test_traced_cpu_attention_is_rebuilt_as_the_devices_own(monkeypatch):
     assert seen and all(s == (4, 2, True, True, True) for s in seen)  # causal, grouped-query, as traced
 
 
+def test_indices_are_spread_over_the_rows_they_address():
+    """All-zero indices are valid but not what a step meets (every token on one embedding row, every expert's
+    output added onto one token: atomics piling on one address on a GPU); rebuilt indices cover the rows."""
+    import torch
+
+    from trainsim.profile.replay import rebuild_arguments
+
+    ops = _ops("model=gpt-tiny", "model.num_experts=4", "model.moe_top_k=2", "parallelism=single")
+    checked = set()
+    for _, op in ops[ops["input_dtypes"].str.contains("int64")].iterrows():
+        name = op["op"].split(".")[0]
+        args, _ = rebuild_arguments(op.to_dict(), torch.device("cpu"))
+        if name in ("aten::index_select", "aten::index_add", "aten::gather", "aten::scatter"):
+            index, bound = args[2], args[0].shape[args[1]]
+        elif name in ("aten::embedding", "aten::embedding_dense_backward"):
+            index, bound = args[1], args[2] if name.endswith("backward") else args[0].shape[0]
+        elif name in ("aten::index", "aten::index_put_"):
+            index, bound = args[1][-1], args[0].shape[len(args[1]) - 1]
+        else:
+            continue
+        assert 0 <= int(index.min()) and int(index.max()) < bound, op["op"]
+        assert len(index.unique()) == min(bound, index.numel()), op["op"]  # every row (or every index) distinct
+        checked.add(name)
+    assert {"aten::embedding", "aten::index_select", "aten::index_add", "aten::scatter"} <= checked
+
+
 def test_unreplayable_ops_say_why():
     base = {"input_shapes": "[[4]]", "input_strides": "[[1]]", "input_dtypes": "fp32",
             "op_args": json.dumps({"args": [{"$t": 0}], "kwargs": {}})}

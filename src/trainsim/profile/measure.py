@@ -203,25 +203,64 @@ def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices
 def time_cuda(call: Callable[[], Any], *, repeats: int = 20, warmup: int = 3,
               flush: Callable[[], Any] = lambda: None) -> Timing:
     """CUDA events per call, `flush` (a CacheFlush on the GPU) before each, outside the events;
-    kernel names and count from the profiler (selected when a GPU is present)."""
+    kernel names and count from the profiler (selected when a GPU is present).
+
+    The events time the device from the call's issue to its last kernel's end, which for an op made of many
+    small kernels includes the host's issue gaps between them. Recorded beside it (`metrics`), to tell the two
+    apart: `kernel_s`, the profiled call's kernels' summed durations (device busy time, no gaps); `graph_s`, the
+    median of the call captured once in a CUDA graph and replayed between the same events (null when the op
+    cannot be captured); `host_s`, the median host time to issue one call on an idle device."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
         call()
     torch.cuda.synchronize()
+    samples, host = [], []
+    for _ in range(repeats):
+        flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        issued = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - issued)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    flush()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    median, spread = _summary(samples)
+    return Timing(median, spread, min(samples), repeats, kernels=[e.name for e in kernels],
+                  metrics={"device": torch.cuda.get_device_name(), "kernel_count": len(kernels),
+                           "kernel_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
+                           "graph_s": _time_cuda_graph(call, repeats, flush), "host_s": statistics.median(host)})
+
+
+def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], Any]) -> float | None:
+    """Median seconds of `call` captured in a CUDA graph and replayed, or None if it cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            call()  # warm on the side stream, as capture requires
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            call()
+    except (RuntimeError, TypeError):  # host synchronisation, CPU tensors, ...: not capturable
+        torch.cuda.synchronize()
+        return None
     samples = []
     for _ in range(repeats):
         flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        call()
+        graph.replay()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    median, spread = _summary(samples)
-    return Timing(median, spread, min(samples), repeats, kernels=kernels,
-                  metrics={"device": torch.cuda.get_device_name(), "kernel_count": len(kernels)})
+    del graph
+    return statistics.median(samples)

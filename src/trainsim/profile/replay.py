@@ -1,7 +1,9 @@
 """Rebuild one traced op as a runnable call: real tensors of the traced shapes, strides and dtypes.
 
 Floating-point inputs are filled with values in [0.5, 1) (no NaN from log/sqrt/div), integer and
-boolean inputs with zeros (valid indices for embedding/gather/scatter, all-false masks).
+boolean inputs with zeros (all-false masks), except the indices of the ops that index a tensor (embedding,
+gather, scatter, index_select, index_add, index, index_put), which are spread over the rows they address:
+all-zero indices would read one row and, worse on a GPU, pile every atomic add of a scatter onto it.
 Ops that cannot be rebuilt raise ReplayError with the reason; the stage falls back to the
 analytical backend for them.
 """
@@ -16,6 +18,7 @@ import torch
 
 import trainsim.workloads.fully_sharded  # noqa: F401  (registers FSDP2's fsdp:: ops, replayed here)
 import trainsim.workloads.fused  # noqa: F401  (registers the trainsim:: ops)
+import trainsim.workloads.grouped_gemm  # noqa: F401  (registers trainsim::grouped_mm and its weight gradient)
 from trainsim.errors import ReplayError
 from trainsim.trace.recorder import DTYPE_NAMES
 
@@ -84,6 +87,37 @@ def _make_tensor(shape: list[int], stride: list[int], dtype_name: str, device: t
     return flat.as_strided(shape, stride)
 
 
+INDEXED_DIMENSION = ("aten::index_select", "aten::index_add", "aten::index_copy", "aten::gather", "aten::scatter",
+                     "aten::scatter_add", "aten::scatter_reduce")
+"""Ops whose third argument indexes dimension args[1] of args[0]."""
+INDEX_LISTS = ("aten::index", "aten::index_put", "aten::_index_put_impl")
+"""Ops whose second argument is a list of indices, the i-th for dimension i of args[0]."""
+
+
+def _spread(index: Any, bound: int, generator: torch.Generator) -> Any:
+    """Integer indices in [0, bound), each value about equally often, in a fixed random order (the rows a step's
+    tokens address: embedding rows, experts' token copies). Anything else is left as it is."""
+    if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype == torch.bool:
+        return index
+    values = torch.randperm(index.numel(), generator=generator) % max(int(bound), 1)
+    return values.view(index.shape).to(device=index.device, dtype=index.dtype)
+
+
+def _spread_indices(name: str, args: list) -> list:
+    base = name.split(".")[0].rstrip("_")
+    generator = torch.Generator().manual_seed(0)
+    args = list(args)
+    if base in INDEXED_DIMENSION and len(args) > 2:
+        args[2] = _spread(args[2], args[0].shape[args[1]], generator)
+    elif base == "aten::embedding":
+        args[1] = _spread(args[1], args[0].shape[0], generator)
+    elif base == "aten::embedding_dense_backward":
+        args[1] = _spread(args[1], args[2], generator)
+    elif base in INDEX_LISTS:
+        args[1] = [_spread(index, args[0].shape[i], generator) for i, index in enumerate(args[1])]
+    return args
+
+
 def _decode(value: Any, tensors: list[torch.Tensor], device: torch.device, key: str = "") -> Any:
     if isinstance(value, dict):
         if "$t" in value:
@@ -107,6 +141,20 @@ REPLAYABLE_NAMESPACES = ("aten", "trainsim", "fsdp")
 """torch's ops, the fused ops of workloads/fused.py and FSDP2's copy-in/copy-out ops (not c10d: communication)."""
 
 
+def rebuild_arguments(row: dict, device: torch.device) -> tuple[list, dict]:
+    """The positional and keyword arguments of one traced op, with real tensors on `device`."""
+    shapes = json.loads(row["input_shapes"])
+    strides = json.loads(row["input_strides"])
+    dtypes = row["input_dtypes"].split(",") if row["input_dtypes"] else []
+    tensors = [_make_tensor(s, st, d, device) for s, st, d in zip(shapes, strides, dtypes)]
+    encoded = json.loads(row["op_args"])
+    args = _spread_indices(row["op"], _decode(encoded["args"], tensors, device))
+    kwargs = _decode(encoded["kwargs"], tensors, device)
+    if device.type != "cpu" and row["op"] in STATISTICS_IN_FP32:
+        args = [a.float() if i in STATISTICS_IN_FP32[row["op"]] else a for i, a in enumerate(args)]
+    return args, kwargs
+
+
 def build_call(row: dict, device: torch.device | str = "cpu") -> Callable[[], Any]:
     """A zero-argument callable that runs the op of one execution-graph/profile row once."""
     device = torch.device(device)
@@ -118,15 +166,7 @@ def build_call(row: dict, device: torch.device | str = "cpu") -> Callable[[], An
     if on_device and any(tag in name for tag in CPU_ONLY_OPS) and name not in DEVICE_ATTENTION:
         raise ReplayError(f"{name} is a CPU-only kernel; timed analytically on {device.type}")
     try:
-        shapes = json.loads(row["input_shapes"])
-        strides = json.loads(row["input_strides"])
-        dtypes = row["input_dtypes"].split(",") if row["input_dtypes"] else []
-        tensors = [_make_tensor(s, st, d, device) for s, st, d in zip(shapes, strides, dtypes)]
-        encoded = json.loads(row["op_args"])
-        args = _decode(encoded["args"], tensors, device)
-        kwargs = _decode(encoded["kwargs"], tensors, device)
-        if on_device and name in STATISTICS_IN_FP32:
-            args = [a.float() if i in STATISTICS_IN_FP32[name] else a for i, a in enumerate(args)]
+        args, kwargs = rebuild_arguments(row, device)
         if on_device and name in DEVICE_ATTENTION:
             call = _device_flash_attention(name, args, kwargs)
         else:
@@ -138,6 +178,6 @@ def build_call(row: dict, device: torch.device | str = "cpu") -> Callable[[], An
         call()  # fail here, with the reason, rather than inside the timing loop
     except ReplayError:
         raise
-    except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:
         raise ReplayError(f"{name} failed on rebuilt inputs: {str(exc).splitlines()[0]}") from exc
     return call

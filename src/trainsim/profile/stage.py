@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -87,26 +89,36 @@ def _row(op: pd.Series, hardware_key: str, backend: str, median_s: float, **extr
 
 def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, backend: str,
                    summary: ProfileSummary) -> list[dict]:
-    """Measure a batch of ops (CPU: interleaved rounds, co-located on the node's devices);
-    unreplayable ones go to summary.fallback."""
-    calls, measurable = [], []
-    for _, op in ops.iterrows():
+    """Measure a batch of ops (CPU: interleaved rounds, co-located on the node's devices; GPU: one op at a
+    time, its inputs freed before the next is built); unreplayable ones go to summary.fallback."""
+
+    def built(op) -> Callable[[], Any] | None:
         try:
-            calls.append(build_call(op.to_dict(), device=backend))
-            measurable.append(op)
+            return build_call(op.to_dict(), device=backend)
         except ReplayError as exc:
             summary.fallback.append({"op": op["op"], "signature": op["signature"], "reason": str(exc)})
-    if not calls:
-        return []
+            return None
+
     metrics: dict = {}
+    measurable, timings = [], []
     if backend == "cpu":
+        calls = []
+        for _, op in ops.iterrows():
+            if (call := built(op)) is not None:
+                calls.append(call)
+                measurable.append(op)
+        if not calls:
+            return []
         devices = hw.devices_per_node if hw.colocated_profiling else 1
         metrics["colocated_devices"] = devices
         rows = [op[OP_COLUMNS].to_dict() for op in measurable]
         timings = time_cpu_colocated(rows, calls, devices, hw.threads_per_device, hw.cold_cache_profiling)
     else:
         flush = CacheFlush(backend, hw.cold_cache_profiling)
-        timings = [time_cuda(call, flush=flush) for call in calls]
+        for _, op in ops.iterrows():
+            if (call := built(op)) is not None:
+                timings.append(time_cuda(call, flush=flush))
+                measurable.append(op)
     metrics["cold_cache"] = hw.cold_cache_profiling
     return [_row(op, hardware_key, backend, t.median_s, spread=t.spread, min_s=t.min_s, repeats=t.repeats,
                  threads=hw.threads_per_device, kernels=json.dumps(t.kernels),
