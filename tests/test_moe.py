@@ -187,9 +187,9 @@ def test_middle_stages_with_differently_routed_layers_are_traced_each():
     overrides = [*MOE, "parallelism=pp2", "parallelism.pp=4", "parallelism.global_batch_size=8",
                  "model.moe_routing=zipf:1.5"]
     graph = trace_layout(*_model_and_layout(overrides)).graph.to_pandas()
-    mm = graph[graph["op"] == "aten::mm"]
-    shapes = [tuple(mm[mm["rank_class"] == c]["input_shapes"]) for c in (1, 2)]  # the two middle stages
-    assert shapes[0] != shapes[1]
+    experts = graph[graph["op"] == "trainsim::grouped_mm"]  # the group sizes are the op's arguments
+    groups = [tuple(experts[experts["rank_class"] == c]["op_args"]) for c in (1, 2)]  # the two middle stages
+    assert groups[0] != groups[1]
 
 
 def _model_and_layout(overrides):
@@ -208,6 +208,8 @@ def _histogram_of(real) -> RoutingHistogram:
 @pytest.mark.parametrize("overrides", [
     pytest.param(["parallelism=dp2", "parallelism.ep=2", "parallelism.global_batch_size=4",
                   "parallelism.moe_token_dispatcher=allgather"], id="ep2-allgather"),
+    pytest.param(["parallelism=dp2", "parallelism.ep=2", "parallelism.global_batch_size=4", "parallelism.precision=fp8",
+                  "model.moe_shared_expert_ffn_hidden_size=128"], id="ep2-fp8-shared"),
     pytest.param(["parallelism=dp2", "parallelism.tp=2", "parallelism.sequence_parallel=true", "parallelism.ep=4",
                   "parallelism.global_batch_size=4", "hardware.devices_per_node=4", "model.num_experts=8",
                   "model.moe_shared_expert_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01",

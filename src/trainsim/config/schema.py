@@ -430,6 +430,9 @@ class ParallelismConfig:
     """How MoE layers move tokens to the expert-parallel ranks (Megatron-Core --moe-token-dispatcher-type):
     'alltoall' (each token copy sent to its expert's rank) or 'allgather' (every rank gathers all ranks' tokens,
     computes those routed to its experts, and the results are reduce-scattered back)."""
+    moe_grouped_gemm: bool = True
+    """MoE experts as one grouped GEMM per projection (Megatron-Core --moe-grouped-gemm, which its MoE recipes
+    use; workloads/grouped_gemm.py) or, false, one GEMM per local expert (Megatron-Core's SequentialMLP)."""
     cp_comm_type: str = "p2p"
     """How context-parallel attention gets the other ranks' keys and values: 'p2p' (ring attention: cp steps,
     each overlapping one block's attention with the next block's send/receive; Megatron-Core's default) or

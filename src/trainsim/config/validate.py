@@ -232,9 +232,9 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if par.zero_stage >= 2:
         raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with experts is not modelled yet; use "
                           "zero_stage 0 or 1 (the distributed optimizer shards experts over their replicas)")
-    if par.precision == "fp8":
-        raise ConfigError("parallelism.precision='fp8' with experts is not modelled yet (FP8 grouped GEMMs); "
-                          "use bf16")
+    if par.precision == "fp8" and not par.moe_grouped_gemm:
+        raise ConfigError("parallelism.precision='fp8' with experts runs them as FP8 grouped GEMMs (Transformer "
+                          "Engine's GroupedLinear): set parallelism.moe_grouped_gemm=true")
 
 
 def validate_hardware(hw: HardwareConfig) -> None:

@@ -35,7 +35,8 @@ FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64", "fp8")
 """Compute dtypes with a rate in hardware.peak_flops_per_s; 'fp8' is the rate of FP8 GEMMs (_scaled_mm)."""
 FP8_INPUT_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 """The recorder's names of FP8 tensors (trace/recorder.py dtype_name)."""
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "scaled_mm")
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "scaled_mm",
+              "grouped_mm", "grouped_mm_weight_grad", "fp8_grouped_mm", "fp8_grouped_mm_weight_grad")
 # op kind -> name fragments (first match wins; anything else is 'elementwise')
 OP_KIND_PATTERNS = {
     "attention": ("scaled_dot_product", "flash_attention", "efficient_attention"),
@@ -50,7 +51,7 @@ MATMUL_KINDS = ("matmul", "attention")
 
 
 def op_kind(op: str) -> str:
-    base = op.removeprefix("aten::").split(".")[0]
+    base = op.split("::")[-1].split(".")[0]
     if base.lstrip("_") in MATMUL_OPS:
         return "matmul"
     for kind, fragments in OP_KIND_PATTERNS.items():
@@ -124,14 +125,64 @@ def gemm_shape_efficiency(batch: int, m: int, n: int, k: int, sm_count: int, dty
     return alignment * best
 
 
+def grouped_gemm_groups(op: str, shapes: list, args: str) -> list[tuple[int, int, int]] | None:
+    """(m, n, k) of each group of a grouped GEMM of workloads/grouped_gemm.py: trainsim::grouped_mm (x [T, k]
+    times w [E, k, n], expert e owning counts[e] rows), its FP8 twin (x [T, k] times w_t [E, n, k]), and their
+    weight gradients (x [T, k] and grad [T, n], or FP8 x^T [k, T] and grad^T [n, T], -> [E, k, n]: each group
+    reduces over its rows)."""
+    name = op.split("::")[-1].split(".")[0]
+    try:
+        parsed = json.loads(args)["args"]
+        if name == "grouped_mm_weight_grad":
+            (_, k), (_, n) = shapes[0], shapes[1]
+            return [(k, n, c) for c in parsed[2]]
+        if name == "grouped_mm":
+            (_, k), n = shapes[0], shapes[1][-1]
+            return [(c, n, k) for c in parsed[2]]
+        if name == "fp8_grouped_mm_weight_grad":
+            (k, _), (n, _) = shapes[0], shapes[1]
+            return [(k, n, c) for c in parsed[4]]
+        if name == "fp8_grouped_mm":
+            (_, k), n = shapes[0], shapes[1][1]
+            return [(c, n, k) for c in parsed[4]]
+    except (TypeError, ValueError, KeyError, IndexError):
+        return None
+    return None
+
+
+def grouped_gemm_efficiency(groups: list[tuple[int, int, int]], sm_count: int, dtype: str = "bf16") -> float:
+    """gemm_shape_efficiency for one kernel over many GEMMs (a CUTLASS/TE grouped GEMM): the groups' output
+    tiles share the waves, so a small group pads only its own last tile; no split-K."""
+    groups = [g for g in groups if min(g) > 0]
+    aligned = all((d * DTYPE_BYTES.get(dtype, 2)) % 16 == 0 for m, n, k in groups for d in (n, k))
+    alignment = 1.0 if aligned else MISALIGNED_EFFICIENCY
+    if not groups or sm_count <= 0:
+        return alignment
+    useful = sum(m * n * k for m, n, k in groups)
+    best = 0.0
+    for rows, cols, speed in GEMM_TILES:
+        tiles = sum(-(-m // rows) * -(-n // cols) for m, n, _ in groups)
+        padded = sum(-(-m // rows) * rows * -(-n // cols) * cols * k for m, n, k in groups)
+        wave_fill = tiles / (-(-tiles // sm_count) * sm_count)
+        best = max(best, useful / padded * wave_fill * speed)
+    return alignment * best
+
+
 def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: int) -> np.ndarray:
     out = np.ones(len(rows))
     if "input_shapes" not in rows:
         return out
-    for i, (op, shapes, kind, dtype) in enumerate(zip(rows["op"], rows["input_shapes"], kinds, dtypes)):
+    args = rows["op_args"] if "op_args" in rows else [""] * len(rows)
+    for i, (op, shapes, kind, dtype, arg) in enumerate(zip(rows["op"], rows["input_shapes"], kinds, dtypes, args)):
         if kind != "matmul":
             continue
-        dims = gemm_dims(op, json.loads(shapes) if isinstance(shapes, str) else shapes)
+        shapes = json.loads(shapes) if isinstance(shapes, str) else shapes
+        if op.startswith(("trainsim::grouped_mm", "trainsim::fp8_grouped_mm")):
+            groups = grouped_gemm_groups(op, shapes, arg)
+            if groups is not None:
+                out[i] = grouped_gemm_efficiency(groups, sm_count, dtype)
+            continue
+        dims = gemm_dims(op, shapes)
         if dims is not None and min(dims) > 0:
             out[i] = gemm_shape_efficiency(*dims, sm_count, dtype)
     return out

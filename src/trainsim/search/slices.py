@@ -136,6 +136,7 @@ def slice_key(par: ParallelismConfig) -> str:
     precision = f"fp8-{par.fp8_recipe}" if par.precision == "fp8" else par.precision
     context = f"-cp{par.cp}-{par.cp_comm_type}" if par.cp > 1 else ""
     experts = f"-ep{par.ep}-{par.moe_token_dispatcher}" if par.ep > 1 else ""
+    experts += "" if par.moe_grouped_gemm else "-sequential-experts"
     return f"tp{par.tp}{sp}{context}{experts}-mbs{par.micro_batch_size}-{par.recompute}-{precision}"
 
 

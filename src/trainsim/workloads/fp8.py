@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainsim.workloads.grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_weight_grad
 from trainsim.workloads.observe import observer
 
 FORWARD_DTYPE = torch.float8_e4m3fn
@@ -194,7 +195,7 @@ class Fp8Linear:
         if self._weight is None or self._weight_version != weight._version:
             with observer().once_per_step(), torch.no_grad():
                 w_fp8, scale_inv = self.region.quantize(weight.detach(), True, 2 * self.index + 1)
-                self._weight = w_fp8, w_fp8.t().contiguous(), scale_inv
+                self._weight = w_fp8, w_fp8.transpose(-2, -1).contiguous(), scale_inv
             self._weight_version = weight._version
         return self._weight
 
@@ -203,8 +204,9 @@ class Fp8Linear:
 
 
 def fp8_weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the FP8 weight copies (and transposes) the linears of `module` hold between micro-batches."""
-    return sum(m.fp8.cached_bytes() for m in module.modules() if isinstance(getattr(m, "fp8", None), Fp8Linear))
+    """Bytes of the FP8 weight copies (and transposes) the linears and experts of `module` hold between
+    micro-batches."""
+    return sum(v.cached_bytes() for m in module.modules() for v in vars(m).values() if isinstance(v, Fp8Linear))
 
 
 def _gemm(a: torch.Tensor, b_t: torch.Tensor, scale_a, scale_b, out_dtype, bias=None, out=None) -> torch.Tensor:
@@ -242,6 +244,37 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Linear) -> torch.Tensor:
     return _Fp8LinearFunction.apply(x, weight, bias, fp8)
+
+
+class _Fp8ExpertsFunction(torch.autograd.Function):
+    """x [T, k] times each local expert's weight ([E, k, n], expert e on its counts[e] rows) with FP8 grouped
+    GEMMs in forward, dgrad and wgrad, as TE's GroupedLinear. The tokens are cast once with one scale (TE keeps
+    one per expert, cast by one multi-tensor kernel: the same bytes), the weights once per step with their
+    transposes (Fp8Linear.weight), the output gradient once in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, fp8: Fp8Linear):
+        x_fp8, x_inv = fp8.quantize_input(x)
+        w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
+        y = fp8_grouped_mm(x_fp8, w_t_fp8, x_inv, w_inv, counts)
+        ctx.save_for_backward(x_fp8.t().contiguous(), x_inv)  # the FP8 tokens, K-major for wgrad
+        ctx.fp8, ctx.weight, ctx.weight_inv, ctx.counts = fp8, w_fp8, w_inv, counts  # the module's cache
+        ctx.reduce_backward = fp8.region.claim_first()
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_t_fp8, x_inv = ctx.saved_tensors
+        g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
+        dgrad = fp8_grouped_mm(g_fp8, ctx.weight, g_inv, ctx.weight_inv, ctx.counts)
+        wgrad = fp8_grouped_mm_weight_grad(x_t_fp8, g_fp8.t().contiguous(), x_inv, g_inv, ctx.counts)
+        if ctx.reduce_backward:
+            ctx.fp8.region.reduce_and_update(forward=False)
+        return dgrad, wgrad, None, None
+
+
+def fp8_experts(x: torch.Tensor, weight: torch.Tensor, counts: list[int], fp8: Fp8Linear) -> torch.Tensor:
+    return _Fp8ExpertsFunction.apply(x, weight, counts, fp8)
 
 
 class _Fp8OverlappedColumnLinear(torch.autograd.Function):

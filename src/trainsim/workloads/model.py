@@ -229,8 +229,9 @@ class TransformerChunk(nn.Module):
         if not cfg.num_experts or layer < cfg.moe_first_dense_layers:
             return None
         width = cfg.moe_shared_expert_ffn_hidden_size
-        shared = MLP(cfg, self.tp, self.tp_group, dtype, self.sequence_parallel, ffn=width) if width else None
-        return MoE(cfg, layer, ep, dtype, self.loss_scale, self.sequence_parallel, shared)
+        shared = MLP(cfg, self.tp, self.tp_group, dtype, self.sequence_parallel, fp8=self.fp8, ffn=width) \
+            if width else None
+        return MoE(cfg, layer, ep, dtype, self.loss_scale, self.sequence_parallel, shared, self.fp8)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids [b, s] on the first chunk, else hidden states [b, s, h] (or their sequence-parallel

@@ -10,8 +10,9 @@ Per micro-batch, on each rank's own tokens (its sequence-parallel shard when tp 
 3. dispatch: the ranks' tokens-per-expert are all-gathered over the expert-parallel group (the host then knows
    every split size), and one all-to-all sends each rank the tokens of its experts; the received chunks are
    regrouped by local expert (Megatron's sort_chunks_by_idxs);
-4. experts: one MLP per local expert on its tokens (Megatron's SequentialMLP; a GEMM per expert whose rows are
-   the tokens it received, so an imbalanced routing gives ranks different GEMM shapes);
+4. experts: each local expert's MLP on its tokens, as one grouped GEMM per projection over all local experts
+   (Megatron's GroupedMLP; parallelism.moe_grouped_gemm) or a GEMM per expert (SequentialMLP); the groups' rows
+   are the tokens each expert received, so an imbalanced routing gives ranks different GEMM shapes;
 5. combine: the reverse regrouping and all-to-all, then each copy weighted by its router probability and summed
    back into its token (index_add); the shared expert, a dense MLP every token goes through, is added.
 With the all-gather dispatcher (parallelism.moe_token_dispatcher) steps 3-5 are instead: all-gather every rank's
@@ -33,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from trainsim.config.schema import ModelConfig
+from trainsim.workloads.fp8 import Fp8Linear, Fp8Region, fp8_experts
 from trainsim.workloads.fused import swiglu
+from trainsim.workloads.grouped_gemm import grouped_mm
 from trainsim.workloads.observe import observer
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
 from trainsim.workloads.tensor_parallel import all_gather_tokens, gather_from_sp, reduce_scatter_to_sp
@@ -49,6 +52,8 @@ class ExpertParallel:
     counts: RouterCounts | PlannedCounts
     dispatcher: str = "alltoall"
     """parallelism.moe_token_dispatcher"""
+    grouped_gemm: bool = True
+    """parallelism.moe_grouped_gemm"""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -129,7 +134,7 @@ def expert_parameters(cfg: ModelConfig, ep: int) -> int:
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ep: ExpertParallel, dtype: torch.dtype, loss_scale: float,
-                 sequence_parallel: bool, shared_expert: nn.Module | None):
+                 sequence_parallel: bool, shared_expert: nn.Module | None, fp8: Fp8Region | None = None):
         super().__init__()
         self.layer, self.ep, self.loss_scale = layer, ep, loss_scale
         self.num_experts, self.top_k = cfg.num_experts, cfg.moe_top_k
@@ -145,6 +150,8 @@ class MoE(nn.Module):
         for weight in (self.router, self.w1, self.w2):
             nn.init.normal_(weight, std=0.02)
         self.w1.expert = self.w2.expert = True
+        # FP8 grouped GEMMs (workloads/fp8.py); the router stays in the model's dtype, as in Megatron-Core
+        self.fp8_w1, self.fp8_w2 = (Fp8Linear(fp8), Fp8Linear(fp8)) if fp8 is not None else (None, None)
         self.shared = shared_expert
 
     def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,11 +177,22 @@ class MoE(nn.Module):
         return self.aux_coeff * self.num_experts * torch.dot(scores.mean(dim=0), routed)
 
     def _experts(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        outs = []
-        for e, part in enumerate(x.split(per_expert)):
-            hidden = part @ self.w1[e]
+        if self.fp8_w1 is not None:
+            hidden = fp8_experts(x, self.w1, per_expert, self.fp8_w1)
             hidden = swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
-            outs.append(hidden @ self.w2[e])
+            return fp8_experts(hidden, self.w2, per_expert, self.fp8_w2)
+        if self.ep.grouped_gemm:
+            hidden = grouped_mm(x, self.w1, per_expert)
+            hidden = swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
+            return grouped_mm(hidden, self.w2, per_expert)
+        # unbind, not w1[e]: indexing each expert's weight has a backward per expert that writes a zero-filled
+        # gradient of all experts' weights and adds it up (E^2 weight-sized passes); unbind's backward is one
+        # stack of the experts' gradients, the one weight-sized write a grouped weight gradient costs anyway
+        outs = []
+        for part, w1, w2 in zip(x.split(per_expert), self.w1.unbind(0), self.w2.unbind(0)):
+            hidden = part @ w1
+            hidden = swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
+            outs.append(hidden @ w2)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

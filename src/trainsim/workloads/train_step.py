@@ -99,7 +99,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         ep_rank = layout.ep_rank(rank)
         ep = ExpertParallel(par.ep, ep_rank, groups["ep"],
                             routing or RouterCounts(model_cfg.num_experts, groups["ep"], ep_rank),
-                            par.moe_token_dispatcher)
+                            par.moe_token_dispatcher, par.moe_grouped_gemm)
     chunks = []
     try:
         for c in range(v):
