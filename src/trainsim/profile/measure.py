@@ -262,5 +262,4 @@ def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], 
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
-    del graph
     return statistics.median(samples)

@@ -18,7 +18,7 @@ import torch
 
 import trainsim.workloads.fully_sharded  # noqa: F401  (registers FSDP2's fsdp:: ops, replayed here)
 import trainsim.workloads.fused  # noqa: F401  (registers the trainsim:: ops)
-import trainsim.workloads.grouped_gemm  # noqa: F401  (registers trainsim::grouped_mm and its weight gradient)
+import trainsim.workloads.grouped_gemm  # noqa: F401  (registers the grouped GEMM ops, bf16 and FP8)
 from trainsim.errors import ReplayError
 from trainsim.trace.recorder import DTYPE_NAMES
 
