@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import xgboost as xgb
 
 from trainsim.artifacts import read_manifest
 from trainsim.errors import ArtifactError
 from trainsim.slowdown.features import DEVICE_COLUMNS, NUMERIC, device_numbers, overlap_features
 from trainsim.slowdown.train import SCHEMA_VERSION, TrainResult, baseline_predict, categorize, stretched_duration
+
+if TYPE_CHECKING:  # imported where a model is loaded (slowdown/train.py says why)
+    import xgboost as xgb
 
 MODEL_FILE = "model.json"
 SCHEMA_FILE = "schema.json"
@@ -89,6 +92,8 @@ class SlowdownPredictor:
     @classmethod
     def load(cls, model_dir: Path) -> SlowdownPredictor:
         model_dir = Path(model_dir)
+        import xgboost as xgb
+
         schema = _read_schema(model_dir)
         booster = xgb.Booster()
         booster.load_model(model_dir / MODEL_FILE)
@@ -111,6 +116,8 @@ class SlowdownPredictor:
         if features.empty:
             self.last_unknown_categories = {}
             return np.zeros(0)
+        import xgboost as xgb
+
         data = xgb.DMatrix(self.check(features), enable_categorical=True)
         return np.clip(self.booster.predict(data), 0.0, None).astype(float)
 

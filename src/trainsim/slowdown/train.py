@@ -23,15 +23,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import xgboost as xgb
 
 from trainsim.config.schema import SlowdownModelConfig
 from trainsim.errors import ConfigError
 from trainsim.slowdown.dataset import STATUS_OK, status_counts
 from trainsim.slowdown.features import CATEGORICAL, FEATURES, dataset_features
+
+if TYPE_CHECKING:  # imported where a model is trained or run: config validation and tracing need no XGBoost
+    import xgboost as xgb
 
 SCHEMA_VERSION = 2  # 2: features computable at compose (no Nsight metrics, device numbers for device_type)
 WITHIN = (5, 10, 15)
@@ -171,11 +174,15 @@ def baseline_predict(factors: dict[str, float], device_types: pd.Series) -> np.n
 
 
 def _fit(x: pd.DataFrame, y: np.ndarray, w: np.ndarray, cfg: SlowdownModelConfig) -> xgb.Booster:
+    import xgboost as xgb
+
     data = xgb.DMatrix(x, label=y, weight=w, enable_categorical=True)
     return xgb.train(xgb_params(cfg), data, num_boost_round=cfg.n_estimators)
 
 
 def _predict(booster: xgb.Booster, x: pd.DataFrame) -> np.ndarray:
+    import xgboost as xgb
+
     return np.clip(booster.predict(xgb.DMatrix(x, enable_categorical=True)), 0.0, None)
 
 
@@ -281,7 +288,9 @@ def train_slowdown_model(dataset: pd.DataFrame, cfg: SlowdownModelConfig) -> Tra
         "tuning": {"grid_size": grid_size, "cv_fold_params": chosen, "final_params": tuned_values(cfg)}
         if grid_size > 1 else {},
     }
-    schema = {"schema_version": SCHEMA_VERSION, "model": "xgboost", "xgboost_version": xgb.__version__,
+    from importlib.metadata import version
+
+    schema = {"schema_version": SCHEMA_VERSION, "model": "xgboost", "xgboost_version": version("xgboost"),
               "target": "slowdown", "feature_names": features, "categories": categories,
               "device_types": sorted(targets["device_type"].unique().tolist()), "baseline_factors": factors,
               "params": metrics["params"]}
