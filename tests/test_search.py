@@ -16,6 +16,7 @@ from trainsim.search.estimate import estimate_layout, play_pipeline
 from trainsim.search.layouts import SearchSpace, enumerate_layouts
 from trainsim.search.output import SECTIONS, write_search_artifact
 from trainsim.search.run import STATUS_OK, cluster_for, layout_overrides, load_slice_costs, search_layouts
+from trainsim.workloads.routing import RoutingHistogram
 
 SMALL = ["hardware=a100-80g-dgx", "model=gpt-small", "parallelism=dp2", "parallelism.global_batch_size=16"]
 SPACE = SearchSpace(micro_batch_sizes=(1, 2), recompute=("none", "full"))
@@ -152,8 +153,16 @@ def test_search_enumerates_expert_parallelism_with_its_memory(moe_search):
     assert memory.is_monotonic_decreasing and memory.iloc[-1] < 0.8 * memory.iloc[0]
     sharded = table.loc["dp8-tp2-ep4-pp1-mbs1-1f1b-v1-none-zero1", "peak_memory_gib"]
     assert sharded < table.loc["dp8-tp2-ep4-pp1-mbs1-1f1b-v1-none-zero0", "peak_memory_gib"]
-    with pytest.raises(ConfigError, match="moe_routing='zipf:1.0'"):
-        search_layouts(compose_run([*MOE_SMALL, "model.moe_routing=zipf:1.0"], check="layout"), 16, MOE_SPACE)
+
+
+def test_search_refuses_a_routing_histogram_file_and_says_what_it_takes(tmp_path):
+    histogram = RoutingHistogram()
+    for layer in range(1, 11):
+        histogram.add(layer, 0, [5, 1, 1, 1, 1, 1, 1, 1])
+    histogram.write(tmp_path / "routing.csv", "a test")
+    run = compose_run([*MOE_SMALL, f"model.moe_routing={tmp_path / 'routing.csv'}"], check="layout")
+    with pytest.raises(ConfigError, match="parametric model.moe_routing .*zipf:1.0"):
+        search_layouts(run, 16, MOE_SPACE)
 
 
 @pytest.mark.slow
@@ -169,6 +178,28 @@ def test_fast_path_agrees_with_the_full_composer_on_experts(moe_search, layout, 
                                      tmp_path)
     assert row["step_time_s"] == pytest.approx(summary["step_time_s"], rel=0.10)
     assert row["peak_memory_gib"] * 2**30 == pytest.approx(memory["peak_bytes"].max(), rel=0.02)
+
+
+@pytest.fixture(scope="module")
+def skewed_moe_search(tmp_path_factory):
+    space = dataclasses.replace(MOE_SPACE, tp_sizes=(1,), zero_stages=(0,), ep_sizes=(4,))
+    yield from _scratch_search(tmp_path_factory, [*MOE_SMALL, "model.moe_routing=zipf:1.0"], space, jobs=1)
+
+
+@pytest.mark.slow
+def test_fast_path_takes_each_layer_at_its_busiest_expert_rank(skewed_moe_search, moe_search, tmp_path):
+    """Zipf-skewed routing: every all-to-all waits for the rank whose experts got the most tokens, so the estimate
+    prices each layer as that rank runs it, and follows the composed step (a rank class per ep rank there)."""
+    run, result, _ = skewed_moe_search
+    layout = "dp4-tp1-ep4-pp2-last5-mbs1-1f1b-v1-none-zero0"
+    row = result.table.set_index("layout").loc[layout]
+    assert row["step_time_s"] > 1.2 * moe_search[1].table.set_index("layout").loc[layout, "step_time_s"]
+    summary, memory = _compose_fully([*MOE_SMALL, "model.moe_routing=zipf:1.0"]
+                                     + layout_overrides(row, cluster_for(run.hardware, 16).num_nodes), tmp_path)
+    assert row["step_time_s"] == pytest.approx(summary["step_time_s"], rel=0.10)
+    # memory: every layer at its busiest rank's activations, more than any one rank holds (hot experts move from
+    # layer to layer): an upper bound, +10 % here
+    assert memory["peak_bytes"].max() <= row["peak_memory_gib"] * 2**30 <= 1.15 * memory["peak_bytes"].max()
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ Memory: model states plus activations of the forwards in flight, as the trace st
 Mixtures of experts: a layer also waits for its token dispatch and combine over the expert-parallel group
 (Megatron's all-to-all dispatcher, no overlap with the experts' compute), and the expert weights' share of a
 stage's gradients is reduced over the expert replicas (dp * cp * tp / ep ranks, their own stream), where the
-distributed optimizer also shards their states and update. Routing is balanced (every rank the same tokens).
+distributed optimizer also shards their states and update. Under skewed routing a layer's costs are its busiest
+expert-parallel rank's (slices.py).
 
 Host dispatch (hardware.host_dispatch_s): each stage's host issues its passes' ops back to back, running
 ahead of the device (as the composer's host model): a pass cannot end before its last op is issued.

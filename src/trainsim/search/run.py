@@ -34,6 +34,7 @@ from trainsim.search.slices import SliceCosts, measure_slice_costs, slice_key
 from trainsim.timeline.provenance import search_inputs
 from trainsim.timeline.stage import comm_model
 from trainsim.trace.tracer import tracer_code_digest
+from trainsim.workloads.routing import PARAMETRIC
 
 SLICE_CACHE = Path("artifacts/search/slices")
 STATUS_OK, STATUS_OOM = "ok", "oom"
@@ -148,10 +149,11 @@ def evaluate_layouts(layouts: list[ParallelismConfig], costs: dict[str, SliceCos
 def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, jobs: int = 1,
                    calibration_dir: Path | None = None, cache: Path = SLICE_CACHE) -> SearchResult:
     """The whole search for `run`'s model on `run`'s hardware with `budget` GPUs."""
-    if run.model.num_experts and run.model.moe_routing != "balanced":  # one slice stands for every rank
-        raise ConfigError(f"the layout search estimates balanced routing, but model.moe_routing="
-                          f"'{run.model.moe_routing}'; search with model.moe_routing=balanced, then compose the chosen "
-                          "layouts with the skewed routing (`snakemake --config sweep_file=...` on the sweep file)")
+    routing = run.model.moe_routing
+    if run.model.num_experts and routing.split(":")[0] not in PARAMETRIC:  # a slice has not the file's layers
+        raise ConfigError(f"the layout search takes a parametric model.moe_routing ({', '.join(PARAMETRIC)}), not "
+                          f"the histogram file '{routing}': search with the skew closest to it (e.g. 'zipf:1.0'), "
+                          "then compose the chosen layouts with the file (`snakemake --config sweep_file=...`)")
     space = space or SearchSpace()
     hw = cluster_for(run.hardware, budget)
     layouts = enumerate_layouts(run.model, run.parallelism, hw, budget, space)

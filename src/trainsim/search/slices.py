@@ -18,6 +18,13 @@ data-parallel ranks that fold into ep groups), so its token all-to-alls and grou
 sizes; its expert weights are counted apart, since their gradients and optimizer states are split over the
 expert replicas, not the model's. The dense layers a model starts with (model.moe_first_dense_layers) are a
 part of their own, from two more slices of the model without experts.
+
+Skewed routing (model.moe_routing 'zipf:<s>' or 'dirichlet:<alpha>'): every all-to-all of a layer waits for the
+expert-parallel rank whose experts received the most tokens, so each layer takes that rank's time. The parts
+above come from balanced slices; a 1-layer slice traced with the skewed routing (a rank class per ep rank) gives
+the busiest rank's stage 0, and what it adds to the balanced stage 0 (expert GEMMs on more rows, larger saved
+activations) is added to every layer, its all-to-alls replacing the balanced ones. Each layer draws its own
+shares, so this takes the traced layer as typical of them all (exact for Zipf with one expert per rank).
 """
 
 from __future__ import annotations
@@ -92,6 +99,16 @@ class PartCost:
             backward_attention_s=max(self.backward_attention_s - other.backward_attention_s, 0.0),
             host_ops=counts(self.host_ops, other.host_ops),
             **{f: max(getattr(self, f) - getattr(other, f), 0) for f in MEMORY_FIELDS})
+
+    def plus(self, other: PartCost) -> PartCost:
+        """Sum of two parts (collective counts added)."""
+        def counts(a: dict, b: dict) -> dict:
+            return dict(Counter(a) + Counter(b))
+        seconds = ("forward_s", "backward_s", "optimizer_s", "forward_attention_s", "backward_attention_s")
+        collectives = ("forward_collectives", "backward_collectives", "forward_cp", "backward_cp", "forward_ep",
+                       "backward_ep", "host_ops")
+        return PartCost(**{f: getattr(self, f) + getattr(other, f) for f in seconds + MEMORY_FIELDS},
+                        **{f: counts(getattr(self, f), getattr(other, f)) for f in collectives})
 
 
 @dataclass
@@ -182,7 +199,8 @@ def _trace_slice(model: ModelConfig, par: ParallelismConfig, layers_per_stage: i
                                      global_batch_size=par.micro_batch_size * dp, zero_stage=0,
                                      overlap_param_gather=False, first_stage_layers=0, last_stage_layers=0)
     result = trace_layout(sliced_model, sliced_par)
-    return result.graph.to_pandas(), result.memory.to_pandas().set_index("rank_class")
+    stages = result.rank_classes.to_pandas().groupby("rank_class")["pp_rank"].first()
+    return result.graph.to_pandas(), result.memory.to_pandas().set_index("rank_class"), stages
 
 
 def _layer_parts(model: ModelConfig, par: ParallelismConfig, times_of) -> tuple[PartCost, PartCost, PartCost, int,
@@ -191,8 +209,8 @@ def _layer_parts(model: ModelConfig, par: ParallelismConfig, times_of) -> tuple[
     `times_of(ops)` profiles the ops of both slices."""
     from trainsim.workloads.moe import expert_parameters
 
-    one, one_memory = _trace_slice(model, par, 1)
-    two, two_memory = _trace_slice(model, par, 2)
+    one, one_memory, _ = _trace_slice(model, par, 1)
+    two, two_memory, _ = _trace_slice(model, par, 2)
     times = times_of(distinct_ops(pd.concat([one, two], ignore_index=True)))
     per_layer = expert_parameters(model, par.ep) * DTYPES[par.precision].itemsize if model.num_experts else 0
 
@@ -209,6 +227,19 @@ def _layer_parts(model: ModelConfig, par: ParallelismConfig, times_of) -> tuple[
             *transient)
 
 
+def _with_busiest_rank(layer: PartCost, model: ModelConfig, par: ParallelismConfig, times_of) -> PartCost:
+    """`layer` (balanced routing) as the busiest expert-parallel rank runs it under model.moe_routing (module doc)."""
+    skewed, skewed_memory, stages = _trace_slice(model, par, 1)
+    balanced, balanced_memory, _ = _trace_slice(dataclasses.replace(model, moe_routing="balanced"), par, 1)
+    times = times_of(distinct_ops(pd.concat([skewed, balanced], ignore_index=True)))
+    first_stage = [c for c, pp_rank in stages.items() if pp_rank == 0]
+    costs = [_stage_cost(skewed[skewed["rank_class"] == c], times, skewed_memory.loc[c]) for c in first_stage]
+    busiest = max(costs, key=lambda part: part.forward_s + part.backward_s)
+    base = _stage_cost(balanced[balanced["rank_class"] == 0], times, balanced_memory.loc[0])
+    return dataclasses.replace(layer.plus(busiest.minus(base)), forward_ep=busiest.forward_ep,
+                               backward_ep=busiest.backward_ep)
+
+
 def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, hardware_key: str,
                         database: Path) -> SliceCosts:
     """Trace the slices, profile their ops into `database`, and split them into parts."""
@@ -217,7 +248,10 @@ def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: Hardware
         return scaled_compute_times(dict(zip(rows["signature"], rows["median_s"].astype(float))), ops, hw)
 
     moe_only = dataclasses.replace(model, moe_first_dense_layers=0)
-    layer, first, last, p2p_bytes, first_transient, last_transient = _layer_parts(moe_only, par, times_of)
+    balanced = dataclasses.replace(moe_only, moe_routing="balanced")
+    layer, first, last, p2p_bytes, first_transient, last_transient = _layer_parts(balanced, par, times_of)
+    if model.num_experts and model.moe_routing != "balanced":
+        layer = _with_busiest_rank(layer, moe_only, par, times_of)
     dense_layer = PartCost()
     if model.num_experts and model.moe_first_dense_layers:
         dense = dataclasses.replace(model, num_experts=0, moe_first_dense_layers=0)
