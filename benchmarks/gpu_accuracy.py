@@ -21,8 +21,9 @@ step's device time goes against the replayed ops' (busy time, per op name).
 
     python benchmarks/gpu_accuracy.py [--hardware h100-sxm-dgx] [--cases llama8b-4l gpt7b-4l] [--steps 5]
 One case per process is safest: on an H200 a 128-expert case once left 73 GiB held by the profiling process and
-the next case's real step ran out of memory (ops are now rebuilt one at a time on a GPU; not rerun since). On a machine without a GPU it says so and stops (`--hardware local-cpu --small` runs the same
-path on the CPU with tiny models: a check of the script, not a figure).
+the next case's real step ran out of memory (ops are now rebuilt one at a time on a GPU; not rerun since).
+On a machine without a GPU it says so and stops (`--hardware local-cpu --small` runs the same path on the CPU
+with tiny models: a check of the script, not a figure).
 """
 
 from __future__ import annotations

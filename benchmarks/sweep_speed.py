@@ -17,8 +17,9 @@ Prints `figure sweep_layouts_per_second_gpt175b_1024gpu <v> 1/s`, `figure sweep_
 
 4. Mixture of experts: Mixtral 8x7B on 64 H100s (NeMo's layout as the base), searching tensor and expert
    parallelism, pipeline depth, schedule and recompute; `figure search_layouts_mixtral_64gpu`,
-   `figure search_fast_vs_full_mape_pct_moe` (the same agreement check on four of its layouts).
-   `--moe-only` runs this part alone.
+   `figure search_fast_vs_full_mape_pct_moe` (the same agreement check on four of its layouts), and the same
+   search and check with Zipf(1.0) routing (each layer at its busiest expert-parallel rank):
+   `figure search_fast_vs_full_mape_pct_moe_skewed`. `--moe-only` runs this part alone.
 """
 
 from __future__ import annotations
@@ -87,31 +88,36 @@ def dense() -> None:
     print(f"figure search_fast_vs_full_mape_pct {np.mean(errors):.2f} %")
 
 
-def mixture_of_experts() -> None:
+def mixture_of_experts(routing: str = "balanced") -> tuple[int, float]:
+    """(layouts, fast-vs-full MAPE %) of the Mixtral search with `routing`."""
     from trainsim.config import compose_run
     from trainsim.search.layouts import SearchSpace
     from trainsim.search.run import search_layouts
 
-    run = compose_run(MOE_BASE, check="layout")
+    base = [*MOE_BASE, f"model.moe_routing={routing}"]
+    run = compose_run(base, check="layout")
     space = SearchSpace(micro_batch_sizes=(1,), recompute=("none", "full"), tp_sizes=(1, 2))
     result = search_layouts(run, MOE_BUDGET, space, jobs=os.cpu_count() or 1,
                             calibration_dir=Path("artifacts/calibration") / "h100-sxm-dgx")
     table = result.table
-    print(f"\nMixtral 8x7B: {len(table)} layouts ({table['status'].value_counts().to_dict()}), slices "
-          f"{result.slices_s:.1f} s, estimates {result.estimate_s:.2f} s; expert-parallel degrees "
+    print(f"\nMixtral 8x7B, {routing} routing: {len(table)} layouts ({table['status'].value_counts().to_dict()}), "
+          f"slices {result.slices_s:.1f} s, estimates {result.estimate_s:.2f} s; expert-parallel degrees "
           f"{sorted(table['ep'].unique().tolist())}")
     best = table[table["status"] == "ok"].nsmallest(5, "step_time_s")
     print(best[["layout", "step_time_s", "peak_memory_gib", "tp_comm_s"]].to_string(index=False))
-    errors = agreement(MOE_BASE, MOE_BUDGET, table, f"mixtral-8x7b on {MOE_BUDGET} GPUs")
-    print()
-    print(f"figure search_layouts_mixtral_64gpu {len(table)} layouts")
-    print(f"figure search_fast_vs_full_mape_pct_moe {np.mean(errors):.2f} %")
+    errors = agreement(base, MOE_BUDGET, table, f"mixtral-8x7b on {MOE_BUDGET} GPUs, {routing} routing")
+    return len(table), float(np.mean(errors))
 
 
 def main() -> int:
     if "--moe-only" not in sys.argv:
         dense()
-    mixture_of_experts()
+    layouts, balanced = mixture_of_experts()
+    _, skewed = mixture_of_experts("zipf:1.0")
+    print()
+    print(f"figure search_layouts_mixtral_64gpu {layouts} layouts")
+    print(f"figure search_fast_vs_full_mape_pct_moe {balanced:.2f} %")
+    print(f"figure search_fast_vs_full_mape_pct_moe_skewed {skewed:.2f} %")
     return 0
 
 
