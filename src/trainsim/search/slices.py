@@ -227,16 +227,16 @@ def _layer_parts(model: ModelConfig, par: ParallelismConfig, times_of) -> tuple[
             *transient)
 
 
-def _with_busiest_rank(layer: PartCost, model: ModelConfig, par: ParallelismConfig, times_of) -> PartCost:
-    """`layer` (balanced routing) as the busiest expert-parallel rank runs it under model.moe_routing (module doc)."""
+def _with_busiest_rank(layer: PartCost, first: PartCost, model: ModelConfig, par: ParallelismConfig,
+                       times_of) -> PartCost:
+    """`layer` (balanced routing) as the busiest expert-parallel rank runs it under model.moe_routing (module doc);
+    `first` + `layer` is the balanced 1-layer slice's stage 0."""
     skewed, skewed_memory, stages = _trace_slice(model, par, 1)
-    balanced, balanced_memory, _ = _trace_slice(dataclasses.replace(model, moe_routing="balanced"), par, 1)
-    times = times_of(distinct_ops(pd.concat([skewed, balanced], ignore_index=True)))
+    times = times_of(distinct_ops(skewed))
     first_stage = [c for c, pp_rank in stages.items() if pp_rank == 0]
     costs = [_stage_cost(skewed[skewed["rank_class"] == c], times, skewed_memory.loc[c]) for c in first_stage]
     busiest = max(costs, key=lambda part: part.forward_s + part.backward_s)
-    base = _stage_cost(balanced[balanced["rank_class"] == 0], times, balanced_memory.loc[0])
-    return dataclasses.replace(layer.plus(busiest.minus(base)), forward_ep=busiest.forward_ep,
+    return dataclasses.replace(layer.plus(busiest.minus(layer.plus(first))), forward_ep=busiest.forward_ep,
                                backward_ep=busiest.backward_ep)
 
 
@@ -251,7 +251,7 @@ def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: Hardware
     balanced = dataclasses.replace(moe_only, moe_routing="balanced")
     layer, first, last, p2p_bytes, first_transient, last_transient = _layer_parts(balanced, par, times_of)
     if model.num_experts and model.moe_routing != "balanced":
-        layer = _with_busiest_rank(layer, moe_only, par, times_of)
+        layer = _with_busiest_rank(layer, first, moe_only, par, times_of)
     dense_layer = PartCost()
     if model.num_experts and model.moe_first_dense_layers:
         dense = dataclasses.replace(model, num_experts=0, moe_first_dense_layers=0)
