@@ -5,7 +5,7 @@ tp2, pp2 with 1F1B over 4 micro-batches, sp2 = tp2 with sequence parallelism, ze
 distributed optimizer, cp2 = context parallelism over 2 ranks, ring attention, fsdp2 = dp2 with FSDP2 fully
 sharded, ZeRO-3; ep2 = dp2 with 4 experts per layer, top-2, split over the 2 ranks and predicted with the
 routing histogram of its own real run; ep4 the same with 8 experts over 4 ranks, on a machine with 4
-cores) the layout's ops are timed again (`--remeasure`) and its hardware's gloo model and system noise
+cores; etp2 = dp2 with the 4 experts' weights split over the 2 ranks) the layout's ops are timed again (`--remeasure`) and its hardware's gloo model and system noise
 calibrated again (once per run); then the real step is measured
 (trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as
 spread; published at artifacts/ground_truth/local-cpu/...) and predicted by the pipeline (`trainsim
@@ -74,10 +74,13 @@ LOCAL = {
                  "model.moe_routing=zipf:1.5", "model.moe_force_routing=true"],
     "ep4": ["parallelism=dp2", "parallelism.dp=4", "parallelism.ep=4", "parallelism.global_batch_size=16",
             "model.num_experts=8", "model.moe_top_k=2"],
+    "etp2": ["parallelism=dp2", "parallelism.etp=2", "model.num_experts=4", "model.moe_top_k=2"],
 }
 """Layouts of gpt-small; ep2 makes its MLPs 4 experts (top-2) split over 2 ranks, predicted with the routing of its
 real run (the ground truth's routing histogram as model.moe_routing), ep4 8 experts over 4 ranks; ep2-skew forces
-the real run to a Zipf routing (the hot expert takes a copy of every token) and predicts with the same plan."""
+the real run to a Zipf routing (the hot expert takes a copy of every token) and predicts with the same plan; etp2
+keeps all 4 experts on both ranks with each expert's weights split over them (expert tensor parallelism: the
+tokens of both ranks gathered, uneven, before the experts and the outputs reduce-scattered after)."""
 LOCAL_RANKS = {"ep4": 4}
 """Ranks of the layouts that need more than 2: one core each (more ranks than cores would time-slice them, which
 the prediction does not model), so they are measured only on a machine with as many cores."""

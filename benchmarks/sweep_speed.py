@@ -15,9 +15,10 @@ NCCL model calibrated from the A100 nccl-tests tables when artifacts/calibration
 Prints `figure sweep_layouts_per_second_gpt175b_1024gpu <v> 1/s`, `figure sweep_layouts_per_second_1core
 <v> 1/s`, `figure search_fast_vs_full_mape_pct <v> %` and the tables behind them.
 
-4. Mixture of experts: Mixtral 8x7B on 64 H100s (NeMo's layout as the base), searching tensor and expert
-   parallelism, pipeline depth, schedule and recompute; `figure search_layouts_mixtral_64gpu`,
-   `figure search_fast_vs_full_mape_pct_moe` (the same agreement check on four of its layouts), and the same
+4. Mixture of experts: Mixtral 8x7B on 64 H100s (NeMo's layout as the base), searching tensor, expert and
+   expert tensor parallelism, pipeline depth, schedule and recompute; `figure search_layouts_mixtral_64gpu`,
+   `figure search_fast_vs_full_mape_pct_moe` (the same agreement check on four of its layouts and the fastest
+   with expert tensor parallelism), and the same
    search and check with Zipf(1.0) routing (each layer at its busiest expert-parallel rank):
    `figure search_fast_vs_full_mape_pct_moe_skewed`. `--moe-only` runs this part alone.
 """
@@ -39,7 +40,8 @@ MOE_BUDGET = 64
 
 
 def agreement(base: list[str], budget: int, table, label: str) -> list[float]:
-    """|fast - full| / full in % for the fastest, median and slowest layouts that fit and the deepest pipeline."""
+    """|fast - full| / full in % for the fastest, median and slowest layouts that fit, the deepest pipeline and
+    the fastest with expert tensor parallelism."""
     from trainsim.config import compose_run
     from trainsim.search.run import STATUS_OK, cluster_for, layout_overrides
     from trainsim.timeline.stage import compose_run_artifacts
@@ -47,6 +49,8 @@ def agreement(base: list[str], budget: int, table, label: str) -> list[float]:
     run = compose_run(base, check="layout")
     ok = table[table["status"] == STATUS_OK].sort_values("step_time_s").reset_index(drop=True)
     picks = {0, len(ok) // 2, len(ok) - 1, int(ok["pp"].idxmax())}
+    if (ok["etp"] > 1).any():
+        picks.add(int(ok[ok["etp"] > 1].index[0]))
     nodes = cluster_for(run.hardware, budget).num_nodes
     errors = []
     print(f"\n{label}\n| layout | fast (s) | full (s) | error | full compose wall (s) |\n|---|---|---|---|---|")

@@ -49,7 +49,7 @@ def test_no_expert_gets_more_copies_than_there_are_tokens():
 
 @pytest.mark.parametrize("spec", ["balanced", "zipf:1.2", "dirichlet:0.3"])
 def test_routing_plan_gives_every_rank_its_tokens_times_top_k(spec):
-    plan = routing_plan(spec, [1, 2, 3], num_experts=8, ep=4, tokens_per_rank=100, top_k=2)
+    plan = routing_plan(spec, [1, 2, 3], num_experts=8, sources=4, tokens_per_rank=100, top_k=2)
     assert plan.counts.shape == (3, 4, 8)
     assert (plan.counts.sum(axis=2) == 200).all() and plan.counts.max() <= 100
     skew = plan.counts.max(axis=2) / plan.counts.mean(axis=2)
@@ -71,7 +71,7 @@ def test_histogram_round_trip_and_errors(tmp_path):
     histogram.write(path, "a test")
     assert path.read_text().startswith("# routing histogram: a test\nlayer,ep_rank,expert,tokens\n")
     assert read_histogram(path, [0], 4)[0].tolist() == [[3, 2, 0, 1], [0, 1, 3, 0]]
-    plan = routing_plan(str(path), [0], 4, ep=2, tokens_per_rank=3, top_k=2)
+    plan = routing_plan(str(path), [0], 4, sources=2, tokens_per_rank=3, top_k=2)
     # per source, scaled to 6 copies; no expert above the 3 tokens (a token picks an expert once)
     assert plan.counts[0].tolist() == [[3, 2, 0, 1], [0, 3, 3, 0]]
     with pytest.raises(ConfigError, match="no tokens for MoE layer 1"):
@@ -89,6 +89,15 @@ def test_expert_groups_fold_over_the_stage():
     assert layout.group_ranks(5, "edp") == [5, 7]
     assert layout.group_ranks(5, "emp") == [0, 1, 4, 5]
     assert [layout.ep_rank(r) for r in range(8)] == [0, 1] * 4
+    # expert tensor parallelism (Megatron-Core's expert rank order tp-ep-dp-pp: etp fastest)
+    layout = Layout(dp=4, tp=2, pp=2, ep=2, etp=2)  # 8 ranks per stage: etp pairs, ep pairs, tep quads
+    assert layout.group_ranks(5, "etp") == [4, 5]
+    assert layout.group_ranks(5, "ep") == [5, 7]
+    assert layout.group_ranks(5, "tep") == [4, 5, 6, 7]
+    assert layout.group_ranks(5, "edp") == [1, 5]
+    assert layout.group_ranks(5, "emp") == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert [(layout.ep_rank(r), layout.etp_rank(r), layout.token_source(r)) for r in (5, 6, 13)] == \
+        [(0, 1, 1), (1, 0, 2), (0, 1, 1)]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -96,6 +105,10 @@ def test_expert_groups_fold_over_the_stage():
     (["parallelism=dp2", "parallelism.ep=4"], "must divide dp \\* cp \\* tp = 2"),
     (["parallelism=tp2", "parallelism.ep=2"], "sequence_parallel=true"),
     (["parallelism=dp2", "parallelism.zero_stage=3"], "FSDP"),
+    (["parallelism=dp2", "parallelism.etp=3"], "ep \\* etp = 1 \\* 3 must divide dp \\* cp \\* tp = 2"),
+    (["parallelism=dp2", "parallelism.etp=2", "model.moe_ffn_hidden_size=99"], "etp=2 does not divide the experts"),
+    (["parallelism=dp2", "parallelism.etp=2", "model.moe_ffn_hidden_size=40", "parallelism.precision=fp8",
+      "hardware=h100-sxm-dgx"], "multiple of 16"),
     (["parallelism=dp2", "model.moe_top_k=5"], "moe_top_k=5"),
     (["parallelism=dp2", "model.moe_routing=zipf:x"], "positive number"),
     (["parallelism=dp2", "model.moe_routing=nowhere.csv"], "routing histogram file"),
@@ -109,9 +122,10 @@ def test_invalid_expert_layouts_name_the_field(overrides, message):
         compose_run([*MOE, *overrides], check="layout")
 
 
-def test_dense_model_rejects_expert_parallelism():
-    with pytest.raises(ConfigError, match="has none"):
-        compose_run(["model=gpt-tiny", "parallelism=dp2", "parallelism.ep=2"], check="layout")
+@pytest.mark.parametrize("degree", ["ep", "etp"])
+def test_dense_model_rejects_expert_parallelism(degree):
+    with pytest.raises(ConfigError, match=f"{degree}=2 splits experts, but model 'gpt-tiny' has none"):
+        compose_run(["model=gpt-tiny", "parallelism=dp2", f"parallelism.{degree}=2"], check="layout")
 
 
 def _moe_layer(capacity_factor: float = 0.0, top_k: int = 2, router: str = "softmax") -> MoE:
@@ -214,6 +228,9 @@ def _histogram_of(real) -> RoutingHistogram:
                   "parallelism.global_batch_size=4", "hardware.devices_per_node=4", "model.num_experts=8",
                   "model.moe_shared_expert_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01",
                   "model.moe_first_dense_layers=1", "parallelism.zero_stage=1"], id="ep4-tp2-sp-shared-aux-zero1"),
+    pytest.param(["parallelism=dp2", "parallelism.etp=2", "parallelism.global_batch_size=4"], id="etp2"),
+    pytest.param(["parallelism=dp2", "parallelism.dp=4", "parallelism.ep=2", "parallelism.etp=2", "parallelism.global_batch_size=8",
+                  "hardware.devices_per_node=4", "model.moe_capacity_factor=1.0"], id="ep2-etp2-capacity"),
 ])
 def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_path):
     """One micro-batch per step: the real step's routing histogram, fed back as model.moe_routing, gives the
@@ -245,7 +262,8 @@ def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_p
         ops = ["op", "input_shapes"]
         assert list(recorded[ops].itertuples(index=False)) == list(expected[ops].itertuples(index=False))
         sizes.add(tuple(recorded["input_shapes"]))
-    assert len(sizes) > 1  # the ranks' experts received different numbers of tokens
+    # the ranks' experts received different numbers of tokens (with ep 1 the etp ranks compute the same gathered ones)
+    assert len(sizes) > 1 or par.ep == 1
 
 
 def test_forced_choices_give_each_token_distinct_experts_and_the_plan_counts():
@@ -282,36 +300,42 @@ def test_forced_routing_runs_the_planned_imbalance_for_real():
 
 
 def _expert_parallel_vs_all_experts(rank, layout, model_cfg, tokens_per_rank, dispatcher):
-    """Each rank: the ep-split layer on its own tokens, and (as reference) one layer with every expert on every
-    rank's tokens; the same full weights on both (drawn from one seed, then sliced)."""
+    """Each rank: the layer split over ep x etp on its own tokens, and (as reference) one layer with every expert on
+    every rank's tokens; the same full weights on both (drawn from one seed, then sliced: experts by ep rank, each
+    expert's inner width by etp rank)."""
     groups = create_groups(layout, rank, every_group=True, experts=True)
-    ep = layout.ep
+    ep, etp, sources = layout.ep, layout.etp, layout.ep * layout.etp
+    ep_rank, etp_rank, kind = layout.ep_rank(rank), layout.etp_rank(rank), layout.token_group_kind
     torch.manual_seed(7)
     full = MoE(model_cfg, 0, ExpertParallel(1, 0, None, RouterCounts(model_cfg.num_experts, None, 0)),
                torch.float32, 1.0, False, None)
-    x_all = torch.randn(ep * tokens_per_rank, model_cfg.hidden_size)
-    split = MoE(model_cfg, 0, ExpertParallel(ep, rank, groups["ep"],
-                                             RouterCounts(model_cfg.num_experts, groups["ep"], rank), dispatcher),
+    x_all = torch.randn(sources * tokens_per_rank, model_cfg.hidden_size)
+    counts = RouterCounts(model_cfg.num_experts, groups[kind], layout.token_source(rank), group_kind=kind)
+    split = MoE(model_cfg, 0, ExpertParallel(ep, ep_rank, groups["ep"], counts, dispatcher, etp=etp,
+                                             etp_rank=etp_rank, etp_group=groups["etp"], tep_group=groups["tep"]),
                 torch.float32, 1.0, False, None)
-    n = model_cfg.num_experts // ep
+    n, width = model_cfg.num_experts // ep, split.w2.shape[1]
+    experts, inner = slice(ep_rank * n, (ep_rank + 1) * n), slice(etp_rank * width, (etp_rank + 1) * width)
     with torch.no_grad():
         split.router.copy_(full.router)
-        split.w1.copy_(full.w1[rank * n:(rank + 1) * n])
-        split.w2.copy_(full.w2[rank * n:(rank + 1) * n])
-    mine = x_all[rank * tokens_per_rank:(rank + 1) * tokens_per_rank]
-    out = split(mine)
+        split.w1.copy_(full.w1[experts, :, inner])
+        split.w2.copy_(full.w2[experts, inner])
+    mine = slice(layout.token_source(rank) * tokens_per_rank, (layout.token_source(rank) + 1) * tokens_per_rank)
+    out = split(x_all[mine])
     out.square().sum().backward()  # each rank's loss on its tokens; expert gradients come back by all-to-all
     reference = full(x_all)
     reference.square().sum().backward()
     return ([out.detach(), split.w1.grad, split.w2.grad],
-            [reference[rank * tokens_per_rank:(rank + 1) * tokens_per_rank].detach(),
-             full.w1.grad[rank * n:(rank + 1) * n], full.w2.grad[rank * n:(rank + 1) * n]])
+            [reference[mine].detach(), full.w1.grad[experts, :, inner], full.w2.grad[experts, inner]])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(dispatcher):
-    run = compose_run([*MOE, "parallelism=dp2", "parallelism.ep=2", "model.moe_top_k=2"], check="layout")
+@pytest.mark.parametrize("ep, etp, dispatcher", [(2, 1, "alltoall"), (2, 1, "allgather"), (1, 2, "alltoall"),
+                                                 (2, 2, "alltoall"), (2, 2, "allgather")])
+def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(ep, etp, dispatcher):
+    run = compose_run([*MOE, "parallelism=dp2", f"parallelism.dp={ep * etp}", f"parallelism.ep={ep}",
+                       f"parallelism.etp={etp}", f"parallelism.global_batch_size={2 * ep * etp}",
+                       f"hardware.devices_per_node={ep * etp}", "model.moe_top_k=2"], check="layout")
     for got, expected in spawn_ranks(_expert_parallel_vs_all_experts, run.parallelism, run.model, 24, dispatcher):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -142,12 +142,17 @@ def moe_search(tmp_path_factory):
 
 @pytest.mark.slow
 def test_search_enumerates_expert_parallelism_with_its_memory(moe_search):
-    """Every divisor of the expert count that folds into a stage is tried; tensor parallelism comes with sequence
-    parallelism (Megatron-Core requires it with experts); splitting the experts frees their memory."""
+    """Every divisor of the expert count that folds into a stage is tried, each with expert tensor parallelism 1 and
+    the layout's tp; tensor parallelism comes with sequence parallelism (Megatron-Core requires it with experts);
+    splitting the experts, or each expert, frees their memory."""
     run, result, _ = moe_search
     table = result.table.set_index("layout")
     assert set(table["ep"]) == {1, 2, 4, 8} and table[table["tp"] > 1]["sequence_parallel"].all()
-    assert (table[table["ep"] > 1]["dp"] * table[table["ep"] > 1]["tp"] % table[table["ep"] > 1]["ep"] == 0).all()
+    assert set(table["etp"]) == {1, 2} and (table[table["etp"] > 1]["tp"] == 2).all()
+    folded = table["ep"] * table["etp"]
+    assert (table["dp"] * table["tp"] % folded == 0).all()
+    split = table.loc["dp8-tp2-ep4-etp2-pp1-mbs1-1f1b-v1-none-zero0", "peak_memory_gib"]
+    assert split < table.loc["dp8-tp2-ep4-pp1-mbs1-1f1b-v1-none-zero0", "peak_memory_gib"]
     memory = table.loc[[f"dp8-tp2{ep}-pp1-mbs1-1f1b-v1-none-zero0" for ep in ("", "-ep2", "-ep4", "-ep8")],
                        "peak_memory_gib"]
     assert memory.is_monotonic_decreasing and memory.iloc[-1] < 0.8 * memory.iloc[0]
@@ -167,7 +172,8 @@ def test_search_refuses_a_routing_histogram_file_and_says_what_it_takes(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp4-tp1-ep4-pp2-last5-mbs1-1f1b-v1-none-zero0",
-                                    "dp8-tp2-ep8-pp1-mbs1-1f1b-v1-none-zero1"])
+                                    "dp8-tp2-ep8-pp1-mbs1-1f1b-v1-none-zero1",
+                                    "dp8-tp2-ep4-etp2-pp1-mbs1-1f1b-v1-none-zero1"])
 def test_fast_path_agrees_with_the_full_composer_on_experts(moe_search, layout, tmp_path):
     """Token all-to-alls, grouped GEMMs at the layout's sizes, the dense first layer, expert gradients reduced
     over the expert replicas and their states sharded there, 11 layers as 6 + 5: the estimate follows the

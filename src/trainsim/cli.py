@@ -243,7 +243,8 @@ def _cmd_search(args, console: Console) -> int:
     run = compose_run(args.overrides, check="layout")
     space = SearchSpace(micro_batch_sizes=tuple(args.micro_batch_sizes), schedules=tuple(args.schedules),
                         recompute=tuple(args.recompute), min_world_size=args.min_gpus, cp_sizes=tuple(args.cp_sizes),
-                        zero_stages=tuple(args.zero_stages), ep_sizes=tuple(args.ep_sizes))
+                        zero_stages=tuple(args.zero_stages), ep_sizes=tuple(args.ep_sizes),
+                        etp_sizes=tuple(args.etp_sizes))
     calibration = Path(STAGES["calibration"].path(run.keys))
     if not args.quick and not (calibration / "manifest.json").is_file():
         from trainsim.comm.calibration import write_calibration_artifact
@@ -347,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep-sizes", type=int, nargs="+", default=[],
                    help="expert-parallel degrees to try for a mixture of experts (default: every divisor of "
                         "model.num_experts)")
+    p.add_argument("--etp-sizes", type=int, nargs="+", default=[],
+                   help="expert-tensor-parallel degrees to try (default: 1 and each layout's tp)")
     p.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
     p.add_argument("--top", type=int, default=5, help="fastest layouts shown and written to sweep.yaml")
     p.add_argument("--output", help="artifact directory (default artifacts/search/{hardware}/{model}/{gpus}gpu)")

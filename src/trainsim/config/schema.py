@@ -424,8 +424,13 @@ class ParallelismConfig:
     ep: int = 1
     """Expert-parallel degree (MoE models): each MoE layer's experts are split over ep ranks, which exchange
     tokens by all-to-all. Folded over the dp * cp * tp ranks of a pipeline stage as Megatron-Core's parallel
-    folding does (expert tensor parallelism 1): ep ranks are consecutive in that order, and the ranks holding
-    the same experts (dp * cp * tp / ep of them) reduce the experts' gradients."""
+    folding does (workloads/layout.py): etp * ep consecutive ranks in that order, and the ranks holding the same
+    expert shards (dp * cp * tp / (ep * etp) of them) reduce the experts' gradients."""
+    etp: int = 1
+    """Expert tensor parallelism (Megatron-Core --expert-tensor-parallel-size): each expert's weights are split
+    over etp ranks (column-parallel up, row-parallel down projection), independently of tp. The tokens an ep rank
+    receives are all-gathered over its etp group before the experts and the partial outputs reduce-scattered
+    after (workloads/moe.py). 1 (the default of Megatron-Core's MoE recipes) keeps experts whole."""
     moe_token_dispatcher: str = "alltoall"
     """How MoE layers move tokens to the expert-parallel ranks (Megatron-Core --moe-token-dispatcher-type):
     'alltoall' (each token copy sent to its expert's rank) or 'allgather' (every rank gathers all ranks' tokens,

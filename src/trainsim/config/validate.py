@@ -204,20 +204,30 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
 
 
 def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
-    if par.ep < 1:
-        raise ConfigError(f"parallelism.ep={par.ep} must be >= 1")
+    for name in ("ep", "etp"):
+        if getattr(par, name) < 1:
+            raise ConfigError(f"parallelism.{name}={getattr(par, name)} must be >= 1")
     if not model.num_experts:
-        if par.ep > 1:
-            raise ConfigError(f"parallelism.ep={par.ep} splits experts, but model '{model.name}' has none "
-                              "(model.num_experts=0); use ep=1")
+        for name in ("ep", "etp"):
+            if getattr(par, name) > 1:
+                raise ConfigError(f"parallelism.{name}={getattr(par, name)} splits experts, but model "
+                                  f"'{model.name}' has none (model.num_experts=0); use {name}=1")
         return
     if model.num_experts % par.ep:
         raise ConfigError(f"parallelism.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
                           f"choose ep among {_divisors(model.num_experts)}")
     stage = par.dp * par.cp * par.tp
-    if stage % par.ep:
-        raise ConfigError(f"parallelism.ep={par.ep} must divide dp * cp * tp = {stage} (expert parallelism is "
-                          f"folded over those ranks of a stage); choose ep among {_divisors(stage)}")
+    if stage % (par.ep * par.etp):
+        raise ConfigError(f"parallelism.ep * etp = {par.ep} * {par.etp} must divide dp * cp * tp = {stage} (expert "
+                          f"parallelism is folded over those ranks of a stage); choose ep * etp among "
+                          f"{_divisors(stage)}")
+    ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    if ffn % par.etp:
+        raise ConfigError(f"parallelism.etp={par.etp} does not divide the experts' inner width {ffn} "
+                          f"(model.moe_ffn_hidden_size); choose etp among {_divisors(ffn)}")
+    if par.precision == "fp8" and (ffn // par.etp) % 16:
+        raise ConfigError(f"parallelism.etp={par.etp} leaves each expert an inner width of {ffn // par.etp}, not a "
+                          "multiple of 16 as FP8 GEMMs need; choose a smaller etp or precision bf16")
     if par.tp > 1 and not par.sequence_parallel:
         raise ConfigError(f"model '{model.name}' has experts and parallelism.tp={par.tp}: MoE layers route each tp "
                           "rank's own tokens, so set parallelism.sequence_parallel=true (as Megatron-Core requires)")

@@ -63,14 +63,23 @@ class LayoutEstimate:
     oom: bool
 
 
-def _collective_seconds(counts: dict[str, int], comm: CommModel, tp: int, tp_nodes: int, compute_s: float) -> float:
-    """A pass's tensor-parallel collectives, each after an equal share of its compute (the system noise
-    wait of trainsim/comm/noise.py, as the composer adds it)."""
+def _collective_seconds(counts: dict[str, int], comm: CommModel, size: int, nodes: int, compute_s: float) -> float:
+    """A pass's collectives over a group of `size` ranks on `nodes` nodes, each after an equal share of its
+    compute (the system noise wait of trainsim/comm/noise.py, as the composer adds it)."""
     total, calls = 0.0, sum(counts.values())
     for label, count in counts.items():
         collective, message_bytes = label.split(":")
-        total += count * comm.collective_seconds(collective, int(message_bytes), tp, tp_nodes)
-    return total + (calls * comm.sync_wait_s(compute_s / calls, tp) if calls else 0.0)
+        total += count * comm.collective_seconds(collective, int(message_bytes), size, nodes)
+    return total + (calls * comm.sync_wait_s(compute_s / calls, size) if calls else 0.0)
+
+
+def _by_group_kind(counts: dict[str, int]) -> dict[str, dict[str, int]]:
+    """'group_kind:collective:message_bytes' -> count, split into {group_kind: {'collective:message_bytes': count}}."""
+    split: dict[str, dict[str, int]] = {}
+    for label, count in counts.items():
+        kind, _, rest = label.partition(":")
+        split.setdefault(kind, {})[rest] = count
+    return split
 
 
 def _context_parallel_seconds(counts: dict[str, int], comm: CommModel, cp: int, cp_nodes: int,
@@ -211,8 +220,8 @@ def optimizer_shards(par: ParallelismConfig) -> int:
 
 
 def expert_replicas(par: ParallelismConfig) -> int:
-    """Ranks holding the same experts (Megatron's expert data-parallel group: a stage's ranks over ep)."""
-    return par.dp * par.cp * par.tp // par.ep
+    """Ranks holding the same expert shards (Megatron's expert data-parallel group)."""
+    return Layout.of(par).expert_replicas
 
 
 def expert_shards(par: ParallelismConfig) -> int:
@@ -236,7 +245,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     """Fast step-time and memory estimate of one layout. Memory comes first: a layout that does not fit
     (or memory_only) is returned without timing (step fields NaN)."""
     pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
-    layout = Layout(par.dp, par.tp, par.pp, par.cp, par.ep)
+    layout = Layout.of(par)
     parts = _chunk_parts(model, par)
     peak = max(_stage_memory(costs, parts, s, v, par) for s in range(pp))
     oom = bool(hw.memory_capacity_bytes) and peak > hw.memory_capacity_bytes
@@ -246,7 +255,8 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     domain = domain_size(hw)  # the collective model's node: an NVLink domain
     tp_nodes = nodes_spanned(layout.group_ranks(0, "tp"), hw)
     cp_nodes = nodes_spanned(layout.group_ranks(0, "cp"), hw)
-    ep_nodes = nodes_spanned(layout.group_ranks(0, "ep"), hw)
+    expert_groups = {kind: (len(ranks), nodes_spanned(ranks, hw))
+                     for kind in ("ep", "etp", "tep") for ranks in [layout.group_ranks(0, kind)]}
 
     def pass_seconds(part: PartCost, phase: str) -> tuple[float, float, float]:
         forward = phase == "F"
@@ -254,9 +264,9 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         counts = part.forward_collectives if forward else part.backward_collectives
         host = part.host_ops.get("forward" if forward else "backward", 0) * hw.host_dispatch_s
         comm_s = _collective_seconds(counts, comm, par.tp, tp_nodes, compute) if par.tp > 1 else 0.0
-        if par.ep > 1:  # token dispatch and combine: the layer waits for them (no overlap modelled)
-            comm_s += _collective_seconds(part.forward_ep if forward else part.backward_ep, comm, par.ep, ep_nodes,
-                                          compute)
+        # token dispatch and combine (and the expert-tensor-parallel gathers): the layer waits for them
+        for kind, counts in _by_group_kind(part.forward_experts if forward else part.backward_experts).items():
+            comm_s += _collective_seconds(counts, comm, *expert_groups[kind], compute)
         if par.cp > 1:
             comm_s += _context_parallel_seconds(part.forward_cp if forward else part.backward_cp, comm, par.cp,
                                                 cp_nodes, part.forward_attention_s if forward else

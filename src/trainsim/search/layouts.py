@@ -1,8 +1,8 @@
 """Enumerate the parallel layouts of a model on a GPU budget.
 
 A layout is (dp, tp, pp, micro-batch size, schedule with its virtual stages, recompute), and for a mixture
-of experts its expert-parallel degree (folded over a stage's dp * cp * tp ranks; tensor parallelism then comes
-with sequence parallelism, as Megatron-Core requires). Pipeline depths that do not divide the layers get
+of experts its expert-parallel and expert-tensor-parallel degrees (folded over a stage's dp * cp * tp ranks;
+tensor parallelism then comes with sequence parallelism, as Megatron-Core requires). Pipeline depths that do not divide the layers get
 lighter end stages (first/last_stage_layers; DeepSeek-V3's 61 layers as 4 per stage, 1 on the last). World sizes are
 the budget and its halvings down to one node, so the search can trade time for cost. Tensor
 parallelism stays inside a node (its collectives block compute on every layer, so nobody runs it
@@ -39,6 +39,8 @@ class SearchSpace:
     """state sharding to try (0 replicated, 1 distributed optimizer, 2/3 FSDP); empty: the base config's"""
     ep_sizes: tuple[int, ...] = ()
     """expert-parallel degrees to try for a mixture of experts; empty: every divisor of the expert count"""
+    etp_sizes: tuple[int, ...] = ()
+    """expert-tensor-parallel degrees to try; empty: 1 and the layout's tp (Megatron-Core's default expert TP)"""
 
     def __post_init__(self):
         for name, values, accepted in (("schedules", self.schedules, SCHEDULES),
@@ -51,10 +53,10 @@ class SearchSpace:
             raise ConfigError(f"search space zero_stages={list(self.zero_stages)}: accepted values are "
                               f"{', '.join(map(str, ZERO_STAGES))}")
         bad = [b for b in (*self.micro_batch_sizes, *self.virtual_stages, *self.tp_sizes, *self.cp_sizes,
-                           *self.ep_sizes) if b < 1]
+                           *self.ep_sizes, *self.etp_sizes) if b < 1]
         if bad or not self.micro_batch_sizes or not self.cp_sizes:
-            raise ConfigError(f"search space: micro-batch sizes, virtual stages, tp, cp and ep sizes must be >= 1, "
-                              f"got {bad}")
+            raise ConfigError(f"search space: micro-batch sizes, virtual stages, tp, cp, ep and etp sizes must be "
+                              f">= 1, got {bad}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -74,7 +76,7 @@ def world_sizes(budget: int, hw: HardwareConfig, space: SearchSpace) -> list[int
 
 def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareConfig, budget: int,
                       space: SearchSpace) -> list[ParallelismConfig]:
-    """Every valid layout within the budget, in a stable order (world size, tp, cp, pp, ep, mbs, schedule,
+    """Every valid layout within the budget, in a stable order (world size, tp, cp, pp, ep, etp, mbs, schedule,
     recompute)."""
     if budget < 1:
         raise ConfigError(f"GPU budget {budget} must be positive")
@@ -85,13 +87,18 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
     # pipeline depths: the even splits of the layers, and the others with lighter end stages (lighter_end_stages)
     splits = {pp: (0, 0) if model.num_layers % pp == 0 else lighter_end_stages(model.num_layers, pp)
               for pp in range(1, model.num_layers + 1)}
-    grid = [(world, tp, cp, pp, ep) for world in world_sizes(budget, hw, space) for tp in tps
-            for cp in space.cp_sizes for pp, split in splits.items() for ep in eps
-            if split is not None and world % (tp * cp * pp) == 0 and (world // pp) % ep == 0]
+    def etps(tp: int) -> tuple[int, ...]:
+        if not model.num_experts:
+            return (1,)
+        return space.etp_sizes or tuple(sorted({1, tp}))
+
+    grid = [(world, tp, cp, pp, ep, etp) for world in world_sizes(budget, hw, space) for tp in tps
+            for cp in space.cp_sizes for pp, split in splits.items() for ep in eps for etp in etps(tp)
+            if split is not None and world % (tp * cp * pp) == 0 and (world // pp) % (ep * etp) == 0]
     sharding = [(z, f"-zero{z}" if space.zero_stages else "") for z in space.zero_stages or (base.zero_stage,)]
-    for world, tp, cp, pp, ep in grid:
+    for world, tp, cp, pp, ep, etp in grid:
         dp = world // (tp * cp * pp)
-        context = (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
+        context = (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "") + (f"-etp{etp}" if etp > 1 else "")
         first, last = splits[pp]
         stages = f"pp{pp}" + (f"-first{first}" if first else "") + (f"-last{last}" if last else "")
         sequence_parallel = base.sequence_parallel or (model.num_experts > 0 and tp > 1)
@@ -105,7 +112,7 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
                             par = dataclasses.replace(
                                 base, name=f"dp{dp}-tp{tp}{context}-{stages}-mbs{mbs}-{schedule}-v{v}-{recompute}"
                                            f"{zero_name}",
-                                dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
+                                dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
                                 micro_batch_size=mbs, schedule=schedule,
                                 virtual_stages=v, recompute=recompute, zero_stage=zero,
                                 first_stage_layers=first, last_stage_layers=last,

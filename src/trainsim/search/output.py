@@ -20,7 +20,7 @@ from trainsim.search.layouts import SearchSpace  # noqa: E402
 from trainsim.search.run import STATUS_OK, SearchResult, cost_column, summary_json, sweep_file_text  # noqa: E402
 
 SECTIONS = ("best", "pareto", "layouts", "search-cost")
-SHOWN = ("layout", "world_size", "dp", "tp", "cp", "pp", "ep", "micro_batch_size", "schedule", "virtual_stages",
+SHOWN = ("layout", "world_size", "dp", "tp", "cp", "pp", "ep", "etp", "micro_batch_size", "schedule", "virtual_stages",
          "recompute", "step_time_s", "tokens_per_s", "mfu_pct", "peak_memory_gib", "gpu_seconds_per_step",
          "cost_per_million_tokens_usd", "pareto")
 

@@ -102,7 +102,7 @@ def _evaluate(par: ParallelismConfig) -> dict:
     w = _WORKER
     est = estimate_layout(w["costs"][slice_key(par)], w["model"], par, w["hw"], w["comm"])
     row = {"layout": par.name, "world_size": par.world_size, "dp": par.dp, "tp": par.tp, "cp": par.cp, "pp": par.pp,
-           "ep": par.ep, "sequence_parallel": par.sequence_parallel, "zero_stage": par.zero_stage,
+           "ep": par.ep, "etp": par.etp, "sequence_parallel": par.sequence_parallel, "zero_stage": par.zero_stage,
            "first_stage_layers": par.first_stage_layers, "last_stage_layers": par.last_stage_layers,
            "micro_batch_size": par.micro_batch_size, "num_microbatches": par.num_microbatches,
            "schedule": par.schedule, "virtual_stages": par.virtual_stages, "recompute": par.recompute,
@@ -177,7 +177,7 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
 def layout_overrides(row: pd.Series, num_nodes: int) -> list[str]:
     """Hydra overrides that reproduce one searched layout in the full pipeline."""
     return [f"parallelism.dp={row.dp}", f"parallelism.tp={row.tp}", f"parallelism.cp={row.cp}",
-            f"parallelism.pp={row.pp}", f"parallelism.ep={row.ep}",
+            f"parallelism.pp={row.pp}", f"parallelism.ep={row.ep}", f"parallelism.etp={row.etp}",
             f"parallelism.sequence_parallel={str(bool(row.sequence_parallel)).lower()}",
             f"parallelism.zero_stage={row.zero_stage}", f"parallelism.first_stage_layers={row.first_stage_layers}",
             f"parallelism.last_stage_layers={row.last_stage_layers}",

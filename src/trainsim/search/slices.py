@@ -65,9 +65,10 @@ class PartCost:
     """'collective:message_bytes' -> count, context-parallel communication in the forward pass (ring sends,
     all-gathers, reduce-scatters)"""
     backward_cp: dict[str, int] = field(default_factory=dict)
-    forward_ep: dict[str, int] = field(default_factory=dict)
-    """'collective:message_bytes' -> count, expert-parallel token dispatch and combine in the forward pass"""
-    backward_ep: dict[str, int] = field(default_factory=dict)
+    forward_experts: dict[str, int] = field(default_factory=dict)
+    """'group_kind:collective:message_bytes' -> count, the MoE layers' token exchanges in the forward pass (kinds
+    ep, etp and tep: workloads/layout.py)"""
+    backward_experts: dict[str, int] = field(default_factory=dict)
     forward_attention_s: float = 0.0
     """the attention kernels' time, which the context-parallel ring's sends run beside"""
     backward_attention_s: float = 0.0
@@ -93,8 +94,8 @@ class PartCost:
             backward_collectives=counts(self.backward_collectives, other.backward_collectives),
             forward_cp=counts(self.forward_cp, other.forward_cp),
             backward_cp=counts(self.backward_cp, other.backward_cp),
-            forward_ep=counts(self.forward_ep, other.forward_ep),
-            backward_ep=counts(self.backward_ep, other.backward_ep),
+            forward_experts=counts(self.forward_experts, other.forward_experts),
+            backward_experts=counts(self.backward_experts, other.backward_experts),
             forward_attention_s=max(self.forward_attention_s - other.forward_attention_s, 0.0),
             backward_attention_s=max(self.backward_attention_s - other.backward_attention_s, 0.0),
             host_ops=counts(self.host_ops, other.host_ops),
@@ -105,8 +106,8 @@ class PartCost:
         def counts(a: dict, b: dict) -> dict:
             return dict(Counter(a) + Counter(b))
         seconds = ("forward_s", "backward_s", "optimizer_s", "forward_attention_s", "backward_attention_s")
-        collectives = ("forward_collectives", "backward_collectives", "forward_cp", "backward_cp", "forward_ep",
-                       "backward_ep", "host_ops")
+        collectives = ("forward_collectives", "backward_collectives", "forward_cp", "backward_cp", "forward_experts",
+                       "backward_experts", "host_ops")
         return PartCost(**{f: getattr(self, f) + getattr(other, f) for f in seconds + MEMORY_FIELDS},
                         **{f: counts(getattr(self, f), getattr(other, f)) for f in collectives})
 
@@ -152,15 +153,17 @@ def slice_key(par: ParallelismConfig) -> str:
     sp = "-sp" + ("-overlap" if par.tp_comm_overlap else "") if par.sequence_parallel and par.tp > 1 else ""
     precision = f"fp8-{par.fp8_recipe}" if par.precision == "fp8" else par.precision
     context = f"-cp{par.cp}-{par.cp_comm_type}" if par.cp > 1 else ""
-    experts = f"-ep{par.ep}-{par.moe_token_dispatcher}" if par.ep > 1 else ""
+    experts = f"-ep{par.ep}-etp{par.etp}-{par.moe_token_dispatcher}" if par.ep * par.etp > 1 else ""
     experts += "" if par.moe_grouped_gemm else "-sequential-experts"
     return f"tp{par.tp}{sp}{context}{experts}-mbs{par.micro_batch_size}-{par.recompute}-{precision}"
 
 
-def _comm_counts(events: pd.DataFrame, phase: str) -> dict[str, int]:
-    """'collective:message_bytes' -> count of `events` in `phase`."""
+def _comm_counts(events: pd.DataFrame, phase: str, with_kind: bool = False) -> dict[str, int]:
+    """'collective:message_bytes' ('group_kind:collective:message_bytes' `with_kind`) -> count of `events` in
+    `phase`."""
     events = events[events["phase"] == phase]
-    return dict(Counter(events["collective"] + ":" + events["message_bytes"].astype(str)))
+    labels = events["collective"] + ":" + events["message_bytes"].astype(str)
+    return dict(Counter(events["group_kind"] + ":" + labels if with_kind else labels))
 
 
 def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series,
@@ -172,13 +175,14 @@ def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series,
     per_microbatch = graph[graph["per_microbatch"]]
     tp = per_microbatch[(per_microbatch["kind"] == "collective") & (per_microbatch["group_kind"] == "tp")]
     cp = per_microbatch[(per_microbatch["group_kind"] == "cp") & (per_microbatch["collective"] != "recv")]
-    ep = per_microbatch[(per_microbatch["kind"] == "collective") & (per_microbatch["group_kind"] == "ep")]
+    ep = per_microbatch[(per_microbatch["kind"] == "collective")
+                        & per_microbatch["group_kind"].isin(("ep", "etp", "tep"))]
     return PartCost(
         forward_s=float(seconds.get("forward", 0.0)), backward_s=float(seconds.get("backward", 0.0)),
         optimizer_s=float(seconds.get("optimizer", 0.0)),
         forward_collectives=_comm_counts(tp, "forward"), backward_collectives=_comm_counts(tp, "backward"),
         forward_cp=_comm_counts(cp, "forward"), backward_cp=_comm_counts(cp, "backward"),
-        forward_ep=_comm_counts(ep, "forward"), backward_ep=_comm_counts(ep, "backward"),
+        forward_experts=_comm_counts(ep, "forward", True), backward_experts=_comm_counts(ep, "backward", True),
         forward_attention_s=float(attention_s.get("forward", 0.0)),
         backward_attention_s=float(attention_s.get("backward", 0.0)),
         parameter_bytes=int(memory["parameter_bytes"]), gradient_bytes=int(memory["gradient_bytes"]),
@@ -194,7 +198,7 @@ def _trace_slice(model: ModelConfig, par: ParallelismConfig, layers_per_stage: i
     from trainsim.trace.tracer import trace_layout  # torch: only when a slice is actually traced
 
     sliced_model = dataclasses.replace(model, num_layers=2 * layers_per_stage)
-    dp = par.ep // math.gcd(par.ep, par.tp * par.cp)
+    dp = par.ep * par.etp // math.gcd(par.ep * par.etp, par.tp * par.cp)
     sliced_par = dataclasses.replace(par, dp=dp, pp=2, virtual_stages=1, schedule="1f1b",
                                      global_batch_size=par.micro_batch_size * dp, zero_stage=0,
                                      overlap_param_gather=False, first_stage_layers=0, last_stage_layers=0)
@@ -212,7 +216,7 @@ def _layer_parts(model: ModelConfig, par: ParallelismConfig, times_of) -> tuple[
     one, one_memory, _ = _trace_slice(model, par, 1)
     two, two_memory, _ = _trace_slice(model, par, 2)
     times = times_of(distinct_ops(pd.concat([one, two], ignore_index=True)))
-    per_layer = expert_parameters(model, par.ep) * DTYPES[par.precision].itemsize if model.num_experts else 0
+    per_layer = expert_parameters(model, par.ep, par.etp) * DTYPES[par.precision].itemsize if model.num_experts else 0
 
     def stage(graph, memory, cls, layers):
         return _stage_cost(graph[graph["rank_class"] == cls], times, memory.loc[cls], layers * per_layer)
@@ -236,8 +240,8 @@ def _with_busiest_rank(layer: PartCost, first: PartCost, model: ModelConfig, par
     first_stage = [c for c, pp_rank in stages.items() if pp_rank == 0]
     costs = [_stage_cost(skewed[skewed["rank_class"] == c], times, skewed_memory.loc[c]) for c in first_stage]
     busiest = max(costs, key=lambda part: part.forward_s + part.backward_s)
-    return dataclasses.replace(layer.plus(busiest.minus(layer.plus(first))), forward_ep=busiest.forward_ep,
-                               backward_ep=busiest.backward_ep)
+    return dataclasses.replace(layer.plus(busiest.minus(layer.plus(first))), forward_experts=busiest.forward_experts,
+                               backward_experts=busiest.backward_experts)
 
 
 def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, hardware_key: str,
@@ -255,7 +259,7 @@ def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: Hardware
     dense_layer = PartCost()
     if model.num_experts and model.moe_first_dense_layers:
         dense = dataclasses.replace(model, num_experts=0, moe_first_dense_layers=0)
-        dense_layer = _layer_parts(dense, dataclasses.replace(par, ep=1), times_of)[0]
+        dense_layer = _layer_parts(dense, dataclasses.replace(par, ep=1, etp=1), times_of)[0]
     return SliceCosts(layer=layer, first=first, last=last, p2p_message_bytes=p2p_bytes,
                       first_transient_bytes=first_transient, last_transient_bytes=last_transient,
                       dense_layer=dense_layer)

@@ -72,10 +72,11 @@ def _refine_once(layout: Layout, labels: np.ndarray) -> np.ndarray:
     dp_sig = np.broadcast_to(np.sort(grid, axis=1).transpose(0, 2, 1)[:, None, :, :], (pp, dp, tp, dp))
     pp_sig = np.broadcast_to(grid.transpose(1, 2, 0)[None, :, :, :], (pp, dp, tp, pp))
     parts = [grid[..., None], tp_sig, dp_sig, pp_sig]
-    if layout.ep > 1:  # expert-parallel groups: consecutive ranks of a stage
-        stage = grid.reshape(pp, -1, layout.ep)
-        ep_sig = np.broadcast_to(np.sort(stage, axis=2)[:, :, None, :], (*stage.shape, layout.ep))
-        parts.append(ep_sig.reshape(pp, dp, tp, layout.ep))
+    tep = layout.ep * layout.etp
+    if tep > 1:  # the ranks that exchange tokens (etp x ep): consecutive ranks of a stage
+        stage = grid.reshape(pp, -1, tep)
+        ep_sig = np.broadcast_to(np.sort(stage, axis=2)[:, :, None, :], (*stage.shape, tep))
+        parts.append(ep_sig.reshape(pp, dp, tp, tep))
     sig = np.concatenate(parts, axis=3).reshape(pp * dp * tp, -1)
     _, inverse = np.unique(sig, axis=0, return_inverse=True)
     return inverse.reshape(-1)

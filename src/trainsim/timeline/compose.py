@@ -213,7 +213,7 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
                     schedule: str, rules: tuple[str, ...], collapse: bool):
     """Pass templates of every class. Classes with the same graph up to renaming and op sizes share the work
     of splitting, rule evaluation and collapsing (labels, which name sizes, are per trace class)."""
-    layout = Layout(par.dp, par.tp, par.pp, par.cp, par.ep)
+    layout = Layout.of(par)
     lookup, comm_s = _compute_lookup(compute_seconds), _comm_lookup(comm)
     base_rep = rank_classes.groupby("rank_class")["rank"].min().to_dict()
     graph = graph.reset_index(drop=True)
@@ -381,7 +381,7 @@ def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Paralleli
     """
     started = time.perf_counter()
     slowdown = slowdown or NoSlowdown()
-    layout = Layout(par.dp, par.tp, par.pp, par.cp, par.ep)
+    layout = Layout.of(par)
     classes = timeline_classes(rank_classes, layout, straggler_factors(hw, layout.world_size))
     programs, info, pp_rank = _class_programs(_plain(graph), rank_classes, par, hw, classes, compute_seconds, comm,
                                               schedule or par.schedule, tuple(rules), collapse)

@@ -178,6 +178,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         kinds = (*EXPERT_GROUP_KINDS, "amax", "mp", *(k for k in GROUP_KINDS if k not in ("amax", "mp")))
         self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in kinds}
         self._named_kind: str | None = None  # the kind the step says it communicates in (observer.communication)
+        self._stands_for: tuple | None = None
         self._group_ranks_cache: dict[int, list[int]] = {}
         self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
         self.allocations = StepAllocations()
@@ -206,17 +207,20 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             self._once_per_step = previous
 
     @contextlib.contextmanager
-    def communication(self, async_op: bool = False, group_kind: str | None = None) -> Iterator[None]:
+    def communication(self, async_op: bool = False, group_kind: str | None = None,
+                      stands_for: tuple | None = None) -> Iterator[None]:
         """Inside a communication call only the c10d ops are the workload's: other ops dispatched there are
         the backend's own implementation of the collective (gloo's reduce-scatter splits and copies its
         input; NCCL does it in its kernel), not kernels the training step launches. The c10d ops are
-        marked async_op when the step waits for them only where it reads their results."""
-        previous = self._in_communication, self._async_op, self._named_kind
+        marked async_op when the step waits for them only where it reads their results; with `stands_for`,
+        recorded with those (outputs, inputs) as their first two arguments."""
+        previous = self._in_communication, self._async_op, self._named_kind, self._stands_for
         self._in_communication, self._async_op, self._named_kind = True, async_op, group_kind
+        self._stands_for = stands_for
         try:
             yield
         finally:
-            self._in_communication, self._async_op, self._named_kind = previous
+            self._in_communication, self._async_op, self._named_kind, self._stands_for = previous
 
     def _watch(self, t: torch.Tensor) -> int:
         """The key of `t`'s storage, whose entries in _last_writer and _saved_storages go when it is freed.
@@ -259,6 +263,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
                               lambda: {_storage_key(t) for t in tree_flatten((args, kwargs))[0]
                                        if isinstance(t, torch.Tensor)})
         if func.namespace not in SKIPPED_NAMESPACES and (func.namespace == "c10d" or not self._in_communication):
+            if func.namespace == "c10d" and self._stands_for is not None:
+                args = (*self._stands_for, *args[2:])
             self._record(func, args, kwargs, out)
             if self.time_ops:
                 self.events[-1]["wall_s"] = elapsed

@@ -64,14 +64,14 @@ class TraceResult:
 def rank_class_table(layout: Layout, expert_class: list[int] | None = None) -> pa.Table:
     """rank -> class. All dp, cp and tp ranks of one pipeline stage run the same graph up to renaming (context-
     parallel ranks attend over different blocks of the sequence, of the same shapes and work), except in an MoE
-    model whose routing sends different token counts to different expert-parallel ranks: expert_class[ep_rank]
-    then splits each stage (class = pp_rank * classes per stage + expert class)."""
-    expert_class = expert_class or [0] * layout.ep
+    model whose routing sends different token counts from or to different ranks: expert_class[token source]
+    (Layout.token_source) then splits each stage (class = pp_rank * classes per stage + expert class)."""
+    expert_class = expert_class or [0] * (layout.ep * layout.etp)
     per_stage = max(expert_class) + 1
     positions = [layout.position(r) for r in range(layout.world_size)]
     return pa.table({
         "rank": [p.rank for p in positions],
-        "rank_class": [p.pp_rank * per_stage + expert_class[layout.ep_rank(p.rank)] for p in positions],
+        "rank_class": [p.pp_rank * per_stage + expert_class[layout.token_source(p.rank)] for p in positions],
         "dp_rank": [p.dp_rank for p in positions],
         "tp_rank": [p.tp_rank for p in positions],
         "pp_rank": [p.pp_rank for p in positions],
@@ -121,7 +121,8 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
         groups = create_groups(layout, rank, every_group=False, experts=plan is not None)
-        routing = (PlannedCounts(plan, groups["ep"], layout.ep_rank(rank), model_cfg.moe_force_routing)
+        kind = layout.token_group_kind
+        routing = (PlannedCounts(plan, groups[kind], layout.token_source(rank), model_cfg.moe_force_routing, kind)
                    if plan is not None else None)
         with FakeTensorMode():
             torch.manual_seed(0)
@@ -161,13 +162,13 @@ def _stage_shape(pp_rank: int, pp: int) -> tuple[bool, bool]:
     return pp_rank == 0, pp_rank == pp - 1
 
 
-def expert_classes(plan: RoutingPlan | None, ep: int) -> list[int]:
-    """Class within a stage of each expert-parallel rank: ranks that send and receive the same token counts
-    share one (all of them under balanced routing)."""
+def expert_classes(plan: RoutingPlan | None, ep: int, etp: int = 1) -> list[int]:
+    """Class within a stage of each token source (Layout.token_source): ranks that send and receive the same
+    token counts share one (all of them under balanced routing)."""
     if plan is None:
-        return [0] * ep
+        return [0] * (ep * etp)
     seen: dict[bytes, int] = {}
-    return [seen.setdefault(plan.rank_signature(r, ep), len(seen)) for r in range(ep)]
+    return [seen.setdefault(plan.rank_signature(r, ep, etp), len(seen)) for r in range(ep * etp)]
 
 
 PARALLEL_MIN_TRACES = 16
@@ -200,7 +201,7 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
                          "torch.distributed is not initialised")
     layout = layout_of(par)
     plan = model_routing_plan(model_cfg, par)
-    expert_class = expert_classes(plan, par.ep)
+    expert_class = expert_classes(plan, par.ep, par.etp)
     per_stage = max(expert_class) + 1
     same_layers = plan is None or bool((plan.counts == plan.counts[:1]).all())
     classes = [(pp_rank, cls, layout.stage_representative(pp_rank) + expert_class.index(cls),

@@ -86,7 +86,8 @@ def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: in
     pos = layout.position(rank)
     histogram = RoutingHistogram() if experts else None
     force = model_routing_plan(model_cfg, par) if model_cfg.moe_force_routing else None
-    routing = (RouterCounts(model_cfg.num_experts, groups["ep"], layout.ep_rank(rank), histogram, force)
+    kind = layout.token_group_kind
+    routing = (RouterCounts(model_cfg.num_experts, groups[kind], layout.token_source(rank), histogram, force, kind)
                if experts else None)
     torch.manual_seed(1234 + pos.pp_rank * 100 + pos.tp_rank)  # replicas start identical
     rm = build_rank_model(model_cfg, par, rank, groups, routing)

@@ -16,11 +16,13 @@ shards); mp: the model-parallel group (every tp and pp rank of one replica; Mega
 get_model_parallel_group, where the gradient norm is summed); amax: every dp, cp and tp rank of one
 pipeline stage (Megatron's amax-reduction group, over which FP8 delayed scaling reduces its amaxes)."""
 
-EXPERT_GROUP_KINDS = ("ep", "edp", "emp")
-"""Groups of MoE models (Megatron-Core's parallel folding with expert tensor parallelism 1): the dp * cp * tp ranks
-of a stage, in that rank order, are re-cut into ep x edp: ep, consecutive ranks that split the experts and exchange
-tokens by all-to-all; edp, the ranks holding the same experts (where their gradients are reduced); emp, the ep ranks
-of every stage of one expert replica (where the experts' gradient norm is summed)."""
+EXPERT_GROUP_KINDS = ("ep", "etp", "tep", "edp", "emp")
+"""Groups of MoE models (Megatron-Core's parallel folding, expert rank order 'tp-ep-dp-pp'): the dp * cp * tp ranks of
+a stage, in that rank order, are re-cut into etp x ep x edp, etp varying fastest: etp, the ranks that split each
+expert's weights (expert tensor parallelism); ep, the ranks that split the experts and exchange tokens by all-to-all;
+tep, the etp x ep ranks of both (Megatron's tp-ep group: where the token counts are gathered, and the all-gather
+dispatcher gathers tokens); edp, the ranks holding the same expert shards (where their gradients are reduced); emp,
+the tep ranks of every stage of one expert replica (where the experts' gradient norm is summed)."""
 
 
 def stage_layer_counts(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[int]:
@@ -81,15 +83,35 @@ class Layout:
     pp: int
     cp: int = 1
     ep: int = 1
+    etp: int = 1
 
     @property
     def stage_size(self) -> int:
         """Ranks per pipeline stage."""
         return self.dp * self.cp * self.tp
 
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks of a stage holding the same expert shards (the edp group)."""
+        return self.stage_size // (self.ep * self.etp)
+
+    def token_source(self, rank: int) -> int:
+        """Position of `rank` in its tep group: the index of the tokens it routes among the ranks that exchange
+        them (= its ep rank with expert tensor parallelism 1)."""
+        return rank % self.stage_size % (self.ep * self.etp)
+
+    @property
+    def token_group_kind(self) -> str:
+        """Kind of the group whose ranks exchange tokens: 'ep', or 'tep' with expert tensor parallelism."""
+        return "ep" if self.etp == 1 else "tep"
+
     def ep_rank(self, rank: int) -> int:
-        """Position of `rank` in its expert-parallel group."""
-        return rank % self.stage_size % self.ep
+        """Position of `rank` in its expert-parallel group (which experts it holds)."""
+        return self.token_source(rank) // self.etp
+
+    def etp_rank(self, rank: int) -> int:
+        """Position of `rank` in its expert-tensor-parallel group (which slice of its experts' weights it holds)."""
+        return rank % self.etp
 
     @property
     def world_size(self) -> int:
@@ -125,13 +147,20 @@ class Layout:
             return [self.rank_of(i, k, s, j) for i in range(self.dp) for j in range(self.cp) for k in range(self.tp)]
         base, local = divmod(rank, self.stage_size)
         base *= self.stage_size
-        edp_rank, ep_rank = divmod(local, self.ep)
+        tep = self.ep * self.etp
+        edp_rank, source = divmod(local, tep)
+        ep_rank, etp_rank = divmod(source, self.etp)
+        replica = base + edp_rank * tep
+        if kind == "etp":
+            return [replica + ep_rank * self.etp + i for i in range(self.etp)]
         if kind == "ep":
-            return [base + edp_rank * self.ep + i for i in range(self.ep)]
+            return [replica + i * self.etp + etp_rank for i in range(self.ep)]
+        if kind == "tep":
+            return [replica + i for i in range(tep)]
         if kind == "edp":
-            return [base + j * self.ep + ep_rank for j in range(self.stage_size // self.ep)]
+            return [base + j * tep + source for j in range(self.expert_replicas)]
         if kind == "emp":
-            return [j * self.stage_size + edp_rank * self.ep + i for j in range(self.pp) for i in range(self.ep)]
+            return [j * self.stage_size + edp_rank * tep + i for j in range(self.pp) for i in range(tep)]
         raise ValueError(f"group kind {kind!r}; accepted: {', '.join(GROUP_KINDS + EXPERT_GROUP_KINDS)}")
 
     def all_groups(self, kind: str) -> list[list[int]]:
@@ -140,6 +169,11 @@ class Layout:
         for rank in range(self.world_size):
             seen.setdefault(tuple(self.group_ranks(rank, kind)), None)
         return [list(g) for g in seen]
+
+    @classmethod
+    def of(cls, par) -> Layout:
+        """The layout of a ParallelismConfig."""
+        return cls(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp)
 
     def stage_representative(self, pp_rank: int) -> int:
         """The rank traced for pipeline stage `pp_rank` (dp_rank = tp_rank = 0)."""

@@ -12,11 +12,15 @@ Per micro-batch, on each rank's own tokens (its sequence-parallel shard when tp 
    regrouped by local expert (Megatron's sort_chunks_by_idxs);
 4. experts: each local expert's MLP on its tokens, as one grouped GEMM per projection over all local experts
    (Megatron's GroupedMLP; parallelism.moe_grouped_gemm) or a GEMM per expert (SequentialMLP); the groups' rows
-   are the tokens each expert received, so an imbalanced routing gives ranks different GEMM shapes;
+   are the tokens each expert received, so an imbalanced routing gives ranks different GEMM shapes. With expert
+   tensor parallelism (parallelism.etp) each rank holds 1/etp of every local expert's inner width: the tokens
+   the etp ranks of an ep rank received are all-gathered among them first (uneven: each received its own count),
+   and the partial outputs reduce-scattered back after;
 5. combine: the reverse regrouping and all-to-all, then each copy weighted by its router probability and summed
    back into its token (index_add); the shared expert, a dense MLP every token goes through, is added.
-With the all-gather dispatcher (parallelism.moe_token_dispatcher) steps 3-5 are instead: all-gather every rank's
-tokens, probabilities and choices, compute the copies routed to the local experts, reduce-scatter the sums.
+With the all-gather dispatcher (parallelism.moe_token_dispatcher) steps 3-5 are instead: all-gather the tokens,
+probabilities and choices of every rank of the tep group (etp x ep), compute the copies routed to the local
+experts, reduce-scatter the (partial) sums over the same group.
 
 The token counts come from a counts source (workloads/routing.py): the router's choice in a real run, a routing
 plan in a trace. Everything else is the same code. Expert weights carry `expert = True`: their gradients are
@@ -39,7 +43,8 @@ from trainsim.workloads.fused import swiglu
 from trainsim.workloads.grouped_gemm import grouped_mm
 from trainsim.workloads.observe import observer
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
-from trainsim.workloads.tensor_parallel import all_gather_tokens, gather_from_sp, reduce_scatter_to_sp
+from trainsim.workloads.tensor_parallel import (all_gather_tokens, gather_from_sp, gather_uneven, reduce_scatter_to_sp,
+                                                reduce_scatter_uneven_rows)
 
 
 @dataclass
@@ -54,6 +59,21 @@ class ExpertParallel:
     """parallelism.moe_token_dispatcher"""
     grouped_gemm: bool = True
     """parallelism.moe_grouped_gemm"""
+    etp: int = 1
+    """parallelism.etp: ranks splitting each expert's weights"""
+    etp_rank: int = 0
+    etp_group: object = None
+    tep_group: object = None
+    """the etp x ep ranks (the ep group where etp = 1): the all-gather dispatcher's group"""
+
+    @property
+    def source(self) -> int:
+        """This rank's position in the tep group (Layout.token_source)."""
+        return self.rank * self.etp + self.etp_rank
+
+    @property
+    def tep_kind(self) -> str:
+        return "ep" if self.etp == 1 else "tep"
 
 
 class _AllToAll(torch.autograd.Function):
@@ -120,16 +140,18 @@ def _regroup(x: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
     return _Regroup.apply(x, torch.tensor(order, device=x.device), torch.tensor(np.argsort(order), device=x.device))
 
 
-def expert_weight_shapes(cfg: ModelConfig, local_experts: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """Shapes of a rank's grouped expert weights in one MoE layer: w1 (up; gate and up with SwiGLU), w2 (down)."""
-    ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size
+def expert_weight_shapes(cfg: ModelConfig, local_experts: int,
+                         etp: int = 1) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Shapes of a rank's grouped expert weights in one MoE layer: w1 (up; gate and up with SwiGLU), w2 (down),
+    each expert's inner width split over etp ranks (w1 column-, w2 row-parallel)."""
+    ffn = (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size) // etp
     up = 2 * ffn if cfg.family == "llama" else ffn
     return (local_experts, cfg.hidden_size, up), (local_experts, ffn, cfg.hidden_size)
 
 
-def expert_parameters(cfg: ModelConfig, ep: int) -> int:
+def expert_parameters(cfg: ModelConfig, ep: int, etp: int = 1) -> int:
     """Expert weights one rank holds per MoE layer (the rest of the layer is replicated over the expert groups)."""
-    return sum(math.prod(shape) for shape in expert_weight_shapes(cfg, cfg.num_experts // ep))
+    return sum(math.prod(shape) for shape in expert_weight_shapes(cfg, cfg.num_experts // ep, etp))
 
 
 class MoE(nn.Module):
@@ -144,7 +166,7 @@ class MoE(nn.Module):
         self.swiglu = cfg.family == "llama"
         self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype))
         self.router.sequence_parallel = sequence_parallel  # each tp rank routes its own tokens: partial gradients
-        w1, w2 = expert_weight_shapes(cfg, self.local_experts)
+        w1, w2 = expert_weight_shapes(cfg, self.local_experts, ep.etp)
         self.w1 = nn.Parameter(torch.empty(w1, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(w2, dtype=dtype))
         for weight in (self.router, self.w1, self.w2):
@@ -204,8 +226,8 @@ class MoE(nn.Module):
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
         per_expert = routing_map.sum(dim=0)
         counts = ep.counts.local(self.layer, per_expert)
-        everyone = ep.counts.everyone(self.layer, per_expert, ep.size)  # [ep, E]
-        if ep.dispatcher == "allgather" and ep.size > 1:
+        everyone = ep.counts.everyone(self.layer, per_expert, ep.size * ep.etp)  # [token sources, E]
+        if ep.dispatcher == "allgather" and ep.size * ep.etp > 1:
             combined = self._allgather_experts(tokens, probs, indices, everyone)
         else:
             combined = self._alltoall_experts(tokens, probs, indices, counts, everyone)
@@ -223,26 +245,36 @@ class MoE(nn.Module):
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
             order = torch.cat([order[int(s):int(s) + min(c, capacity)] for s, c in zip(starts, counts)])
             everyone = np.minimum(everyone, capacity)
-        sent = everyone[ep.rank].reshape(ep.size, self.local_experts)  # [destination rank, its expert]
+        sent = everyone[ep.source].reshape(ep.size, self.local_experts)  # [destination rank, its expert]
         mine = slice(ep.rank * self.local_experts, (ep.rank + 1) * self.local_experts)
-        received = everyone[:, mine]  # [source rank, my expert]
+        by_source = everyone[:, mine].reshape(ep.size, ep.etp, self.local_experts)  # [ep rank, etp rank, my expert]
+        received = by_source[:, ep.etp_rank]  # [source ep rank, my expert], what the all-to-all brings
         permuted = tokens.index_select(0, order // k)
         if ep.size > 1:
             permuted = _AllToAll.apply(permuted, received.sum(axis=1).tolist(), sent.sum(axis=1).tolist(), ep.group)
-        out = self._experts(_regroup(permuted, received), received.sum(axis=0).tolist())
-        out = _regroup(out, received.T)
+        rows = received
+        if ep.etp > 1:  # every etp rank computes its slice of the experts for what all of them received
+            rows = by_source.transpose(1, 0, 2).reshape(-1, self.local_experts)  # by etp rank, then ep rank
+            etp_sizes = by_source.sum(axis=(0, 2)).tolist()
+            permuted = gather_uneven(permuted, etp_sizes, ep.etp_group, "etp")
+        out = self._experts(_regroup(permuted, rows), rows.sum(axis=0).tolist())
+        out = _regroup(out, rows.T)
+        if ep.etp > 1:
+            out = reduce_scatter_uneven_rows(out, etp_sizes, ep.etp_group, "etp")
         if ep.size > 1:
             out = _AllToAll.apply(out, sent.sum(axis=1).tolist(), received.sum(axis=1).tolist(), ep.group)
         weights = probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(tokens).index_add(0, order // k, out * weights)
 
     def _allgather_experts(self, tokens, probs, indices, everyone: np.ndarray) -> torch.Tensor:
-        """Megatron-Core's all-gather dispatcher: every rank gathers all ranks' tokens, routing and probabilities,
-        computes the copies routed to its experts, and the partial outputs are reduce-scattered back."""
+        """Megatron-Core's all-gather dispatcher: every rank gathers the tep group's tokens, routing and
+        probabilities, computes the copies routed to its experts (its slice of them with etp > 1), and the partial
+        outputs are reduce-scattered back."""
         k, ep = self.top_k, self.ep
-        gathered = gather_from_sp(tokens, ep.group, ep.size, "ep")  # [ep T, h]
-        gathered_probs = gather_from_sp(probs, ep.group, ep.size, "ep")
-        gathered_indices = all_gather_tokens(indices, ep.group, ep.size, group_kind="ep")
+        group, size, kind = ep.tep_group, ep.size * ep.etp, ep.tep_kind
+        gathered = gather_from_sp(tokens, group, size, kind)  # [tep T, h]
+        gathered_probs = gather_from_sp(probs, group, size, kind)
+        gathered_indices = all_gather_tokens(indices, group, size, group_kind=kind)
         per_expert = everyone.sum(axis=0)  # over all sources
         first = int(per_expert[:ep.rank * self.local_experts].sum())
         mine = per_expert[ep.rank * self.local_experts:(ep.rank + 1) * self.local_experts]
@@ -250,4 +282,4 @@ class MoE(nn.Module):
         out = self._experts(gathered.index_select(0, order // k), mine.tolist())
         weights = gathered_probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype)
         partial = torch.zeros_like(gathered).index_add(0, order // k, out * weights)
-        return reduce_scatter_to_sp(partial, ep.group, ep.size, "ep")
+        return reduce_scatter_to_sp(partial, group, size, kind)

@@ -28,11 +28,13 @@ class StepObserver:
         yield
 
     @contextlib.contextmanager
-    def communication(self, async_op: bool = False, group_kind: str | None = None) -> Iterator[None]:
+    def communication(self, async_op: bool = False, group_kind: str | None = None,
+                      stands_for: tuple | None = None) -> Iterator[None]:
         """The step is issuing or waiting for communication (time here is not computation); async_op: the
         calls return at once and the step waits for them later, where it uses their results; group_kind:
         the kind (layout.GROUP_KINDS) of the group used, where another kind's group has the same ranks (the
-        context-parallel ring is the gradient group when dp = 1)."""
+        context-parallel ring is the gradient group when dp = 1); stands_for: (outputs, inputs) of the call
+        the one inside stands in for, where the backend cannot run it as such (collectives.all_gather_uneven)."""
         yield
 
 
@@ -55,7 +57,8 @@ class StepTimer(StepObserver):
             self._phase = previous
 
     @contextlib.contextmanager
-    def communication(self, async_op: bool = False, group_kind: str | None = None) -> Iterator[None]:
+    def communication(self, async_op: bool = False, group_kind: str | None = None,
+                      stands_for: tuple | None = None) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield

@@ -5,20 +5,22 @@ are the only data-dependent part of an MoE step (they set the all-to-all split s
 expert GEMMs), and the MoE layer asks for them through one of two sources:
 
 * `RouterCounts` (real runs): the counts of the router's top-k choice, and the other ranks' counts by an
-  all-gather over the expert-parallel group, as Megatron-Core's all-to-all dispatcher gets them;
+  all-gather over the ranks that exchange tokens (the tep group: expert-parallel times expert-tensor-parallel
+  ranks), as Megatron-Core's all-to-all dispatcher gets them;
 * `PlannedCounts` (traces): the same all-gather is issued, and the counts come from a `RoutingPlan`.
 
-A plan holds, per MoE layer, the tokens each expert-parallel rank sends to each expert in one micro-batch. It is
+A plan holds, per MoE layer, the tokens each token source sends to each expert in one micro-batch; the sources are
+the ranks of a tep group, by position (`Layout.token_source`: the ep rank when etp = 1). It is
 made from `model.moe_routing`: 'balanced' (every expert the same share), 'zipf:<s>' (expert shares ~ 1 / i^s in
 an order drawn per layer, so the hot expert differs from layer to layer), 'dirichlet:<alpha>' (shares drawn per
 layer from a symmetric Dirichlet; small alpha = skewed), or a routing histogram file. Shares are the same for
 every source rank except in a histogram that has one row per source (the layout it was exported from had the
-same ep); each source's token copies are split over experts by largest remainders, so counts are exact integers,
+same ep * etp); each source's token copies are split over experts by largest remainders, so counts are exact integers,
 and no expert gets more copies than the source has tokens (a token picks each expert at most once).
 
 Histogram file (CSV, `#` lines are comments; written by `RoutingHistogram.write`): columns layer (index among
-the model's layers), ep_rank (the source's position in its expert-parallel group; summed over the ranks
-holding the same experts), expert (global index) and tokens (token-expert assignments counted, over any number
+the model's layers), ep_rank (the token source: its position in its expert-parallel group, or in the tep group
+with expert tensor parallelism; summed over the replicas of that group), expert (global index) and tokens (token-expert assignments counted, over any number
 of micro-batches and steps). A model layer missing from the file, or a file layer the model has no experts in,
 is an error; shares are what is used.
 """
@@ -122,8 +124,8 @@ def read_histogram(path: Path, layers: list[int], num_experts: int) -> np.ndarra
 
 @dataclass(frozen=True)
 class RoutingPlan:
-    """counts[i, j, e]: tokens (token-expert assignments) the ep rank j sends to expert e in MoE layer
-    `layers[i]`, per micro-batch; each row sums to the rank's tokens times top-k."""
+    """counts[i, j, e]: tokens (token-expert assignments) the token source j sends to expert e in MoE layer
+    `layers[i]`, per micro-batch; each row sums to the source's tokens times top-k."""
 
     layers: tuple[int, ...]
     counts: np.ndarray
@@ -131,11 +133,13 @@ class RoutingPlan:
     def of_layer(self, layer: int) -> np.ndarray:
         return self.counts[self.layers.index(layer)]
 
-    def rank_signature(self, ep_rank: int, ep: int) -> bytes:
-        """What makes one ep rank's trace differ from another's: what it sends and what its experts receive."""
+    def rank_signature(self, source: int, ep: int, etp: int = 1) -> bytes:
+        """What makes one token source's trace differ from another's: what it sends, and what its experts
+        (those of ep rank source // etp) receive from every source."""
         experts = self.counts.shape[2] // ep
+        ep_rank = source // etp
         mine = self.counts[:, :, ep_rank * experts:(ep_rank + 1) * experts]
-        return self.counts[:, ep_rank].tobytes() + mine.tobytes()
+        return self.counts[:, source].tobytes() + mine.tobytes()
 
 
 def moe_layers(num_layers: int, first_dense: int, num_experts: int) -> list[int]:
@@ -143,19 +147,19 @@ def moe_layers(num_layers: int, first_dense: int, num_experts: int) -> list[int]
     return list(range(first_dense, num_layers)) if num_experts else []
 
 
-def routing_plan(spec: str, layers: list[int], num_experts: int, ep: int, tokens_per_rank: int,
+def routing_plan(spec: str, layers: list[int], num_experts: int, sources: int, tokens_per_rank: int,
                  top_k: int) -> RoutingPlan:
-    """The plan of `spec` (model.moe_routing) for ep source ranks of `tokens_per_rank` tokens each."""
+    """The plan of `spec` (model.moe_routing) for `sources` token sources of `tokens_per_rank` tokens each."""
     kind = spec.partition(":")[0]
     if kind in PARAMETRIC:
         shares = np.broadcast_to(parametric_shares(spec, layers, num_experts)[:, None, :],
-                                 (len(layers), ep, num_experts))
+                                 (len(layers), sources, num_experts))
     else:
         counts = read_histogram(Path(spec), layers, num_experts).astype(float)
-        shares = counts if counts.shape[1] == ep else np.broadcast_to(counts.sum(axis=1, keepdims=True),
-                                                                      (len(layers), ep, num_experts))
-    counts = np.asarray([[token_counts(tokens_per_rank, top_k, shares[i, j]) for j in range(ep)]
-                         for i in range(len(layers))], dtype=np.int64).reshape(len(layers), ep, num_experts)
+        shares = counts if counts.shape[1] == sources else np.broadcast_to(counts.sum(axis=1, keepdims=True),
+                                                                           (len(layers), sources, num_experts))
+    counts = np.asarray([[token_counts(tokens_per_rank, top_k, shares[i, j]) for j in range(sources)]
+                         for i in range(len(layers))], dtype=np.int64).reshape(len(layers), sources, num_experts)
     return RoutingPlan(tuple(layers), counts)
 
 
@@ -165,7 +169,8 @@ def model_routing_plan(model_cfg: ModelConfig, par: ParallelismConfig) -> Routin
         return None
     tokens = par.micro_batch_size * model_cfg.seq_length // par.cp // (par.tp if par.sequence_parallel else 1)
     layers = moe_layers(model_cfg.num_layers, model_cfg.moe_first_dense_layers, model_cfg.num_experts)
-    return routing_plan(model_cfg.moe_routing, layers, model_cfg.num_experts, par.ep, tokens, model_cfg.moe_top_k)
+    return routing_plan(model_cfg.moe_routing, layers, model_cfg.num_experts, par.ep * par.etp, tokens,
+                        model_cfg.moe_top_k)
 
 
 def forced_choices(counts: np.ndarray, tokens: int, top_k: int) -> torch.Tensor:
@@ -180,58 +185,60 @@ class _Forcing:
 
     force: RoutingPlan | None
     """the plan routing is forced to (None: the router chooses)"""
-    ep_rank: int
+    source: int
+    """this rank's token source index (Layout.token_source)"""
 
     def forced(self, layer: int, tokens: int, top_k: int) -> torch.Tensor | None:
         if self.force is None:
             return None
-        return forced_choices(self.force.of_layer(layer)[self.ep_rank], tokens, top_k)
+        return forced_choices(self.force.of_layer(layer)[self.source], tokens, top_k)
 
 
 class RouterCounts(_Forcing):
-    """Real runs: the router decides (or `force`, a plan, does). Optionally records what was decided."""
+    """Real runs: the router decides (or `force`, a plan, does). Optionally records what was decided.
+    group: the tep group (of `sources` ranks), of kind `group_kind` ('ep' where it is the ep group, etp = 1)."""
 
-    def __init__(self, num_experts: int, ep_group, ep_rank: int, histogram: RoutingHistogram | None = None,
-                 force: RoutingPlan | None = None):
-        self.num_experts, self.group, self.ep_rank, self.histogram = num_experts, ep_group, ep_rank, histogram
-        self.force = force
+    def __init__(self, num_experts: int, group, source: int, histogram: RoutingHistogram | None = None,
+                 force: RoutingPlan | None = None, group_kind: str = "ep"):
+        self.num_experts, self.group, self.source, self.histogram = num_experts, group, source, histogram
+        self.force, self.group_kind = force, group_kind
 
     def local(self, layer: int, counts: torch.Tensor) -> list[int]:
         """counts: this rank's tokens per expert, as the router computed them."""
         values = counts.tolist()  # (no op of the step: the recorder sees none)
         if self.histogram is not None:
-            self.histogram.add(layer, self.ep_rank, values)
+            self.histogram.add(layer, self.source, values)
         return values
 
-    def everyone(self, layer: int, counts: torch.Tensor, ep: int) -> np.ndarray:
-        """[ep, experts]: every rank's tokens per expert."""
-        return np.asarray(_gather_counts(counts, self.group, ep).tolist(), dtype=np.int64)
+    def everyone(self, layer: int, counts: torch.Tensor, sources: int) -> np.ndarray:
+        """[sources, experts]: every token source's tokens per expert."""
+        return np.asarray(_gather_counts(counts, self.group, sources, self.group_kind).tolist(), dtype=np.int64)
 
 
 class PlannedCounts(_Forcing):
     """Traces: the plan decides (the router's counts are fake); the same ops and all-gather are issued."""
 
-    def __init__(self, plan: RoutingPlan, ep_group, ep_rank: int, force: bool = False):
-        self.plan, self.group, self.ep_rank = plan, ep_group, ep_rank
+    def __init__(self, plan: RoutingPlan, group, source: int, force: bool = False, group_kind: str = "ep"):
+        self.plan, self.group, self.source, self.group_kind = plan, group, source, group_kind
         self.force = plan if force else None
 
     def local(self, layer: int, counts: torch.Tensor) -> list[int]:
-        return self.plan.of_layer(layer)[self.ep_rank].tolist()
+        return self.plan.of_layer(layer)[self.source].tolist()
 
-    def everyone(self, layer: int, counts: torch.Tensor, ep: int) -> np.ndarray:
-        _gather_counts(counts, self.group, ep)
+    def everyone(self, layer: int, counts: torch.Tensor, sources: int) -> np.ndarray:
+        _gather_counts(counts, self.group, sources, self.group_kind)
         return self.plan.of_layer(layer)
 
 
-def _gather_counts(counts: torch.Tensor, group, ep: int) -> torch.Tensor:
-    """[ep, experts] tokens per (source rank, expert): Megatron-Core all-gathers the ranks' counts over the
-    expert-parallel group, then reads them on the host to size the all-to-all."""
-    if ep == 1:
+def _gather_counts(counts: torch.Tensor, group, sources: int, group_kind: str) -> torch.Tensor:
+    """[sources, experts] tokens per (source rank, expert): Megatron-Core all-gathers the ranks' counts over the
+    ranks that exchange tokens (its tp-ep group), then reads them on the host to size the exchanges."""
+    if sources == 1:
         return counts.unsqueeze(0)
-    out = counts.new_empty(ep * counts.numel())
-    with observer().communication(group_kind="ep"):
+    out = counts.new_empty(sources * counts.numel())
+    with observer().communication(group_kind=group_kind):
         all_gather_flat(out, counts, group=group)
-    return out.view(ep, -1)
+    return out.view(sources, -1)
 
 
 class RoutingHistogram:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainsim.workloads import fp8
-from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
+from trainsim.workloads.collectives import (all_gather_flat, all_gather_uneven, reduce_scatter_flat,
+                                            reduce_scatter_uneven)
 from trainsim.workloads.observe import observer
 
 
@@ -264,6 +265,47 @@ def gather_from_sp(x: torch.Tensor, group, tp: int, group_kind: str | None = Non
 def reduce_scatter_to_sp(x: torch.Tensor, group, tp: int, group_kind: str | None = None) -> torch.Tensor:
     """Reduce-scatter partial sums over tokens (gradient: all-gather)."""
     return _ReduceScatterToSequenceParallel.apply(x, group, tp, group_kind)
+
+
+class _GatherUneven(torch.autograd.Function):
+    """All-gather rows of uneven counts (sizes[i] from group rank i) in forward, reduce-scatter them in backward
+    (Megatron-Core's gather_from_sequence_parallel_region with output_split_sizes)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group, group_kind):
+        ctx.sizes, ctx.group, ctx.kind = sizes, group, group_kind
+        out = x.new_empty((sum(sizes), *x.shape[1:]))
+        all_gather_uneven(list(out.split(sizes)), x.contiguous(), group, group_kind)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ReduceScatterUneven.apply(grad, ctx.sizes, ctx.group, ctx.kind), None, None, None
+
+
+class _ReduceScatterUneven(torch.autograd.Function):
+    """Sum partial rows over the group and keep this rank's sizes[rank] of them in forward, all-gather in backward."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group, group_kind):
+        ctx.sizes, ctx.group, ctx.kind = sizes, group, group_kind
+        out = x.new_empty((sizes[dist.get_rank(group)], *x.shape[1:]))
+        reduce_scatter_uneven(out, list(x.contiguous().split(sizes)), group, group_kind)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherUneven.apply(grad, ctx.sizes, ctx.group, ctx.kind), None, None, None
+
+
+def gather_uneven(x: torch.Tensor, sizes: list[int], group, group_kind: str) -> torch.Tensor:
+    """[sizes[me], h] -> [sum(sizes), h], group rank order (gradient: reduce-scatter)."""
+    return _GatherUneven.apply(x, sizes, group, group_kind)
+
+
+def reduce_scatter_uneven_rows(x: torch.Tensor, sizes: list[int], group, group_kind: str) -> torch.Tensor:
+    """[sum(sizes), h] partial sums -> this rank's [sizes[me], h] of the sum (gradient: all-gather)."""
+    return _ReduceScatterUneven.apply(x, sizes, group, group_kind)
 
 
 def scatter_to_sp(x: torch.Tensor, group, tp: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from trainsim.workloads.schedules import Action, first_forward_microbatch, last_
 
 
 def layout_of(par: ParallelismConfig) -> Layout:
-    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
+    return Layout.of(par)
 
 
 def create_groups(layout: Layout, rank: int, every_group: bool, experts: bool = False) -> dict[str, object]:
@@ -96,10 +96,11 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     cp = ContextParallel(par.cp, pos.cp_rank, groups["cp"], par.cp_comm_type) if par.cp > 1 else None
     ep = None
     if model_cfg.num_experts:
-        ep_rank = layout.ep_rank(rank)
-        ep = ExpertParallel(par.ep, ep_rank, groups["ep"],
-                            routing or RouterCounts(model_cfg.num_experts, groups["ep"], ep_rank),
-                            par.moe_token_dispatcher, par.moe_grouped_gemm)
+        kind = layout.token_group_kind
+        routing = routing or RouterCounts(model_cfg.num_experts, groups[kind], layout.token_source(rank),
+                                          group_kind=kind)
+        ep = ExpertParallel(par.ep, layout.ep_rank(rank), groups["ep"], routing, par.moe_token_dispatcher,
+                            par.moe_grouped_gemm, par.etp, layout.etp_rank(rank), groups["etp"], groups["tep"])
     chunks = []
     try:
         for c in range(v):
@@ -138,7 +139,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                                        shard=shard, modules=modules))
         if experts:
             expert_buckets.append(GradientBuckets(experts, par.dp_bucket_size_bytes, groups["edp"],
-                                                  layout.stage_size // par.ep, shard=shard, modules=modules,
+                                                  layout.expert_replicas, shard=shard, modules=modules,
                                                   average_over=par.weight_replicas))
     if shard:  # the distributed optimizer: this rank's slices of the flat buffers, the norm over every rank
         weights = [w for b in buckets + expert_buckets for w in b.param_shards()]
@@ -152,7 +153,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         optimizer = MixedPrecisionAdamW(params, [p.grad for p in params], clip_grad=par.clip_grad,
                                         norm_group=groups["mp"], reduce_norm=layout.tp * layout.pp > 1,
                                         expert_tensors=num_expert, expert_norm_group=groups.get("emp"),
-                                        reduce_expert_norm=par.ep * par.pp > 1)
+                                        reduce_expert_norm=par.ep * par.etp * par.pp > 1)
     return RankModel(layout, rank, model_cfg, par, groups, chunks, buckets, optimizer, cp, expert_buckets)
 
 
