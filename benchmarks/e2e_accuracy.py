@@ -1,17 +1,17 @@
 """End-to-end accuracy: predicted vs measured step time.
 
-Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2,
-tp2, pp2 with 1F1B over 4 micro-batches, sp2 = tp2 with sequence parallelism, zero1 = dp2 with the
-distributed optimizer, cp2 = context parallelism over 2 ranks, ring attention, fsdp2 = dp2 with FSDP2 fully
-sharded, ZeRO-3; ep2 = dp2 with 4 experts per layer, top-2, split over the 2 ranks and predicted with the
-routing histogram of its own real run; ep4 the same with 8 experts over 4 ranks, on a machine with 4
-cores; etp2 = dp2 with the 4 experts' weights split over the 2 ranks) the layout's ops are timed again (`--remeasure`) and its hardware's gloo model and system noise
-calibrated again (once per run); then the real step is measured
-(trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as
-spread; published at artifacts/ground_truth/local-cpu/...) and predicted by the pipeline (`trainsim
-compose`: trace, profile on this CPU, calibrated gloo model, slowdown model; every missing artifact is
-built); then the ops are timed once more and the step predicted again. A shared VM drifts, so the
-prediction compared is the mean of the two, taken right before and right after the real steps.
+Part 1, this machine (gpt-small on local-cpu, one thread per process): for each layout (single, dp2, tp2, pp2
+with 1F1B over 4 micro-batches, sp2 = tp2 with sequence parallelism, zero1 = dp2 with the distributed
+optimizer, cp2 = context parallelism over 2 ranks, ring attention, fsdp2 = dp2 with FSDP2 fully sharded,
+ZeRO-3; ep2 = dp2 with 4 experts per layer, top-2, split over the 2 ranks and predicted with the routing
+histogram of its own real run; ep4 the same with 8 experts over 4 ranks, on a machine with 4 cores; etp2 = dp2
+with the 4 experts' weights split over the 2 ranks) the layout's ops are timed again (`--remeasure`) and its
+hardware's gloo model and system noise calibrated again (once per run); then the real step is measured
+(trainsim/validation/ground_truth.py: 2 warm-up steps discarded, median of 5 measured steps, IQR as spread;
+published at artifacts/ground_truth/local-cpu/...) and predicted by the pipeline (`trainsim compose`: trace,
+profile on this CPU, calibrated gloo model, slowdown model; every missing artifact is built); then the ops are
+timed once more and the step predicted again. A shared VM drifts, so the prediction compared is the mean of
+the two, taken right before and right after the real steps.
 Prints `figure e2e_error_pct_local_<layout> <|error|> %` (target: <= 5 % each) and
 `figure e2e_input_drift_pct_local_<layout> <signed> %` (prediction after vs before: the machine's
 drift over the measurement); the table also shows the error of each of the two predictions.

@@ -229,8 +229,9 @@ def _histogram_of(real) -> RoutingHistogram:
                   "model.moe_shared_expert_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01",
                   "model.moe_first_dense_layers=1", "parallelism.zero_stage=1"], id="ep4-tp2-sp-shared-aux-zero1"),
     pytest.param(["parallelism=dp2", "parallelism.etp=2", "parallelism.global_batch_size=4"], id="etp2"),
-    pytest.param(["parallelism=dp2", "parallelism.dp=4", "parallelism.ep=2", "parallelism.etp=2", "parallelism.global_batch_size=8",
-                  "hardware.devices_per_node=4", "model.moe_capacity_factor=1.0"], id="ep2-etp2-capacity"),
+    pytest.param(["parallelism=dp2", "parallelism.dp=4", "parallelism.ep=2", "parallelism.etp=2",
+                  "parallelism.global_batch_size=8", "hardware.devices_per_node=4", "model.moe_capacity_factor=1.0"],
+                 id="ep2-etp2-capacity"),
 ])
 def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_path):
     """One micro-batch per step: the real step's routing histogram, fed back as model.moe_routing, gives the

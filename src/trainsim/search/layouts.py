@@ -1,11 +1,11 @@
 """Enumerate the parallel layouts of a model on a GPU budget.
 
-A layout is (dp, tp, pp, micro-batch size, schedule with its virtual stages, recompute), and for a mixture
-of experts its expert-parallel and expert-tensor-parallel degrees (folded over a stage's dp * cp * tp ranks;
-tensor parallelism then comes with sequence parallelism, as Megatron-Core requires). Pipeline depths that do not divide the layers get
-lighter end stages (first/last_stage_layers; DeepSeek-V3's 61 layers as 4 per stage, 1 on the last). World sizes are
-the budget and its halvings down to one node, so the search can trade time for cost. Tensor
-parallelism stays inside a node (its collectives block compute on every layer, so nobody runs it
+A layout is (dp, tp, pp, micro-batch size, schedule with its virtual stages, recompute), and for a mixture of
+experts its expert-parallel and expert-tensor-parallel degrees (folded over a stage's dp * cp * tp ranks;
+tensor parallelism then comes with sequence parallelism, as Megatron-Core requires). Pipeline depths that do
+not divide the layers get lighter end stages (first/last_stage_layers; DeepSeek-V3's 61 layers as 4 per stage,
+1 on the last). World sizes are the budget and its halvings down to one node, so the search can trade time for
+cost. Tensor parallelism stays inside a node (its collectives block compute on every layer, so nobody runs it
 across nodes). Layouts the model cannot be split into are dropped here with validate_layout's reason.
 """
 

@@ -43,8 +43,13 @@ from trainsim.workloads.fused import swiglu
 from trainsim.workloads.grouped_gemm import grouped_mm
 from trainsim.workloads.observe import observer
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
-from trainsim.workloads.tensor_parallel import (all_gather_tokens, gather_from_sp, gather_uneven, reduce_scatter_to_sp,
-                                                reduce_scatter_uneven_rows)
+from trainsim.workloads.tensor_parallel import (
+    all_gather_tokens,
+    gather_from_sp,
+    gather_uneven,
+    reduce_scatter_to_sp,
+    reduce_scatter_uneven_rows,
+)
 
 
 @dataclass

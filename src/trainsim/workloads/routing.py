@@ -20,9 +20,9 @@ and no expert gets more copies than the source has tokens (a token picks each ex
 
 Histogram file (CSV, `#` lines are comments; written by `RoutingHistogram.write`): columns layer (index among
 the model's layers), ep_rank (the token source: its position in its expert-parallel group, or in the tep group
-with expert tensor parallelism; summed over the replicas of that group), expert (global index) and tokens (token-expert assignments counted, over any number
-of micro-batches and steps). A model layer missing from the file, or a file layer the model has no experts in,
-is an error; shares are what is used.
+with expert tensor parallelism; summed over the replicas of that group), expert (global index) and tokens
+(token-expert assignments counted, over any number of micro-batches and steps). A model layer missing from the
+file, or a file layer the model has no experts in, is an error; shares are what is used.
 """
 
 from __future__ import annotations

@@ -15,8 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from trainsim.workloads import fp8
-from trainsim.workloads.collectives import (all_gather_flat, all_gather_uneven, reduce_scatter_flat,
-                                            reduce_scatter_uneven)
+from trainsim.workloads.collectives import (
+    all_gather_flat,
+    all_gather_uneven,
+    reduce_scatter_flat,
+    reduce_scatter_uneven,
+)
 from trainsim.workloads.observe import observer
 
 
