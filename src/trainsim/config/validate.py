@@ -239,9 +239,6 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if model.moe_shared_expert_ffn_hidden_size % par.tp:
         raise ConfigError(f"parallelism.tp={par.tp} does not divide model.moe_shared_expert_ffn_hidden_size="
                           f"{model.moe_shared_expert_ffn_hidden_size} (the shared expert is tensor-parallel)")
-    if par.zero_stage >= 2:
-        raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with experts is not modelled yet; use "
-                          "zero_stage 0 or 1 (the distributed optimizer shards experts over their replicas)")
     if par.precision == "fp8" and not par.moe_grouped_gemm:
         raise ConfigError("parallelism.precision='fp8' with experts runs them as FP8 grouped GEMMs (Transformer "
                           "Engine's GroupedLinear): set parallelism.moe_grouped_gemm=true")

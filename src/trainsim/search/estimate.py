@@ -185,13 +185,17 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: Paralleli
     states["optimizer_state_bytes"] = int(states["optimizer_state_bytes"] * _optimizer_share(par, expert))
     gathered = 0
     if par.zero_stage >= 2:  # FSDP: 16 bytes per parameter sharded; gathered weights and gradients transient
-        element = DTYPES[par.precision].itemsize
-        parameters, replicas = states["parameter_bytes"] // element, par.weight_replicas
-        states = {"parameter_bytes": 4 * parameters // replicas, "gradient_bytes": 4 * parameters // replicas,
-                  "optimizer_state_bytes": 8 * parameters // replicas}
+        element = DTYPES[par.precision].itemsize  # (experts sharded over their replicas, the rest over the model's)
+        sharded = states["parameter_bytes"] // element * ((1 - expert) / par.weight_replicas
+                                                           + expert / expert_replicas(par))
+        states = {"parameter_bytes": int(4 * sharded), "gradient_bytes": int(4 * sharded),
+                  "optimizer_state_bytes": int(8 * sharded)}
         layer = costs.layer.parameter_bytes
         weights = 2 * layer if par.zero_stage >= 3 else sum(parts[(s, c)]["layer"] for c in range(v)) * layer
-        gathered = weights + costs.layer.gradient_bytes * (1 + 4 // element)
+        # the root unit (embedding; final norm and output layer) stays gathered through its backward
+        roots = sum(getattr(costs, p).parameter_bytes for c in range(v) for p in ("first", "last")
+                    if p in parts[(s, c)])
+        gathered = roots + weights + costs.layer.gradient_bytes * (1 + 4 // element)
     # the forwards in flight peak within the first 2 pp (+ v pp) actions, so 4 pp micro-batches show the peak
     # of any longer 1F1B pipeline; GPipe keeps all m in flight
     m = par.num_microbatches if par.schedule == "gpipe" else min(par.num_microbatches, 4 * par.pp)
@@ -204,14 +208,20 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: Paralleli
     return int(row["peak_bytes"])
 
 
-def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_nodes: int) -> tuple[float, float]:
-    """(all-gather of a part's weights in the compute dtype, reduce-scatter of its gradients in fp32)."""
-    replicas = par.weight_replicas
-    if replicas == 1 or not part.parameter_bytes:
-        return 0.0, 0.0
-    parameters = part.parameter_bytes // DTYPES[par.precision].itemsize
-    return (comm.collective_seconds("all_gather", part.parameter_bytes, replicas, dp_nodes),
-            comm.collective_seconds("reduce_scatter", 4 * parameters, replicas, dp_nodes))
+def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_nodes: int,
+                  edp_nodes: int) -> tuple[float, float]:
+    """(all-gather of a part's weights in the compute dtype, reduce-scatter of its gradients in fp32): the dense
+    weights over the model's replicas, the experts' over theirs."""
+    gather_s = scatter_s = 0.0
+    for parameter_bytes, replicas, nodes in ((part.parameter_bytes - part.expert_parameter_bytes,
+                                              par.weight_replicas, dp_nodes),
+                                             (part.expert_parameter_bytes, expert_replicas(par), edp_nodes)):
+        if replicas == 1 or parameter_bytes <= 0:
+            continue
+        parameters = parameter_bytes // DTYPES[par.precision].itemsize
+        gather_s += comm.collective_seconds("all_gather", parameter_bytes, replicas, nodes)
+        scatter_s += comm.collective_seconds("reduce_scatter", 4 * parameters, replicas, nodes)
+    return gather_s, scatter_s
 
 
 def optimizer_shards(par: ParallelismConfig) -> int:
@@ -275,9 +285,10 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in PART_NAMES}
     dp_nodes = nodes_spanned(layout.group_ranks(0, "dp"), hw)  # (FSDP; the buckets below: per stage)
+    edp_nodes = nodes_spanned(layout.group_ranks(0, "edp"), hw)
     if par.zero_stage >= 2:  # FSDP: each part's compute beside its weights' gather and gradients' scatter
         for name, by_phase in per_part.items():
-            gather_s, scatter_s = _fsdp_seconds(getattr(costs, name), par, comm, dp_nodes)
+            gather_s, scatter_s = _fsdp_seconds(getattr(costs, name), par, comm, dp_nodes, edp_nodes)
             for phase, comm_s in (("F", gather_s), ("B", scatter_s + (gather_s if par.zero_stage >= 3 else 0.0))):
                 compute, collectives, host = by_phase[phase]
                 by_phase[phase] = (max(compute, comm_s - collectives), collectives, host)
@@ -301,7 +312,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         representative = layout.rank_of(0, 0, s)
         if par.zero_stage >= 2:  # the last part's reduce-scatter has no compute left beside it
             last_part = costs.first if s == 0 else costs.layer
-            scatter_s = _fsdp_seconds(last_part, par, comm, dp_nodes)[1]
+            scatter_s = _fsdp_seconds(last_part, par, comm, dp_nodes, edp_nodes)[1]
             exposed_max = max(exposed_max, scatter_s)
             end += scatter_s
         # dense gradients over the model's replicas, expert gradients over the experts' (own stream each)

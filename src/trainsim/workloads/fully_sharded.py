@@ -1,6 +1,8 @@
 """Fully sharded data parallelism (ZeRO-2/3) with PyTorch's own FSDP2 (`fully_shard`), as torchtitan runs it.
 
-Each transformer block is one FSDP unit and the chunk (embedding, final norm, output layer) the root unit.
+Each transformer block is one FSDP unit and the chunk (embedding, final norm, output layer) the root unit; an MoE
+block's experts are a unit of their own inside it, sharded over the ranks that hold the same experts (the edp
+group), as torchtitan shards experts with expert parallelism.
 Parameters, gradients and optimizer state live sharded over the data-parallel group (dp x cp ranks, the
 group that holds the same weights): fp32 shards, all-gathered into bf16 weights before a unit's forward
 (MixedPrecisionPolicy, the all-gather carries bf16) and, for ZeRO-3, again before its backward; gradients
@@ -29,7 +31,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
 from trainsim.workloads.observe import observer
@@ -41,21 +43,27 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class _DataParallelAllGather(AllGather):
+    def __init__(self, group_kind: str = "dp"):
+        self.group_kind = group_kind
+
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         # waited for where its result is read (FSDP2's copy-out), as on the GPU's all-gather stream
-        with observer().communication(async_op=True, group_kind="dp"):
+        with observer().communication(async_op=True, group_kind=self.group_kind):
             return all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _DataParallelReduceScatter(ReduceScatter):
+    def __init__(self, group_kind: str = "dp"):
+        self.group_kind = group_kind
+
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        with observer().communication(async_op=True, group_kind="dp"):
+        with observer().communication(async_op=True, group_kind=self.group_kind):
             return reduce_scatter_flat(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
 
 
@@ -65,36 +73,59 @@ def _mesh(group) -> DeviceMesh:
         return DeviceMesh.from_group(group, torch.get_default_device().type)
 
 
-def shard_chunk(chunk: nn.Module, group, zero_stage: int, dtype: torch.dtype) -> None:
-    """Apply fully_shard to each block (`chunk.layers`) and then to the chunk (the root unit), in place.
+def _experts_of(block: nn.Module) -> list[nn.Module]:
+    from trainsim.workloads.moe import Experts
+
+    return [m for m in block.modules() if isinstance(m, Experts)]
+
+
+def _expert_placement(ranks: int):
+    """Where FSDP2 shards an expert weight over `ranks`: with fewer local experts than ranks it would pad the experts'
+    dim to the ranks (twice the bytes for 2 experts on 4 ranks), so the next dim then, as torchtitan does."""
+    return lambda weight: Shard(1) if weight.shape[0] < ranks else None
+
+
+def shard_chunk(chunk: nn.Module, group, zero_stage: int, dtype: torch.dtype, expert_group=None,
+                replicas: int = 1) -> None:
+    """Apply fully_shard to each block (`chunk.layers`) and then to the chunk (the root unit), in place; a block's
+    MoE experts first, as a unit of their own over `expert_group`, the ranks holding the same experts (torchtitan's
+    FSDP with expert parallelism), their gradients averaged over all `replicas` of the batch like the others'.
 
     The weights become fp32 DTensor shards (the master weights); forward computes in `dtype`. Every
     parameter gets a zero sharded gradient now, so micro-batches and steps accumulate into it in place."""
-    mesh = _mesh(group)
     if dtype != torch.float32:
         for p in chunk.parameters():
             p.data = p.data.float()
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = zero_stage >= 3
     blocks = list(chunk.layers)
+    experts = {block: _experts_of(block) for block in blocks}
     units = [*blocks, chunk]
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-        unit.set_custom_all_gather(_DataParallelAllGather())
-        unit.set_custom_reduce_scatter(_DataParallelReduceScatter())
-    if blocks:  # the root gathers its own weights, then the first block's; each block the next one's
-        chunk.set_modules_to_forward_prefetch([blocks[0]])
-        chunk.set_modules_to_backward_prefetch([blocks[-1]])
+    expert_units = [e for block in blocks for e in experts[block]]
+    for unit, mesh_group, kind in ([(e, expert_group, "edp") for e in expert_units]
+                                   + [(u, group, "dp") for u in units]):
+        mesh = _mesh(mesh_group)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+                    shard_placement_fn=_expert_placement(mesh.size()) if kind == "edp" else None)
+        unit.set_custom_all_gather(_DataParallelAllGather(kind))
+        unit.set_custom_reduce_scatter(_DataParallelReduceScatter(kind))
+        if kind == "edp":  # average over every replica, not the edp ranks; as a sum and a division (gloo takes no
+            unit.set_gradient_divide_factor(float(replicas))  # pre-scaled sum)
+            unit.set_force_sum_reduction_for_comms(True)
+    # the root gathers its own weights, then the first block's (with its experts); each block the next one's
+    if blocks:
+        chunk.set_modules_to_forward_prefetch([blocks[0], *experts[blocks[0]]])
+        chunk.set_modules_to_backward_prefetch([blocks[-1], *experts[blocks[-1]]])
     for block, following in zip(blocks, blocks[1:]):
-        block.set_modules_to_forward_prefetch([following])
-        following.set_modules_to_backward_prefetch([block])
+        block.set_modules_to_forward_prefetch([following, *experts[following]])
+        following.set_modules_to_backward_prefetch([block, *experts[block]])
     for p in chunk.parameters():
         p.grad = torch.zeros_like(p)
     # FSDP2 initialises lazily in the first forward (root state, the gathered weights' tensors): do it now, so
     # the traced step is a steady-state step like the measured ones
-    for unit in units[::-1]:
+    for unit in [*expert_units, *units][::-1]:  # the root first (the first to initialise is the root)
         unit.unshard()
-    for unit in units:
+    for unit in [*expert_units, *units]:
         unit.reshard()
 
 

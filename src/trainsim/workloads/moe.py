@@ -159,6 +159,41 @@ def expert_parameters(cfg: ModelConfig, ep: int, etp: int = 1) -> int:
     return sum(math.prod(shape) for shape in expert_weight_shapes(cfg, cfg.num_experts // ep, etp))
 
 
+class Experts(nn.Module):
+    """A rank's local experts: their weights (`expert = True`: reduced over the ranks holding the same experts, not
+    over the data-parallel group) and their MLPs. A module of its own so FSDP shards it over those ranks."""
+
+    def __init__(self, cfg: ModelConfig, local_experts: int, etp: int, dtype: torch.dtype, grouped_gemm: bool,
+                 fp8: Fp8Region | None = None):
+        super().__init__()
+        w1, w2 = expert_weight_shapes(cfg, local_experts, etp)
+        self.w1 = nn.Parameter(torch.empty(w1, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(w2, dtype=dtype))
+        for weight in (self.w1, self.w2):
+            nn.init.normal_(weight, std=0.02)
+        self.w1.expert = self.w2.expert = True
+        self.swiglu, self.grouped_gemm = cfg.family == "llama", grouped_gemm
+        # FP8 grouped GEMMs (workloads/fp8.py)
+        self.fp8_w1, self.fp8_w2 = (Fp8Linear(fp8), Fp8Linear(fp8)) if fp8 is not None else (None, None)
+
+    def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
+        return swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
+
+    def forward(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """x: the rows of each local expert in turn (per_expert[e] of them)."""
+        if self.fp8_w1 is not None:
+            hidden = self._activation(fp8_experts(x, self.w1, per_expert, self.fp8_w1))
+            return fp8_experts(hidden, self.w2, per_expert, self.fp8_w2)
+        if self.grouped_gemm:
+            return grouped_mm(self._activation(grouped_mm(x, self.w1, per_expert)), self.w2, per_expert)
+        # unbind, not w1[e]: indexing each expert's weight has a backward per expert that writes a zero-filled
+        # gradient of all experts' weights and adds it up (E^2 weight-sized passes); unbind's backward is one
+        # stack of the experts' gradients, the one weight-sized write a grouped weight gradient costs anyway
+        outs = [self._activation(part @ w1) @ w2
+                for part, w1, w2 in zip(x.split(per_expert), self.w1.unbind(0), self.w2.unbind(0))]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ep: ExpertParallel, dtype: torch.dtype, loss_scale: float,
                  sequence_parallel: bool, shared_expert: nn.Module | None, fp8: Fp8Region | None = None):
@@ -168,18 +203,20 @@ class MoE(nn.Module):
         self.local_experts = cfg.num_experts // ep.size
         self.sigmoid = cfg.moe_router == "sigmoid"
         self.capacity_factor, self.aux_coeff = cfg.moe_capacity_factor, cfg.moe_aux_loss_coeff
-        self.swiglu = cfg.family == "llama"
+        # the router stays in the model's dtype with FP8, as in Megatron-Core
         self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype))
         self.router.sequence_parallel = sequence_parallel  # each tp rank routes its own tokens: partial gradients
-        w1, w2 = expert_weight_shapes(cfg, self.local_experts, ep.etp)
-        self.w1 = nn.Parameter(torch.empty(w1, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(w2, dtype=dtype))
-        for weight in (self.router, self.w1, self.w2):
-            nn.init.normal_(weight, std=0.02)
-        self.w1.expert = self.w2.expert = True
-        # FP8 grouped GEMMs (workloads/fp8.py); the router stays in the model's dtype, as in Megatron-Core
-        self.fp8_w1, self.fp8_w2 = (Fp8Linear(fp8), Fp8Linear(fp8)) if fp8 is not None else (None, None)
+        nn.init.normal_(self.router, std=0.02)
+        self.experts = Experts(cfg, self.local_experts, ep.etp, dtype, ep.grouped_gemm, fp8)
         self.shared = shared_expert
+
+    @property
+    def w1(self) -> nn.Parameter:
+        return self.experts.w1
+
+    @property
+    def w2(self) -> nn.Parameter:
+        return self.experts.w2
 
     def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probabilities [T, k], expert indices [T, k], router logits [T, E]); with forced routing the
@@ -202,25 +239,6 @@ class MoE(nn.Module):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         routed = torch.tensor(counts, dtype=scores.dtype) / (logits.shape[0] * self.top_k)
         return self.aux_coeff * self.num_experts * torch.dot(scores.mean(dim=0), routed)
-
-    def _experts(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        if self.fp8_w1 is not None:
-            hidden = fp8_experts(x, self.w1, per_expert, self.fp8_w1)
-            hidden = swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
-            return fp8_experts(hidden, self.w2, per_expert, self.fp8_w2)
-        if self.ep.grouped_gemm:
-            hidden = grouped_mm(x, self.w1, per_expert)
-            hidden = swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
-            return grouped_mm(hidden, self.w2, per_expert)
-        # unbind, not w1[e]: indexing each expert's weight has a backward per expert that writes a zero-filled
-        # gradient of all experts' weights and adds it up (E^2 weight-sized passes); unbind's backward is one
-        # stack of the experts' gradients, the one weight-sized write a grouped weight gradient costs anyway
-        outs = []
-        for part, w1, w2 in zip(x.split(per_expert), self.w1.unbind(0), self.w2.unbind(0)):
-            hidden = part @ w1
-            hidden = swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
-            outs.append(hidden @ w2)
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -262,7 +280,7 @@ class MoE(nn.Module):
             rows = by_source.transpose(1, 0, 2).reshape(-1, self.local_experts)  # by etp rank, then ep rank
             etp_sizes = by_source.sum(axis=(0, 2)).tolist()
             permuted = gather_uneven(permuted, etp_sizes, ep.etp_group, "etp")
-        out = self._experts(_regroup(permuted, rows), rows.sum(axis=0).tolist())
+        out = self.experts(_regroup(permuted, rows), rows.sum(axis=0).tolist())
         out = _regroup(out, rows.T)
         if ep.etp > 1:
             out = reduce_scatter_uneven_rows(out, etp_sizes, ep.etp_group, "etp")
@@ -284,7 +302,7 @@ class MoE(nn.Module):
         first = int(per_expert[:ep.rank * self.local_experts].sum())
         mine = per_expert[ep.rank * self.local_experts:(ep.rank + 1) * self.local_experts]
         order = gathered_indices.flatten().argsort(stable=True)[first:first + int(mine.sum())]
-        out = self._experts(gathered.index_select(0, order // k), mine.tolist())
+        out = self.experts(gathered.index_select(0, order // k), mine.tolist())
         weights = gathered_probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype)
         partial = torch.zeros_like(gathered).index_add(0, order // k, out * weights)
         return reduce_scatter_to_sp(partial, group, size, kind)

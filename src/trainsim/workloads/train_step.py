@@ -120,10 +120,11 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                          f"tp_rank={pos.tp_rank}, cp_rank={pos.cp_rank}) for {model_cfg.name}: {exc}") from exc
     if par.zero_stage >= 2:  # FSDP2: sharded weights, gradients and states; the norm over every rank
         for chunk in chunks:
-            partial = [name for name, p in chunk.named_parameters() if getattr(p, "sequence_parallel", False)]
-            shard_chunk(chunk, groups["dp"], par.zero_stage, dtype)
-            for name in partial:  # fully_shard replaces the parameters: tag the new ones
-                chunk.get_parameter(name).sequence_parallel = True
+            tagged = [(name, tag) for name, p in chunk.named_parameters() for tag in ("sequence_parallel", "expert")
+                      if getattr(p, tag, False)]
+            shard_chunk(chunk, groups["dp"], par.zero_stage, dtype, groups.get("edp"), par.weight_replicas)
+            for name, tag in tagged:  # fully_shard replaces the parameters: tag the new ones
+                setattr(chunk.get_parameter(name), tag, True)
         params = [p for chunk in chunks for p in chunk.parameters()]
         optimizer = MixedPrecisionAdamW([local(p) for p in params], [local(p.grad) for p in params],
                                         clip_grad=par.clip_grad, norm_group=None, reduce_norm=layout.world_size > 1)
