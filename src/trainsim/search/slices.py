@@ -13,9 +13,9 @@ Each part keeps its forward, backward and optimizer compute seconds, its tensor-
 micro-batch (priced later by the communication model, since their cost depends on the hardware only),
 and its memory (parameters, gradients, optimizer states, activations saved per micro-batch).
 
-A mixture of experts' layer is traced with the layout's expert parallelism (the slice gets the fewest
-data-parallel ranks that fold into ep groups), so its token all-to-alls and grouped GEMMs have the layout's
-sizes; its expert weights are counted apart, since their gradients and optimizer states are split over the
+A mixture of experts' layer is traced with the layout's expert and expert tensor parallelism (the slice gets the
+fewest data-parallel ranks that fold into etp x ep groups), so its token exchanges and grouped GEMMs have the
+layout's sizes; its expert weights are counted apart, since their gradients and optimizer states are split over the
 expert replicas, not the model's. The dense layers a model starts with (model.moe_first_dense_layers) are a
 part of their own, from two more slices of the model without experts.
 
