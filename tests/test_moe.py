@@ -317,7 +317,7 @@ def _expert_parallel_vs_all_experts(rank, layout, model_cfg, tokens_per_rank, di
     x_all = torch.randn(sources * tokens_per_rank, model_cfg.hidden_size)
     counts = RouterCounts(model_cfg.num_experts, groups[kind], layout.token_source(rank), group_kind=kind)
     split = MoE(model_cfg, 0, ExpertParallel(ep, ep_rank, groups["ep"], counts, dispatcher, etp=etp,
-                                             etp_rank=etp_rank, etp_group=groups["etp"], tep_group=groups["tep"]),
+                                             etp_rank=etp_rank, etp_group=groups["etp"]),
                 torch.float32, 1.0, False, None)
     n, width = model_cfg.num_experts // ep, split.w2.shape[1]
     experts, inner = slice(ep_rank * n, (ep_rank + 1) * n), slice(etp_rank * width, (etp_rank + 1) * width)

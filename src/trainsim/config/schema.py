@@ -404,6 +404,11 @@ class ModelConfig:
     router's scores for them) instead of by the router's top-k: a controlled imbalance for benchmarks, as
     Megatron-Core's --moe-router-force-load-balancing forces a balanced one."""
 
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Inner width of a routed expert (moe_ffn_hidden_size, else the dense MLP's)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
+
 
 @dataclass
 class ParallelismConfig:

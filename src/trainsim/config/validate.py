@@ -221,7 +221,7 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         raise ConfigError(f"parallelism.ep * etp = {par.ep} * {par.etp} must divide dp * cp * tp = {stage} (expert "
                           f"parallelism is folded over those ranks of a stage); choose ep * etp among "
                           f"{_divisors(stage)}")
-    ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    ffn = model.expert_ffn_hidden_size
     if ffn % par.etp:
         raise ConfigError(f"parallelism.etp={par.etp} does not divide the experts' inner width {ffn} "
                           f"(model.moe_ffn_hidden_size); choose etp among {_divisors(ffn)}")

@@ -44,7 +44,7 @@ from trainsim.comm.network import domain_size, nodes_spanned
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.search.slices import PART_NAMES, PartCost, SliceCosts
 from trainsim.trace.memory import memory_row
-from trainsim.workloads.layout import Layout, chunk_layers
+from trainsim.workloads.layout import chunk_layers, layout_of
 from trainsim.workloads.model import DTYPES
 from trainsim.workloads.schedules import pipeline_actions
 
@@ -231,7 +231,7 @@ def optimizer_shards(par: ParallelismConfig) -> int:
 
 def expert_replicas(par: ParallelismConfig) -> int:
     """Ranks holding the same expert shards (Megatron's expert data-parallel group)."""
-    return Layout.of(par).expert_replicas
+    return layout_of(par).expert_replicas
 
 
 def expert_shards(par: ParallelismConfig) -> int:
@@ -255,7 +255,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     """Fast step-time and memory estimate of one layout. Memory comes first: a layout that does not fit
     (or memory_only) is returned without timing (step fields NaN)."""
     pp, v, m = par.pp, par.virtual_stages, par.num_microbatches
-    layout = Layout.of(par)
+    layout = layout_of(par)
     parts = _chunk_parts(model, par)
     peak = max(_stage_memory(costs, parts, s, v, par) for s in range(pp))
     oom = bool(hw.memory_capacity_bytes) and peak > hw.memory_capacity_bytes

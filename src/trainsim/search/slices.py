@@ -48,6 +48,10 @@ from trainsim.workloads.model import DTYPES
 PART_NAMES = ("layer", "first", "last", "dense_layer")
 MEMORY_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes",
                  "expert_parameter_bytes")
+SECONDS_FIELDS = ("forward_s", "backward_s", "optimizer_s", "forward_attention_s", "backward_attention_s")
+COUNT_FIELDS = ("forward_collectives", "backward_collectives", "forward_cp", "backward_cp", "forward_experts",
+                "backward_experts", "host_ops")
+"""PartCost's fields of seconds and of counts ('label' -> count), beside MEMORY_FIELDS (bytes)."""
 
 
 @dataclass
@@ -84,32 +88,14 @@ class PartCost:
 
     def minus(self, other: PartCost) -> PartCost:
         """Difference of two parts; collective counts below zero are dropped (never negative work)."""
-        def counts(a: dict, b: dict) -> dict:
-            return dict(Counter(a) - Counter(b))
-        return PartCost(
-            forward_s=max(self.forward_s - other.forward_s, 0.0),
-            backward_s=max(self.backward_s - other.backward_s, 0.0),
-            optimizer_s=max(self.optimizer_s - other.optimizer_s, 0.0),
-            forward_collectives=counts(self.forward_collectives, other.forward_collectives),
-            backward_collectives=counts(self.backward_collectives, other.backward_collectives),
-            forward_cp=counts(self.forward_cp, other.forward_cp),
-            backward_cp=counts(self.backward_cp, other.backward_cp),
-            forward_experts=counts(self.forward_experts, other.forward_experts),
-            backward_experts=counts(self.backward_experts, other.backward_experts),
-            forward_attention_s=max(self.forward_attention_s - other.forward_attention_s, 0.0),
-            backward_attention_s=max(self.backward_attention_s - other.backward_attention_s, 0.0),
-            host_ops=counts(self.host_ops, other.host_ops),
-            **{f: max(getattr(self, f) - getattr(other, f), 0) for f in MEMORY_FIELDS})
+        return PartCost(**{f: max(getattr(self, f) - getattr(other, f), 0.0) for f in SECONDS_FIELDS},
+                        **{f: max(getattr(self, f) - getattr(other, f), 0) for f in MEMORY_FIELDS},
+                        **{f: dict(Counter(getattr(self, f)) - Counter(getattr(other, f))) for f in COUNT_FIELDS})
 
     def plus(self, other: PartCost) -> PartCost:
         """Sum of two parts (collective counts added)."""
-        def counts(a: dict, b: dict) -> dict:
-            return dict(Counter(a) + Counter(b))
-        seconds = ("forward_s", "backward_s", "optimizer_s", "forward_attention_s", "backward_attention_s")
-        collectives = ("forward_collectives", "backward_collectives", "forward_cp", "backward_cp", "forward_experts",
-                       "backward_experts", "host_ops")
-        return PartCost(**{f: getattr(self, f) + getattr(other, f) for f in seconds + MEMORY_FIELDS},
-                        **{f: counts(getattr(self, f), getattr(other, f)) for f in collectives})
+        return PartCost(**{f: getattr(self, f) + getattr(other, f) for f in SECONDS_FIELDS + MEMORY_FIELDS},
+                        **{f: dict(Counter(getattr(self, f)) + Counter(getattr(other, f))) for f in COUNT_FIELDS})
 
 
 @dataclass

@@ -46,7 +46,7 @@ from trainsim.timeline.program import (
 )
 from trainsim.timeline.step import ClassProgram, StepGraph, build_step
 from trainsim.trace.expand import rename_for_rank
-from trainsim.workloads.layout import Layout
+from trainsim.workloads.layout import Layout, layout_of
 
 ComputeSeconds = Mapping[str, float] | Callable[[pd.DataFrame], np.ndarray]
 
@@ -213,7 +213,7 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
                     schedule: str, rules: tuple[str, ...], collapse: bool):
     """Pass templates of every class. Classes with the same graph up to renaming and op sizes share the work
     of splitting, rule evaluation and collapsing (labels, which name sizes, are per trace class)."""
-    layout = Layout.of(par)
+    layout = layout_of(par)
     lookup, comm_s = _compute_lookup(compute_seconds), _comm_lookup(comm)
     base_rep = rank_classes.groupby("rank_class")["rank"].min().to_dict()
     graph = graph.reset_index(drop=True)
@@ -381,7 +381,7 @@ def compose_step(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Paralleli
     """
     started = time.perf_counter()
     slowdown = slowdown or NoSlowdown()
-    layout = Layout.of(par)
+    layout = layout_of(par)
     classes = timeline_classes(rank_classes, layout, straggler_factors(hw, layout.world_size))
     programs, info, pp_rank = _class_programs(_plain(graph), rank_classes, par, hw, classes, compute_seconds, comm,
                                               schedule or par.schedule, tuple(rules), collapse)

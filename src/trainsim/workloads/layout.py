@@ -170,11 +170,11 @@ class Layout:
             seen.setdefault(tuple(self.group_ranks(rank, kind)), None)
         return [list(g) for g in seen]
 
-    @classmethod
-    def of(cls, par) -> Layout:
-        """The layout of a ParallelismConfig."""
-        return cls(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp)
-
     def stage_representative(self, pp_rank: int) -> int:
         """The rank traced for pipeline stage `pp_rank` (dp_rank = tp_rank = 0)."""
         return self.rank_of(0, 0, pp_rank)
+
+
+def layout_of(par) -> Layout:
+    """The layout of a ParallelismConfig."""
+    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp)

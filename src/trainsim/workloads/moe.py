@@ -68,17 +68,7 @@ class ExpertParallel:
     """parallelism.etp: ranks splitting each expert's weights"""
     etp_rank: int = 0
     etp_group: object = None
-    tep_group: object = None
-    """the etp x ep ranks (the ep group where etp = 1): the all-gather dispatcher's group"""
-
-    @property
-    def source(self) -> int:
-        """This rank's position in the tep group (Layout.token_source)."""
-        return self.rank * self.etp + self.etp_rank
-
-    @property
-    def tep_kind(self) -> str:
-        return "ep" if self.etp == 1 else "tep"
+    # (the ranks that exchange tokens, etp x ep, are the counts' group: counts.group, .group_kind, .source)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -149,7 +139,7 @@ def expert_weight_shapes(cfg: ModelConfig, local_experts: int,
                          etp: int = 1) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """Shapes of a rank's grouped expert weights in one MoE layer: w1 (up; gate and up with SwiGLU), w2 (down),
     each expert's inner width split over etp ranks (w1 column-, w2 row-parallel)."""
-    ffn = (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size) // etp
+    ffn = cfg.expert_ffn_hidden_size // etp
     up = 2 * ffn if cfg.family == "llama" else ffn
     return (local_experts, cfg.hidden_size, up), (local_experts, ffn, cfg.hidden_size)
 
@@ -268,7 +258,7 @@ class MoE(nn.Module):
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
             order = torch.cat([order[int(s):int(s) + min(c, capacity)] for s, c in zip(starts, counts)])
             everyone = np.minimum(everyone, capacity)
-        sent = everyone[ep.source].reshape(ep.size, self.local_experts)  # [destination rank, its expert]
+        sent = everyone[ep.counts.source].reshape(ep.size, self.local_experts)  # [destination rank, its expert]
         mine = slice(ep.rank * self.local_experts, (ep.rank + 1) * self.local_experts)
         by_source = everyone[:, mine].reshape(ep.size, ep.etp, self.local_experts)  # [ep rank, etp rank, my expert]
         received = by_source[:, ep.etp_rank]  # [source ep rank, my expert], what the all-to-all brings
@@ -294,7 +284,7 @@ class MoE(nn.Module):
         probabilities, computes the copies routed to its experts (its slice of them with etp > 1), and the partial
         outputs are reduce-scattered back."""
         k, ep = self.top_k, self.ep
-        group, size, kind = ep.tep_group, ep.size * ep.etp, ep.tep_kind
+        group, size, kind = ep.counts.group, ep.size * ep.etp, ep.counts.group_kind
         gathered = gather_from_sp(tokens, group, size, kind)  # [tep T, h]
         gathered_probs = gather_from_sp(probs, group, size, kind)
         gathered_indices = all_gather_tokens(indices, group, size, group_kind=kind)

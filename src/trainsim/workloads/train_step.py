@@ -17,17 +17,13 @@ from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.data_parallel import GradientBuckets
 from trainsim.workloads.fp8 import fp8_settings
 from trainsim.workloads.fully_sharded import local, shard_chunk
-from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers
+from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers, layout_of
 from trainsim.workloads.model import DTYPES, TransformerChunk
 from trainsim.workloads.moe import ExpertParallel
 from trainsim.workloads.observe import observer
 from trainsim.workloads.optimizer import MixedPrecisionAdamW
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
 from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
-
-
-def layout_of(par: ParallelismConfig) -> Layout:
-    return Layout.of(par)
 
 
 def create_groups(layout: Layout, rank: int, every_group: bool, experts: bool = False) -> dict[str, object]:
@@ -100,7 +96,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         routing = routing or RouterCounts(model_cfg.num_experts, groups[kind], layout.token_source(rank),
                                           group_kind=kind)
         ep = ExpertParallel(par.ep, layout.ep_rank(rank), groups["ep"], routing, par.moe_token_dispatcher,
-                            par.moe_grouped_gemm, par.etp, layout.etp_rank(rank), groups["etp"], groups["tep"])
+                            par.moe_grouped_gemm, par.etp, layout.etp_rank(rank), groups["etp"])
     chunks = []
     try:
         for c in range(v):
