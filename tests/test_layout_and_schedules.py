@@ -46,6 +46,24 @@ def test_every_microbatch_runs_forward_then_backward_once(schedule, v):
         _check_dependencies(pipeline_actions(schedule, 4, rank, 8, v), 8, v)
 
 
+@pytest.mark.parametrize("pp, m", [(1, 4), (4, 8), (4, 3)])
+def test_overlapped_1f1b_pairs_independent_passes_and_keeps_each_stage_busy(pp, m):
+    from trainsim.workloads.schedules import passes
+
+    for rank in range(pp):
+        actions = pipeline_actions("1f1b", pp, rank, m, a2a_overlap=True)
+        _check_dependencies([a for a in actions], m, 1)
+        warmup = min(2 * (pp - rank - 1) + 1, m)
+        assert [a.microbatch for a in actions[:warmup]] == list(range(warmup))
+        groups = passes(actions)
+        pairs = [g for g in groups if len(g) == 2]
+        assert len(pairs) == m - warmup
+        assert all(f.microbatch != b.microbatch for f, b in pairs)  # a forward never pairs with its own backward
+        assert len(groups[0]) == 1 and len(groups[-1]) == 1  # the first forward and the last backward run alone
+    with pytest.raises(ValueError, match="accepted: 1f1b"):
+        pipeline_actions("interleaved-1f1b", 2, 0, 4, 2, a2a_overlap=True)
+
+
 def _max_in_flight(actions):
     live = peak = 0
     for a in actions:

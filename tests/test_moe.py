@@ -29,7 +29,7 @@ from trainsim.workloads.routing import (
     split_by_shares,
     token_counts,
 )
-from trainsim.workloads.schedules import pipeline_actions
+from trainsim.workloads.schedules import pipeline_actions, step_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
 
 MOE = ["model=gpt-tiny", "model.num_experts=4", "model.moe_top_k=2"]
@@ -116,6 +116,13 @@ def test_expert_groups_fold_over_the_stage():
     (["parallelism=dp2", "parallelism.moe_token_dispatcher=flex"], "moe_token_dispatcher='flex'"),
     (["parallelism=dp2", "parallelism.moe_token_dispatcher=allgather", "model.moe_capacity_factor=1.0"],
      "token dropping"),
+    (["parallelism=dp2", "parallelism.moe_a2a_overlap=true"], "moe_a2a_overlap=true with parallelism.ep=1"),
+    (["parallelism=dp2", "parallelism.ep=2", "parallelism.moe_a2a_overlap=true", "parallelism.schedule=gpipe"],
+     "schedule='gpipe'"),
+    (["parallelism=dp2", "parallelism.ep=2", "parallelism.moe_a2a_overlap=true", "parallelism.recompute=full"],
+     "recompute='full'"),
+    (["parallelism=dp2", "parallelism.ep=2", "parallelism.moe_a2a_overlap=true",
+      "parallelism.moe_token_dispatcher=allgather"], "moe_token_dispatcher='allgather'"),
 ])
 def test_invalid_expert_layouts_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -126,6 +133,8 @@ def test_invalid_expert_layouts_name_the_field(overrides, message):
 def test_dense_model_rejects_expert_parallelism(degree):
     with pytest.raises(ConfigError, match=f"{degree}=2 splits experts, but model 'gpt-tiny' has none"):
         compose_run(["model=gpt-tiny", "parallelism=dp2", f"parallelism.{degree}=2"], check="layout")
+    with pytest.raises(ConfigError, match="moe_a2a_overlap=true overlaps expert all-to-alls, but model 'gpt-tiny'"):
+        compose_run(["model=gpt-tiny", "parallelism=dp2", "parallelism.moe_a2a_overlap=true"], check="layout")
 
 
 def _moe_layer(capacity_factor: float = 0.0, top_k: int = 2, router: str = "softmax") -> MoE:
@@ -236,6 +245,10 @@ def _histogram_of(real) -> RoutingHistogram:
     pytest.param(["parallelism=dp2", "parallelism.dp=4", "parallelism.ep=2", "parallelism.zero_stage=3",
                   "parallelism.global_batch_size=8", "hardware.devices_per_node=4", "model.moe_routing=zipf:1.0",
                   "model.moe_force_routing=true"], id="ep2-fsdp"),
+    pytest.param(["parallelism=dp2", "parallelism.ep=2", "parallelism.global_batch_size=8",
+                  "parallelism.moe_a2a_overlap=true", "model.moe_routing=zipf:1.0", "model.moe_force_routing=true",
+                  "model.moe_shared_expert_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01"],
+                 id="ep2-a2a-overlap"),
 ])
 def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_path):
     """One micro-batch per step: the real step's routing histogram, fed back as model.moe_routing, gives the
@@ -256,9 +269,8 @@ def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_p
         cls = int(classes[rank_run.rank])
         representative = int(classes[classes == cls].index.min())
         pos = layout.position(rank_run.rank)
-        actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
-        expected = rename_for_rank(expand_step(graph[graph["rank_class"] == cls], actions), layout,
-                                   representative, rank_run.rank)
+        expected = rename_for_rank(expand_step(graph[graph["rank_class"] == cls], step_actions(par, pos.pp_rank)),
+                                   layout, representative, rank_run.rank)
         recorded = pd.DataFrame(rank_run.events)
         comm = ["collective", "group_ranks", "message_bytes", "comm_dtype"]
         rows = [list(map(str, r)) for r in recorded[recorded["kind"] == "collective"][comm].itertuples(index=False)]
@@ -355,9 +367,25 @@ def _squared_gradient_norms(rank, layout, model_cfg, par):
     MixedPrecisionAdamW._squared_norm = staticmethod(lambda *args: seen.append(norm(*args)) or seen[-1])
     make = synthetic_batch(model_cfg, par, seed=layout.position(rank).dp_rank)
     batches = [make(mb) for mb in range(par.num_microbatches)]
-    train_step(rm, pipeline_actions(par.schedule, par.pp, 0, par.num_microbatches, par.virtual_stages),
-               batches.__getitem__)
+    train_step(rm, step_actions(par, layout.position(rank).pp_rank), batches.__getitem__)
     return sum(float(s) for s in seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallelism.global_batch_size=16", "hardware.devices_per_node=2"],
+                                    ["parallelism.pp=2", "parallelism.global_batch_size=16",
+                                     "hardware.devices_per_node=4"]], ids=["pp1", "pp2"])
+def test_combined_passes_give_the_gradients_of_separate_ones(layout):
+    """With the all-to-alls overlapped each steady-state forward runs interleaved with an earlier backward, step by
+    step on detached pieces: the step's gradients are the plain schedule's (same ops, same accumulation order)."""
+    norms = {}
+    for overlap in (False, True):
+        run = compose_run([*MOE, "parallelism=dp2", *layout, "parallelism.ep=2", "parallelism.clip_grad=1.0",
+                           "model.moe_shared_expert_ffn_hidden_size=64", "model.moe_aux_loss_coeff=0.01",
+                           f"parallelism.moe_a2a_overlap={str(overlap).lower()}", "parallelism.precision=fp32"])
+        assert any(a.paired for a in step_actions(run.parallelism, 0)) == overlap
+        norms[overlap] = spawn_ranks(_squared_gradient_norms, run.parallelism, run.model, run.parallelism)
+    assert norms[True] == pytest.approx(norms[False], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -405,6 +433,33 @@ def test_composed_step_reports_the_expert_all_to_alls_and_waits_for_the_busiest_
     # the less loaded rank waits for the busier one at the all-to-alls: its idle time is their compute difference
     waiting = rows["pipeline_bubble_s"]
     assert waiting[busy.idxmin()] - waiting[busy.idxmax()] == pytest.approx(busy.max() - busy.min(), rel=0.1)
+
+
+def test_combined_passes_hide_the_all_to_alls_under_the_other_micro_batch():
+    """The traced combined pass issues its all-to-alls asynchronously on their own stream, interleaved with the
+    other micro-batch's compute; composed, the exposed all-to-all time falls and the step gets shorter."""
+    from trainsim.timeline.compose import compose_step
+    from trainsim.timeline.costs import TableComm
+    from trainsim.timeline.outputs import breakdown
+
+    hw = compose_run(["hardware=local-cpu", "hardware.devices_per_node=2"], check="layout").hardware
+    steps = {}
+    for overlap in (False, True):
+        model, par = _model_and_layout([*MOE, "parallelism=dp2", "parallelism.ep=2", "parallelism.global_batch_size=16",
+                                        f"parallelism.moe_a2a_overlap={str(overlap).lower()}"])
+        traced = trace_layout(model, par)
+        graph = traced.graph.to_pandas()
+        a2a = graph[graph["collective"] == "all_to_all"]
+        combined = a2a["phase"].str.startswith("combined.")
+        assert combined.any() == overlap
+        assert (a2a[combined]["async_op"] & (a2a[combined]["stream"] == "comm.ep")).all()
+        assert set(a2a[combined]["phase"]) <= {"combined.forward", "combined.backward"}
+        step = compose_step(graph, traced.rank_classes.to_pandas(), par, hw,
+                            lambda ops: ops["flops"].to_numpy(dtype=float) * 1e-9 + 1e-6,
+                            TableComm({"all_to_all": 0.002, "all_gather": 0.0001, "all_reduce": 0.0002}))
+        steps[overlap] = (step.step_time_s, breakdown(step)["exposed_ep_s"].max())
+    assert steps[True][1] < 0.5 * steps[False][1]
+    assert steps[True][0] < steps[False][0]
 
 
 def test_composed_classes_that_share_a_structure_keep_their_own_groups_and_sizes():

@@ -443,6 +443,12 @@ class ParallelismConfig:
     moe_grouped_gemm: bool = True
     """MoE experts as one grouped GEMM per projection (Megatron-Core --moe-grouped-gemm, which its MoE recipes
     use; workloads/grouped_gemm.py) or, false, one GEMM per local expert (Megatron-Core's SequentialMLP)."""
+    moe_a2a_overlap: bool = False
+    """Hide the expert all-to-alls under another micro-batch's compute (Megatron-Core
+    --overlap-moe-expert-parallel-comm, the batch-level overlap DeepSeek-V3's DualPipe also uses): in the steady
+    state each forward runs interleaved layer by layer with the backward of an earlier micro-batch, one's
+    dispatch/combine on a communication stream while the other computes (workloads/combined_passes.py); the
+    schedule warms up one micro-batch more, so one more micro-batch of activations is held."""
     cp_comm_type: str = "p2p"
     """How context-parallel attention gets the other ranks' keys and values: 'p2p' (ring attention: cp steps,
     each overlapping one block's attention with the next block's send/receive; Megatron-Core's default) or

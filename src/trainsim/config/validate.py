@@ -212,6 +212,9 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
             if getattr(par, name) > 1:
                 raise ConfigError(f"parallelism.{name}={getattr(par, name)} splits experts, but model "
                                   f"'{model.name}' has none (model.num_experts=0); use {name}=1")
+        if par.moe_a2a_overlap:
+            raise ConfigError(f"parallelism.moe_a2a_overlap=true overlaps expert all-to-alls, but model "
+                              f"'{model.name}' has no experts (model.num_experts=0); set it false")
         return
     if model.num_experts % par.ep:
         raise ConfigError(f"parallelism.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
@@ -242,6 +245,29 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if par.precision == "fp8" and not par.moe_grouped_gemm:
         raise ConfigError("parallelism.precision='fp8' with experts runs them as FP8 grouped GEMMs (Transformer "
                           "Engine's GroupedLinear): set parallelism.moe_grouped_gemm=true")
+    if par.moe_a2a_overlap:
+        _validate_a2a_overlap(par)
+
+
+def _validate_a2a_overlap(par: ParallelismConfig) -> None:
+    """What the combined forward-backward passes (workloads/combined_passes.py) are built for."""
+    needs = [("ep", par.ep > 1, f"ep={par.ep}: there is no all-to-all to hide; set ep > 1"),
+             ("moe_token_dispatcher", par.moe_token_dispatcher == "alltoall",
+              f"moe_token_dispatcher='{par.moe_token_dispatcher}': only the 'alltoall' dispatcher's exchanges are "
+              "overlapped"),
+             ("schedule", par.schedule == "1f1b",
+              f"schedule='{par.schedule}': combined passes pair the forwards and backwards of '1f1b' (pp = 1 "
+              "included); 'interleaved-1f1b' and 'gpipe' are not built"),
+             ("recompute", par.recompute != "full",
+              "recompute='full': a block recomputed as a whole cannot be split at its all-to-alls; use "
+              "'selective' or 'none' (as Megatron-Core requires)"),
+             ("zero_stage", par.zero_stage < 2, f"zero_stage={par.zero_stage}: FSDP with overlapped all-to-alls "
+              "is not built; use zero_stage 0 or 1"),
+             ("precision", par.precision != "fp8", "precision='fp8': FP8 with overlapped all-to-alls is not built "
+              "(its autocast region spans a whole chunk); use bf16")]
+    for field_name, ok, why in needs:
+        if not ok:
+            raise ConfigError(f"parallelism.moe_a2a_overlap=true with parallelism.{why} (field {field_name})")
 
 
 def validate_hardware(hw: HardwareConfig) -> None:

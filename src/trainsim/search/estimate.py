@@ -204,7 +204,8 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: Paralleli
     transient = max(costs.first_transient_bytes[depth], costs.last_transient_bytes[depth] if holds_loss else 0) \
         + gathered
     row = memory_row(s, **states, saved_bytes_per_chunk={c: total("activation_bytes", c) for c in range(v)},
-                     actions=pipeline_actions(par.schedule, par.pp, s, m, v), transient_bytes=transient)
+                     actions=pipeline_actions(par.schedule, par.pp, s, m, v, par.moe_a2a_overlap),
+                     transient_bytes=transient)
     return int(row["peak_bytes"])
 
 

@@ -259,7 +259,8 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
             templates.append(nodes)
         stage = layout.position(rep).pp_rank
         pp_rank.append(stage)
-        actions = schedule_actions(schedule, par.pp, stage, par.num_microbatches, par.virtual_stages)
+        actions = schedule_actions(schedule, par.pp, stage, par.num_microbatches, par.virtual_stages,
+                                   par.moe_a2a_overlap)
         programs.append(ClassProgram(c, templates, actions))
     return programs, info, np.asarray(pp_rank)
 

@@ -37,11 +37,15 @@ def register_schedule(name: str, fn: ScheduleFn) -> None:
     _SCHEDULES[name] = fn
 
 
-def schedule_actions(name: str, pp: int, pp_rank: int, num_microbatches: int, virtual_stages: int) -> list[Action]:
+def schedule_actions(name: str, pp: int, pp_rank: int, num_microbatches: int, virtual_stages: int,
+                     a2a_overlap: bool = False) -> list[Action]:
     if name in _SCHEDULES:
+        if a2a_overlap:
+            raise ValueError(f"schedule {name!r} is a registered one: overlapped all-to-alls pair the built-in "
+                             "1f1b's passes only (parallelism.moe_a2a_overlap=false)")
         return _SCHEDULES[name](pp, pp_rank, num_microbatches, virtual_stages)
     if name in BUILTIN_SCHEDULES:
-        return pipeline_actions(name, pp, pp_rank, num_microbatches, virtual_stages)
+        return pipeline_actions(name, pp, pp_rank, num_microbatches, virtual_stages, a2a_overlap)
     known = sorted({*BUILTIN_SCHEDULES, *_SCHEDULES})
     raise ValueError(f"schedule {name!r} is not registered; accepted: {', '.join(known)} "
                      "(add one with trainsim.timeline.register_schedule)")

@@ -24,6 +24,7 @@ import pandas as pd
 
 from trainsim.timeline.contention import bandwidth_part
 from trainsim.timeline.plugins import blocking_hint, dependency_rule
+from trainsim.workloads.observe import direction_of, pass_of
 
 COMPUTE, BLOCK, COLLECTIVE, SEND, RECV, MEMCPY = range(6)
 KIND_NAMES = ("compute", "block", "collective", "send", "recv", "memcpy")
@@ -73,7 +74,7 @@ def pass_ops(kernels: pd.DataFrame, rules: tuple[str, ...]) -> list[PassOps]:
     once-per-step ops; optimizer), as expand_step repeats them, and apply the rules."""
     kind_of = dict(zip(kernels["id"].to_numpy().tolist(), kernels["kind"].to_list()))
     out = []
-    for (phase, chunk), ops in kernels.groupby(["phase", "chunk"], sort=False):
+    for (phase, chunk), ops in kernels.groupby([kernels["phase"].map(pass_of), "chunk"], sort=False):
         variants = [("all", ops)]
         if phase != "optimizer" and not ops["per_microbatch"].all():
             variants.append(("per_microbatch", ops[ops["per_microbatch"].to_numpy()]))
@@ -171,6 +172,8 @@ class PassNodes:
     per_microbatch_op: np.ndarray
     nic_s: np.ndarray
     """Bandwidth-bound seconds of the node's inter-node communication (sum over its ops; contention.py)."""
+    direction: np.ndarray
+    """'forward' or 'backward' (or 'optimizer') per node: which half of a combined pass it belongs to."""
 
 
 def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | None = None) -> PassNodes:
@@ -199,7 +202,8 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
     host_ops = np.bincount(node, weights=p.ops["host_ops"].to_numpy(dtype=float), minlength=count)
     return PassNodes(p.phase, p.chunk, p.variant, kind, compute_s, fixed_s, first, last,
                      [costs.sync_key[i] for i in first], edges, node, p.ops["id"].to_numpy(), host_ops,
-                     [(int(node[q]), d) for q, d in p.external], p.ops["per_microbatch"].to_numpy(), nic_s)
+                     [(int(node[q]), d) for q, d in p.external], p.ops["per_microbatch"].to_numpy(), nic_s,
+                     p.ops["phase"].map(direction_of).to_numpy()[first] if n else np.zeros(0, dtype=object))
 
 
 def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representative: int, factor: float,
@@ -245,6 +249,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
         internal[i] = member_classes == (class_id,)
         if not internal[i]:
             sync_key[i] = ("collective", group_kind[i], member_classes)
+    direction = ops["phase"].map(direction_of).to_numpy()  # (a combined pass sends both ways)
     for i in np.flatnonzero((kind == SEND) | (kind == RECV)):
         peer = int(peers[i])
         peer_class = int(class_of_rank[peer])
@@ -253,7 +258,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
         if not same_node:
             nic_s[i] = bandwidth_part(fixed_s[i], comm_seconds("p2p", 1, 2, 2))
         src, dst = (class_id, peer_class) if kind[i] == SEND else (peer_class, class_id)
-        sync_key[i] = ("p2p", src, dst, p.phase)
+        sync_key[i] = ("p2p", src, dst, direction[i])
     communication = np.flatnonzero((kind == COLLECTIVE) | (kind == SEND) | (kind == RECV))
     compute_before = np.concatenate([[0.0], np.cumsum(compute_s)])
     previous = 0

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainsim.timeline.program import BLOCK, COMPUTE, RECV, SEND, PassNodes
-from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
+from trainsim.workloads.observe import COMBINED
+from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch, passes
 
 
 class TimelineError(RuntimeError):
@@ -84,7 +85,12 @@ def occurrences(program: ClassProgram) -> tuple[np.ndarray, np.ndarray]:
     last_mb = last_backward_microbatch(program.actions)
     first_mb = first_forward_microbatch(program.actions)
     occ_t, occ_mb = [], []
-    for a in program.actions:
+    for group in passes(program.actions):
+        if len(group) == 2:  # a combined pass, by its forward's micro-batch (its backward's forward ran earlier)
+            occ_t.append(index[(COMBINED, group[0].chunk, "all")])
+            occ_mb.append(group[0].microbatch)
+            continue
+        (a,) = group
         phase = "forward" if a.kind == "F" else "backward"
         once = (first_mb if a.kind == "F" else last_mb)[a.chunk]
         variant = "all" if a.microbatch == once else "per_microbatch"
@@ -199,7 +205,7 @@ def template_table(programs: list[ClassProgram]) -> tuple[TemplateTable, list[np
             position += n
             cols["cls"].append(np.full(n, p.class_id))
             cols["template"].append(np.full(n, ti))
-            cols["phase"].append(np.full(n, t.phase, dtype=object))
+            cols["phase"].append(t.direction)
             cols["chunk"].append(np.full(n, t.chunk))
             for name in ("kind", "compute_s", "fixed_s", "first_op", "last_op", "host_ops", "nic_s"):
                 cols[name].append(getattr(t, name))

@@ -9,21 +9,30 @@ renamed here.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
-from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
+from trainsim.workloads.observe import COMBINED, direction_of, pass_of
+from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch, passes
 
 
 def expand_step(class_events: pd.DataFrame, actions: list[Action]) -> pd.DataFrame:
-    """Events of one rank class repeated along `actions`, with the micro-batch of each occurrence."""
+    """Events of one rank class repeated along `actions`, with the micro-batch of each occurrence (a combined
+    pass's: its forward's for the forward half, its backward's for the other)."""
     last_mb = last_backward_microbatch(actions)
     first_mb = first_forward_microbatch(actions)
-    by_pass = {
-        (phase, chunk): group for (phase, chunk), group in class_events.groupby(["phase", "chunk"], sort=False)
-    }
+    passes_of = class_events["phase"].map(pass_of)
+    by_pass = {(name, chunk): group for (name, chunk), group in class_events.groupby([passes_of, "chunk"], sort=False)}
     pieces = []
-    for action in actions:
+    for group in passes(actions):
+        if len(group) == 2:  # (combined passes hold no once-per-step work: see schedules.pipeline_actions)
+            f, b = group
+            events = by_pass[(COMBINED, f.chunk)]
+            backward = events["phase"].map(direction_of).to_numpy() == "backward"
+            pieces.append(events.assign(microbatch=np.where(backward, b.microbatch, f.microbatch)))
+            continue
+        (action,) = group
         phase = "forward" if action.kind == "F" else "backward"
         events = by_pass.get((phase, action.chunk))
         if events is None:

@@ -37,7 +37,7 @@ from trainsim.workloads.layout import Layout
 from trainsim.workloads.model import DTYPES
 from trainsim.workloads.observe import observing
 from trainsim.workloads.routing import PlannedCounts, RoutingPlan, model_routing_plan
-from trainsim.workloads.schedules import pipeline_actions, trace_actions
+from trainsim.workloads.schedules import step_actions, trace_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
 
 
@@ -133,7 +133,7 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
             recorder = ExecutionRecorder(layout, rank)
             try:
                 with observing(recorder), recorder:
-                    train_step(rm, trace_actions(par.virtual_stages), lambda microbatch: (tokens, targets))
+                    train_step(rm, trace_actions(par.virtual_stages, par.moe_a2a_overlap), lambda microbatch: (tokens, targets))
             except (RuntimeError, ValueError, TypeError) as exc:
                 raise TraceError(f"tracing the step of rank {rank} (pp_rank {layout.position(rank).pp_rank}) "
                                  f"of {model_cfg.name} with {par.name} failed: {exc}") from exc
@@ -235,7 +235,7 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
                 gradient_bytes=stage.gradient_bytes,
                 optimizer_state_bytes=stage.optimizer_state_bytes,
                 saved_bytes_per_chunk=stage.saved_bytes_per_chunk,
-                actions=pipeline_actions(par.schedule, par.pp, pp_rank, par.num_microbatches, par.virtual_stages),
+                actions=step_actions(par, pp_rank),
                 transient_bytes=stage.transient_bytes,
             ))
             seconds.append(time.perf_counter() - start)

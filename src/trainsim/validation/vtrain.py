@@ -216,10 +216,10 @@ def predict_rows(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par
 
 def _stage_counts(graph: pd.DataFrame, par: ParallelismConfig) -> list[pd.Series]:
     from trainsim.trace.expand import expand_step
-    from trainsim.workloads.schedules import pipeline_actions
+    from trainsim.workloads.schedules import step_actions
     stages = []
     for pp_rank in range(par.pp):
-        actions = pipeline_actions(par.schedule, par.pp, pp_rank, par.num_microbatches, par.virtual_stages)
+        actions = step_actions(par, pp_rank)
         events = expand_step(graph[graph["rank_class"] == pp_rank], actions)
         kernels = events[(events["kind"] == "compute") & ~events["no_kernel"]]
         stages.append(kernels["signature"].value_counts())

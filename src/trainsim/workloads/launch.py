@@ -24,7 +24,7 @@ from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.workloads.allocator import use_steady_state_allocator
 from trainsim.workloads.observe import StepTimer, observing
 from trainsim.workloads.routing import RouterCounts, RoutingHistogram, model_routing_plan
-from trainsim.workloads.schedules import pipeline_actions
+from trainsim.workloads.schedules import step_actions
 from trainsim.workloads.train_step import (
     build_rank_model,
     create_groups,
@@ -91,7 +91,7 @@ def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: in
                if experts else None)
     torch.manual_seed(1234 + pos.pp_rank * 100 + pos.tp_rank)  # replicas start identical
     rm = build_rank_model(model_cfg, par, rank, groups, routing)
-    actions = pipeline_actions(par.schedule, par.pp, pos.pp_rank, par.num_microbatches, par.virtual_stages)
+    actions = step_actions(par, pos.pp_rank)
     make_batch = synthetic_batch(model_cfg, par, seed=pos.dp_rank)
     batches = [make_batch(mb) for mb in range(par.num_microbatches)]  # data loading is not in the step
     result = RankRun(rank, [], [], [], None, routing=histogram)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainsim.config.schema import ModelConfig
+from trainsim.workloads.combined_passes import Step
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
 from trainsim.workloads.fused import RMSNorm, rotary, swiglu
@@ -174,6 +175,29 @@ class Block(nn.Module):
         x = x + self._drop(self.attn(self.norm1(x), rotary))
         return x + self._drop(self.mlp(self.norm2(x)))
 
+    def steps(self, rotary=None) -> list[Step]:
+        """This block's forward as steps (combined_passes.py): cut at the experts' all-to-alls, if it has them."""
+        moe = self.mlp
+        if not isinstance(moe, MoE) or moe.ep.dispatcher != "alltoall":
+            return [Step("block", lambda st: {"x": self(st["x"], rotary)})]
+
+        def attention(st):
+            x1 = st["x"] + self._drop(self.attn(self.norm1(st["x"]), rotary))
+            h = self.norm2(x1)
+            tokens, probs, logits, exchange = moe.dispatch_preprocess(h)
+            return {"x1": x1, "h": h, "tokens": tokens, "probs": probs, "logits": logits, "exchange": exchange}
+
+        def output(st):
+            moe_out = moe.combine_postprocess(st["tokens"], st["probs"], st["logits"], st["h"], st["exchange"])
+            return {"x": st["x1"] + self._drop(moe_out)}
+
+        group = moe.ep.group
+        return [Step("attention", attention),
+                Step("dispatch", exchange=lambda st: (st["exchange"].send, st["exchange"].receive), group=group),
+                Step("experts", lambda st: {**st, "tokens": moe.experts_on(st["tokens"], st["exchange"])}),
+                Step("combine", exchange=lambda st: (st["exchange"].receive, st["exchange"].send), group=group),
+                Step("output", output)]
+
 
 class TransformerChunk(nn.Module):
     """Consecutive layers of the model held by one (pipeline rank, virtual stage) on one tp rank.
@@ -237,21 +261,40 @@ class TransformerChunk(nn.Module):
         """x: token ids [b, s] on the first chunk, else hidden states [b, s, h] (or their sequence-parallel
         shard); returns h or the loss."""
         if self.first:
-            x = self.embed(x)
-            if self.cfg.family == "gpt":
-                x = x + (self.positions if self.position_ids is None
-                         else nn.functional.embedding(self.position_ids, self.positions))
-            if self.sequence_parallel:
-                x = scatter_to_sp(x, self.tp_group, self.tp)
-        rotary = (self.rotary_cos, self.rotary_sin) if self.cfg.family == "llama" else None
+            x = self._embed(x)
+        rotary = self._rotary()
         with self.fp8.autocast() if self.fp8 is not None else contextlib.nullcontext():
             for block in self.layers:
                 if self.recompute_full:
                     x = checkpoint(block, x, rotary, use_reentrant=False)
                 else:
                     x = block(x, rotary)
-        if not self.last:
-            return x
+        return self._loss(x, targets) if self.last else x
+
+    def steps(self, targets: torch.Tensor | None = None) -> list[Step]:
+        """The forward as steps (combined_passes.py; FP8 and full recomputation excluded): the state's 'x' is the
+        input and, on the last chunk, 'loss' the output."""
+        rotary = self._rotary()
+        out = [Step("embed", lambda st: {"x": self._embed(st["x"])}, keeps_turn=True)] if self.first else []
+        for block in self.layers:
+            out += block.steps(rotary)
+        if self.last:
+            out.append(Step("loss", lambda st: {"loss": self._loss(st["x"], targets)}, keeps_turn=True))
+        return out
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        if self.cfg.family == "gpt":
+            x = x + (self.positions if self.position_ids is None
+                     else nn.functional.embedding(self.position_ids, self.positions))
+        if self.sequence_parallel:
+            x = scatter_to_sp(x, self.tp_group, self.tp)
+        return x
+
+    def _rotary(self):
+        return (self.rotary_cos, self.rotary_sin) if self.cfg.family == "llama" else None
+
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.final_norm(x))  # [b, s, vocab / tp] ([b s, vocab / tp] sequence-parallel)
         logits = logits.view(*targets.shape, logits.shape[-1])
         loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_group, self.tp)

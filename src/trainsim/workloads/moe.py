@@ -71,6 +71,27 @@ class ExpertParallel:
     # (the ranks that exchange tokens, etp x ep, are the counts' group: counts.group, .group_kind, .source)
 
 
+@dataclass
+class _Exchange:
+    """How one micro-batch's token copies move through an MoE layer with the all-to-all dispatcher: sizes known on
+    the host once the counts are gathered, kept until the backward (which runs the exchanges in reverse)."""
+
+    order: torch.Tensor
+    """token copies (token * k + choice) in the order they are sent: by expert, dropped ones left out"""
+    counts: list[int]
+    """this source's tokens per expert, as routed (the auxiliary loss)"""
+    send: list[int]
+    """rows sent to each ep rank"""
+    by_source: np.ndarray
+    """[source ep rank, its etp rank, my local expert]: rows this rank's experts get from each source"""
+    receive: list[int]
+    """rows received from each ep rank"""
+
+    def reverse(self) -> "_Exchange":
+        """The same exchange with send and receive swapped (the combine)."""
+        return _Exchange(self.order, self.counts, self.receive, self.by_source, self.send)
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with split sizes; its gradient is the reverse exchange."""
 
@@ -231,8 +252,20 @@ class MoE(nn.Module):
         return self.aux_coeff * self.num_experts * torch.dot(scores.mean(dim=0), routed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
+        ep = self.ep
+        if ep.dispatcher == "allgather" and ep.size * ep.etp > 1:
+            tokens, probs, indices, logits, counts, everyone = self._route_and_count(x)
+            combined = self._allgather_experts(tokens, probs, indices, everyone)
+            return self._output(combined, x, logits, counts)
+        permuted, probs, logits, exchange = self.dispatch_preprocess(x)
+        received = self.dispatch(permuted, exchange)
+        return self.combine_postprocess(self.dispatch(self.experts_on(received, exchange), exchange.reverse()),
+                                        probs, logits, x, exchange)
+
+    def _route_and_count(self, x: torch.Tensor):
+        """Steps 1 and the counts of 3: (tokens [T, h], probs, indices, logits, this source's tokens per expert,
+        every source's [sources, E])."""
+        tokens = x.reshape(-1, x.shape[-1])
         ep = self.ep
         probs, indices, logits = self._route(tokens)
         # tokens per expert from the routing map, as Megatron-Core (static shapes: traceable on fake tensors)
@@ -240,17 +273,17 @@ class MoE(nn.Module):
         per_expert = routing_map.sum(dim=0)
         counts = ep.counts.local(self.layer, per_expert)
         everyone = ep.counts.everyone(self.layer, per_expert, ep.size * ep.etp)  # [token sources, E]
-        if ep.dispatcher == "allgather" and ep.size * ep.etp > 1:
-            combined = self._allgather_experts(tokens, probs, indices, everyone)
-        else:
-            combined = self._alltoall_experts(tokens, probs, indices, counts, everyone)
-        combined = combined.view(shape)
+        return tokens, probs, indices, logits, counts, everyone
+
+    def _output(self, combined: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        combined = combined.view(x.shape)
         if self.aux_coeff:
             combined = _AttachAuxLoss.apply(combined, self._aux_loss(logits, counts), self.loss_scale)
         return combined + self.shared(x) if self.shared is not None else combined
 
-    def _alltoall_experts(self, tokens, probs, indices, counts: list[int], everyone: np.ndarray) -> torch.Tensor:
-        """Steps 2-5 with the all-to-all dispatcher: [T, h] of weighted expert outputs."""
+    def dispatch_preprocess(self, x: torch.Tensor):
+        """Steps 1-2 with the all-to-all dispatcher: (token copies sorted by expert, probs, logits, _Exchange)."""
+        tokens, probs, indices, logits, counts, everyone = self._route_and_count(x)
         num_tokens, k, ep = tokens.shape[0], self.top_k, self.ep
         order = indices.flatten().argsort(stable=True)  # token copies grouped by expert
         if self.capacity_factor > 0:
@@ -261,23 +294,38 @@ class MoE(nn.Module):
         sent = everyone[ep.counts.source].reshape(ep.size, self.local_experts)  # [destination rank, its expert]
         mine = slice(ep.rank * self.local_experts, (ep.rank + 1) * self.local_experts)
         by_source = everyone[:, mine].reshape(ep.size, ep.etp, self.local_experts)  # [ep rank, etp rank, my expert]
-        received = by_source[:, ep.etp_rank]  # [source ep rank, my expert], what the all-to-all brings
-        permuted = tokens.index_select(0, order // k)
-        if ep.size > 1:
-            permuted = _AllToAll.apply(permuted, received.sum(axis=1).tolist(), sent.sum(axis=1).tolist(), ep.group)
-        rows = received
+        exchange = _Exchange(order, counts, sent.sum(axis=1).tolist(), by_source,
+                             by_source[:, ep.etp_rank].sum(axis=1).tolist())
+        return tokens.index_select(0, order // k), probs, logits, exchange
+
+    def dispatch(self, x: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+        """Step 3's all-to-all (step 5's with exchange.reverse())."""
+        if self.ep.size == 1:
+            return x
+        return _AllToAll.apply(x, exchange.receive, exchange.send, self.ep.group)
+
+    def experts_on(self, received: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+        """Step 4 on the rows the all-to-all brought, in the order they came."""
+        ep = self.ep
+        by_source = exchange.by_source
+        rows = by_source[:, ep.etp_rank]  # [source ep rank, my expert], what the all-to-all brings
         if ep.etp > 1:  # every etp rank computes its slice of the experts for what all of them received
             rows = by_source.transpose(1, 0, 2).reshape(-1, self.local_experts)  # by etp rank, then ep rank
             etp_sizes = by_source.sum(axis=(0, 2)).tolist()
-            permuted = gather_uneven(permuted, etp_sizes, ep.etp_group, "etp")
-        out = self.experts(_regroup(permuted, rows), rows.sum(axis=0).tolist())
-        out = _regroup(out, rows.T)
+            received = gather_uneven(received, etp_sizes, ep.etp_group, "etp")
+        out = _regroup(self.experts(_regroup(received, rows), rows.sum(axis=0).tolist()), rows.T)
         if ep.etp > 1:
             out = reduce_scatter_uneven_rows(out, etp_sizes, ep.etp_group, "etp")
-        if ep.size > 1:
-            out = _AllToAll.apply(out, sent.sum(axis=1).tolist(), received.sum(axis=1).tolist(), ep.group)
-        weights = probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(tokens).index_add(0, order // k, out * weights)
+        return out
+
+    def combine_postprocess(self, back: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor, x: torch.Tensor,
+                            exchange: _Exchange) -> torch.Tensor:
+        """Step 5 after the all-to-all: each copy weighted by its probability, summed into its token; the
+        auxiliary loss and the shared expert."""
+        order, k = exchange.order, self.top_k
+        weights = probs.flatten().index_select(0, order).unsqueeze(-1).to(back.dtype)
+        combined = torch.zeros_like(x.reshape(-1, x.shape[-1])).index_add(0, order // k, back * weights)
+        return self._output(combined, x, logits, exchange.counts)
 
     def _allgather_experts(self, tokens, probs, indices, everyone: np.ndarray) -> torch.Tensor:
         """Megatron-Core's all-gather dispatcher: every rank gathers the tep group's tokens, routing and

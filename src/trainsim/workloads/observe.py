@@ -13,6 +13,19 @@ import time
 from collections.abc import Iterator
 
 PHASES = ("forward", "backward", "optimizer")
+COMBINED = "combined"
+"""The pass of a forward and a backward run interleaved (combined_passes.py); its ops' phases are
+'combined.forward' and 'combined.backward'."""
+
+
+def pass_of(phase: str) -> str:
+    """The pass an op's phase belongs to: 'combined' for both halves of a combined pass, else the phase."""
+    return COMBINED if phase.startswith(COMBINED + ".") else phase
+
+
+def direction_of(phase: str) -> str:
+    """'forward', 'backward' or 'optimizer': what the op does, in a combined pass or not."""
+    return phase.removeprefix(COMBINED + ".")
 
 
 class StepObserver:
@@ -48,12 +61,12 @@ class StepTimer(StepObserver):
 
     @contextlib.contextmanager
     def section(self, phase: str, chunk: int, microbatch: int) -> Iterator[None]:
-        previous, self._phase = self._phase, phase
+        previous, self._phase = self._phase, direction_of(phase)
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
+            self.phase_seconds[self._phase] = self.phase_seconds.get(self._phase, 0.0) + time.perf_counter() - start
             self._phase = previous
 
     @contextlib.contextmanager

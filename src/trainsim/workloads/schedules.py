@@ -7,6 +7,15 @@ An action is (pass, microbatch, chunk): pass 'F' or 'B', chunk the virtual stage
 * Interleaved 1F1B (same paper, sec. 2.2.2; Megatron-LM schedules.py
   forward_backward_pipelining_with_interleaving): each rank holds v chunks; micro-batches move
   through chunks in groups of pp; warm-up is (pp - rank - 1) * 2 + (v - 1) * pp.
+* 1F1B with the expert all-to-alls overlapped (parallelism.moe_a2a_overlap; Megatron-Core's combined 1F1B):
+  each steady-state backward is `paired` with the forward before it: the two run as one combined pass,
+  interleaved layer by layer (workloads/combined_passes.py). Warm-up is 2 (pp - rank - 1) + 1 forwards. The 1
+  makes the pair independent (the last stage would otherwise pair a micro-batch's forward with its own backward;
+  with pp = 1 this is Megatron-Core's combined schedule without pipelining). The 2 per stage is as interleaved
+  1F1B's: a combined pass sends its forward's output only at its end, so with 1F1B's one micro-batch per stage
+  the next stage would wait for each of this stage's passes and this stage for each of the next one's (lockstep,
+  half the rate); two per stage let a stage run a pass while its neighbour runs the one before. Megatron-Core
+  combines passes only without pipelining or interleaved; this is trainsim's extension, held to the same rule.
 The real training step and the timeline composer both run these lists, so they cannot disagree.
 """
 
@@ -20,6 +29,8 @@ class Action:
     kind: str  # 'F' or 'B'
     microbatch: int
     chunk: int
+    paired: bool = False
+    """A backward that runs combined with the forward before it (moe_a2a_overlap)."""
 
 
 def _interleaved_chunk(k: int, pp: int, v: int, forward: bool) -> int:
@@ -32,15 +43,17 @@ def _interleaved_microbatch(k: int, pp: int, v: int) -> int:
 
 
 def pipeline_actions(schedule: str, pp: int, pp_rank: int, num_microbatches: int,
-                     virtual_stages: int = 1) -> list[Action]:
+                     virtual_stages: int = 1, a2a_overlap: bool = False) -> list[Action]:
     m, v = num_microbatches, virtual_stages
+    if a2a_overlap and schedule != "1f1b":
+        raise ValueError(f"schedule {schedule!r} with overlapped all-to-alls; accepted: 1f1b")
     if schedule == "gpipe":
         return [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
     if schedule == "1f1b":
-        warmup = min(pp - pp_rank - 1, m)
+        warmup = min(2 * (pp - pp_rank - 1) + 1 if a2a_overlap else pp - pp_rank - 1, m)
         actions = [Action("F", i, 0) for i in range(warmup)]
         for i in range(m - warmup):
-            actions += [Action("F", warmup + i, 0), Action("B", i, 0)]
+            actions += [Action("F", warmup + i, 0), Action("B", i, 0, paired=a2a_overlap)]
         actions += [Action("B", i, 0) for i in range(m - warmup, m)]
         return actions
     if schedule == "interleaved-1f1b":
@@ -61,11 +74,32 @@ def pipeline_actions(schedule: str, pp: int, pp_rank: int, num_microbatches: int
     raise ValueError(f"schedule {schedule!r}; accepted: gpipe, 1f1b, interleaved-1f1b")
 
 
-def trace_actions(virtual_stages: int) -> list[Action]:
-    """What the tracer runs: one micro-batch through every chunk, then back (it is also the last one)."""
+def step_actions(par, pp_rank: int) -> list[Action]:
+    """The actions of pipeline rank `pp_rank` under a ParallelismConfig's schedule."""
+    return pipeline_actions(par.schedule, par.pp, pp_rank, par.num_microbatches, par.virtual_stages,
+                            par.moe_a2a_overlap)
+
+
+def trace_actions(virtual_stages: int, a2a_overlap: bool = False) -> list[Action]:
+    """What the tracer runs: one micro-batch through every chunk, then back (it is also the last one); with
+    overlapped all-to-alls the first forward, a combined pass (second forward, first backward), the last backward."""
+    if a2a_overlap:
+        return [Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0, paired=True), Action("B", 1, 0)]
     return [Action("F", 0, c) for c in range(virtual_stages)] + [
         Action("B", 0, c) for c in reversed(range(virtual_stages))
     ]
+
+
+def passes(actions: list[Action]) -> list[tuple[Action, ...]]:
+    """The actions grouped as the step runs them: a forward with the paired backward after it is one pass."""
+    out: list[tuple[Action, ...]] = []
+    for a in actions:
+        if a.paired:
+            assert out and len(out[-1]) == 1 and out[-1][0].kind == "F", "a paired backward follows a forward"
+            out[-1] = (out[-1][0], a)
+        else:
+            out.append((a,))
+    return out
 
 
 def first_forward_microbatch(actions: list[Action]) -> dict[int, int]:

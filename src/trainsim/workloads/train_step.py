@@ -6,6 +6,7 @@ fake tensors and a fake process group; nothing in it knows which of the two is h
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +21,11 @@ from trainsim.workloads.fully_sharded import local, shard_chunk
 from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers, layout_of
 from trainsim.workloads.model import DTYPES, TransformerChunk
 from trainsim.workloads.moe import ExpertParallel
-from trainsim.workloads.observe import observer
+from trainsim.workloads.combined_passes import ChunkPass, interleave, run_alone
+from trainsim.workloads.observe import COMBINED, observer
 from trainsim.workloads.optimizer import MixedPrecisionAdamW
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
-from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch
+from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch, passes
 
 
 def create_groups(layout: Layout, rank: int, every_group: bool, experts: bool = False) -> dict[str, object]:
@@ -187,7 +189,9 @@ def _send(rm: RankModel, tensor: torch.Tensor, dst: int, tag: int) -> None:
         rm.pending_sends.append(dist.isend(tensor, dst=dst, group=rm.groups["pp"], tag=tag))
 
 
-def run_forward(rm: RankModel, action: Action, batch, saved: dict) -> None:
+def _forward_pass(rm: RankModel, action: Action, batch, saved: dict) -> Iterator[None]:
+    """One chunk's forward for one micro-batch; with moe_a2a_overlap step by step, yielding where a combined
+    pass's backward may run (combined_passes.py)."""
     chunk = rm.chunks[action.chunk]
     v = rm.par.virtual_stages
     tokens, targets = batch(action.microbatch)
@@ -199,29 +203,41 @@ def run_forward(rm: RankModel, action: Action, batch, saved: dict) -> None:
     else:
         src, src_chunk = _neighbour(rm, action.chunk, -1)
         inputs = _recv(rm, src, _p2p_tag(action.microbatch, src_chunk, v, backward=False)).requires_grad_()
-    output = chunk(inputs, targets if chunk.last else None)
+    if rm.par.moe_a2a_overlap:
+        kept = ChunkPass(chunk.steps(targets if chunk.last else None))
+        yield from kept.forward({"x": inputs})
+        output = kept.output["loss" if chunk.last else "x"]
+    else:
+        output = kept = chunk(inputs, targets if chunk.last else None)
     if not chunk.last:
         dst, _ = _neighbour(rm, action.chunk, +1)
         _send(rm, output.detach(), dst, _p2p_tag(action.microbatch, action.chunk, v, backward=False))
-    saved[(action.microbatch, action.chunk)] = (inputs, output)
+    saved[(action.microbatch, action.chunk)] = (inputs, kept)
 
 
-def run_backward(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -> None:
+def _backward_pass(rm: RankModel, action: Action, saved: dict, sync_grads: bool) -> Iterator[None]:
     chunk = rm.chunks[action.chunk]
     v = rm.par.virtual_stages
-    inputs, output = saved.pop((action.microbatch, action.chunk))
+    inputs, kept = saved.pop((action.microbatch, action.chunk))
     if rm.buckets:  # (FSDP reduce-scatters every micro-batch's gradients itself)
         for buckets in rm.chunk_buckets(action.chunk):
             buckets.start_backward(sync=sync_grads)
-    if chunk.last:
-        output.backward()
-    else:
+    grad = None
+    if not chunk.last:
         src, src_chunk = _neighbour(rm, action.chunk, +1)
         grad = _recv(rm, src, _p2p_tag(action.microbatch, src_chunk, v, backward=True))
-        torch.autograd.backward(output, grad)
+    if isinstance(kept, ChunkPass):
+        yield from kept.backward({"loss": None} if chunk.last else {"x": grad})
+        input_grad = kept.input_grads.get("x")
+    else:
+        if chunk.last:
+            kept.backward()
+        else:
+            torch.autograd.backward(kept, grad)
+        input_grad = inputs.grad
     if not chunk.first:
         dst, _ = _neighbour(rm, action.chunk, -1)
-        _send(rm, inputs.grad, dst, _p2p_tag(action.microbatch, action.chunk, v, backward=True))
+        _send(rm, input_grad, dst, _p2p_tag(action.microbatch, action.chunk, v, backward=True))
 
 
 def allreduce_sequence_parallel_grads(rm: RankModel) -> None:
@@ -246,16 +262,25 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
     first_mb = first_forward_microbatch(actions)
     overlap_gather = rm.par.zero_stage == 1 and rm.par.overlap_param_gather
     saved: dict = {}
-    for action in actions:
+    for group in passes(actions):
+        if len(group) == 2:  # a forward and a backward combined (moe_a2a_overlap; never the first or last ones)
+            f, b = group
+            interleave([
+                (lambda: obs.section(f"{COMBINED}.backward", b.chunk, b.microbatch),
+                 _backward_pass(rm, b, saved, sync_grads=False)),
+                (lambda: obs.section(f"{COMBINED}.forward", f.chunk, f.microbatch), _forward_pass(rm, f, batch, saved)),
+            ])
+            continue
+        (action,) = group
         phase = "forward" if action.kind == "F" else "backward"
         with obs.section(phase, action.chunk, action.microbatch):
             if action.kind == "F":
                 if overlap_gather and action.microbatch == first_mb[action.chunk]:
                     for buckets in rm.chunk_buckets(action.chunk):  # the last step's update, layer by layer
                         buckets.gather_params(wait=False)
-                run_forward(rm, action, batch, saved)
+                run_alone(_forward_pass(rm, action, batch, saved))
             else:
-                run_backward(rm, action, saved, sync_grads=action.microbatch == last_mb[action.chunk])
+                run_alone(_backward_pass(rm, action, saved, sync_grads=action.microbatch == last_mb[action.chunk]))
     with obs.section("optimizer", 0, 0):
         for buckets in rm.all_buckets():
             buckets.finish()

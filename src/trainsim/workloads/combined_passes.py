@@ -1,0 +1,173 @@
+"""Combined forward-backward passes: expert all-to-alls hidden under another micro-batch's compute.
+
+Megatron-Core's batch-level overlap (--overlap-moe-expert-parallel-comm; DeepSeek-V3's DualPipe rests on the same
+idea): in 1F1B's steady state a forward and the backward of an earlier micro-batch run as one pass, layer by layer,
+and each one's dispatch and combine all-to-alls run on a communication stream while the other computes. Per layer
+pair (forward layer i, backward layer n - 1 - i) the order is Megatron-Core's:
+
+    communication: combine(B)  | dispatch(F)  dispatch(B) | combine(F)
+    compute:       attention(F) | experts(B)   experts(F)  | attention(B)
+
+To run a backward piece by piece, a chunk's forward is cut into `Step`s at its all-to-alls (model.py
+`TransformerChunk.steps`): per MoE block attention with router and permutation, dispatch, experts, combine, output
+(unpermutation, shared expert, residual); a dense block is one step; embedding and output layer with the loss are
+steps of the first and last chunks. Each compute step runs on its own autograd graph (its input tensors detached),
+so its backward can run alone; an exchange runs outside autograd and its gradient is the reverse exchange. Steps
+pass a state (name -> tensor or host value) along; gradients flow back name by name.
+
+Each pass is a generator that yields where the other may take over: after issuing an exchange, or after a compute
+step that no exchange follows. `interleave` alternates two of them, the backward first. A pass alone runs its
+exchanges as issue-then-wait. The real step and the trace run this same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from trainsim.workloads.observe import observer
+
+State = dict[str, object]
+
+
+@dataclass
+class Step:
+    """One piece of a chunk's forward: `run(state) -> state` (compute), or an all-to-all of state['tokens'] with
+    `exchange(state)` giving (rows sent to each rank, rows received from each), over `group` (exchange)."""
+
+    name: str
+    run: Callable[[State], State] | None = None
+    exchange: Callable[[State], tuple[list[int], list[int]]] | None = None
+    group: object = None
+    keeps_turn: bool = False
+    """The pass goes on after this step without yielding (embedding forward, loss backward: Megatron-Core runs
+    them before the first layer pair)."""
+
+
+def _start_all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group):
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    x = x.contiguous()
+    with observer().communication(async_op=True, group_kind="ep"):
+        work = dist.all_to_all_single(out, x, receive, send, group=group, async_op=True)
+    return out, (work, x)
+
+
+def _wait(pending) -> None:
+    if pending is not None:
+        with observer().communication():
+            pending[0].wait()
+
+
+def _leaves(state: State, wanted: set[str]) -> State:
+    """The state with each tensor that needs a gradient (or is `wanted`: an exchange's result, made outside
+    autograd) detached into a leaf of the step's own graph."""
+    return {k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) and (v.requires_grad or k in wanted)
+            else v for k, v in state.items()}
+
+
+@dataclass
+class _Done:
+    step: Step
+    inputs: State
+    outputs: State
+    sizes: tuple[list[int], list[int]] | None = None
+
+
+@dataclass
+class ChunkPass:
+    """One micro-batch through one chunk, step by step, kept for its backward."""
+
+    steps: list[Step]
+    done: list[_Done] = field(default_factory=list)
+    output: State | None = None
+    input_grads: State | None = None
+
+    def forward(self, state: State) -> Iterator[None]:
+        pending, wanted = None, set()
+        for i, step in enumerate(self.steps):
+            if step.exchange is not None:
+                send, receive = step.exchange(state)
+                tokens, pending = _start_all_to_all(state["tokens"], send, receive, step.group)
+                if state["tokens"].requires_grad:
+                    wanted.add("tokens")
+                self.done.append(_Done(step, state, {**state, "tokens": tokens}, (send, receive)))
+                state = self.done[-1].outputs
+                yield
+                continue
+            _wait(pending)
+            pending = None
+            inputs = _leaves(state, wanted)
+            wanted = set()
+            state = step.run(dict(inputs))
+            self.done.append(_Done(step, inputs, state))
+            following = self.steps[i + 1] if i + 1 < len(self.steps) else None
+            if not step.keeps_turn and not (following is not None and following.exchange is not None):
+                yield
+        _wait(pending)
+        self.output = state
+
+    def backward(self, grads: State) -> Iterator[None]:
+        """grads: of the output state's tensors by name (None for a scalar loss: a gradient of one)."""
+        pending = None
+        for i in reversed(range(len(self.done))):
+            entry = self.done[i]
+            if entry.sizes is not None:
+                send, receive = entry.sizes  # the gradient goes back the way the tokens came
+                tokens, pending = _start_all_to_all(grads.pop("tokens"), receive, send, entry.step.group)
+                grads["tokens"] = tokens
+                yield
+                continue
+            _wait(pending)
+            pending = None
+            grads = _step_backward(entry, grads)
+            previous = self.done[i - 1] if i > 0 else None
+            if not entry.step.keeps_turn and not (previous is not None and previous.sizes is not None):
+                yield
+        _wait(pending)
+        self.input_grads = grads
+        self.done.clear()
+
+
+def _step_backward(entry: _Done, grads: State) -> State:
+    outputs, gradients, through = [], [], {}
+    for name, out in entry.outputs.items():
+        if not isinstance(out, torch.Tensor) or name not in grads:
+            continue
+        if out is entry.inputs.get(name):  # passed along unchanged: its gradient too
+            through[name] = grads[name]
+        elif out.requires_grad:
+            outputs.append(out)
+            gradients.append(grads[name])
+    if outputs:
+        torch.autograd.backward(outputs, gradients)
+    result: State = {}
+    for name, leaf in entry.inputs.items():
+        if not isinstance(leaf, torch.Tensor) or not leaf.requires_grad:
+            continue
+        grad = leaf.grad
+        if name in through:
+            grad = through[name] if grad is None else grad + through[name]
+        if grad is not None:
+            result[name] = grad
+    return result
+
+
+def run_alone(pass_: Iterator[None]) -> None:
+    for _ in pass_:
+        pass
+
+
+def interleave(sides: list[tuple[Callable[[], object], Iterator[None]]]) -> None:
+    """Advance each side in turn by one unit, inside its context (the observer's section), until all are done."""
+    active = list(sides)
+    while active:
+        for side in list(active):
+            context, pass_ = side
+            with context():
+                try:
+                    next(pass_)
+                except StopIteration:
+                    active.remove(side)
