@@ -249,6 +249,9 @@ def _histogram_of(real) -> RoutingHistogram:
                   "parallelism.moe_a2a_overlap=true", "model.moe_routing=zipf:1.0", "model.moe_force_routing=true",
                   "model.moe_shared_expert_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01"],
                  id="ep2-a2a-overlap"),
+    pytest.param(["parallelism=dp2", "parallelism.ep=2", "parallelism.global_batch_size=8",
+                  "parallelism.moe_a2a_overlap=true", "model.moe_routing=zipf:1.0", "model.moe_force_routing=true",
+                  "parallelism.precision=fp8", "parallelism.fp8_recipe=delayed"], id="ep2-fp8-a2a-overlap"),
 ])
 def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_path):
     """One micro-batch per step: the real step's routing histogram, fed back as model.moe_routing, gives the

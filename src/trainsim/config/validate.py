@@ -262,9 +262,7 @@ def _validate_a2a_overlap(par: ParallelismConfig) -> None:
               "recompute='full': a block recomputed as a whole cannot be split at its all-to-alls; use "
               "'selective' or 'none' (as Megatron-Core requires)"),
              ("zero_stage", par.zero_stage < 2, f"zero_stage={par.zero_stage}: FSDP with overlapped all-to-alls "
-              "is not built; use zero_stage 0 or 1"),
-             ("precision", par.precision != "fp8", "precision='fp8': FP8 with overlapped all-to-alls is not built "
-              "(its autocast region spans a whole chunk); use bf16")]
+              "is not built; use zero_stage 0 or 1")]
     for field_name, ok, why in needs:
         if not ok:
             raise ConfigError(f"parallelism.moe_a2a_overlap=true with parallelism.{why} (field {field_name})")

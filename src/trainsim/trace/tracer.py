@@ -133,7 +133,8 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
             recorder = ExecutionRecorder(layout, rank)
             try:
                 with observing(recorder), recorder:
-                    train_step(rm, trace_actions(par.virtual_stages, par.moe_a2a_overlap), lambda microbatch: (tokens, targets))
+                    actions = trace_actions(par.virtual_stages, par.moe_a2a_overlap)
+                    train_step(rm, actions, lambda microbatch: (tokens, targets))
             except (RuntimeError, ValueError, TypeError) as exc:
                 raise TraceError(f"tracing the step of rank {rank} (pp_rank {layout.position(rank).pp_rank}) "
                                  f"of {model_cfg.name} with {par.name} failed: {exc}") from exc

@@ -22,12 +22,13 @@ exchanges as issue-then-wait. The real step and the trace run this same code.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from trainsim.workloads.moe import exchange_rows
 from trainsim.workloads.observe import observer
 
 State = dict[str, object]
@@ -45,13 +46,13 @@ class Step:
     keeps_turn: bool = False
     """The pass goes on after this step without yielding (embedding forward, loss backward: Megatron-Core runs
     them before the first layer pair)."""
+    in_region: bool = True
+    """Runs inside the chunk's FP8 autocast region (the blocks and their exchanges; not embedding and loss)."""
 
 
-def _start_all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group):
-    out = x.new_empty((sum(receive), *x.shape[1:]))
-    x = x.contiguous()
-    with observer().communication(async_op=True, group_kind="ep"):
-        work = dist.all_to_all_single(out, x, receive, send, group=group, async_op=True)
+def _start_exchange(x: torch.Tensor, send: list[int], receive: list[int], group):
+    """Issue the exchange; (the rows it will bring, what to wait for: the work, and its input kept alive)."""
+    out, work = exchange_rows(x, send, receive, group, async_op=True)
     return out, (work, x)
 
 
@@ -81,16 +82,31 @@ class ChunkPass:
     """One micro-batch through one chunk, step by step, kept for its backward."""
 
     steps: list[Step]
+    region: Callable[[], contextlib.AbstractContextManager] | None = None
+    """The chunk's FP8 autocast (fp8.Fp8Region.autocast): entered at the first step inside it, left after the
+    last, as the plain forward does around its blocks (leaving it reduces the forward amaxes)."""
     done: list[_Done] = field(default_factory=list)
     output: State | None = None
     input_grads: State | None = None
 
     def forward(self, state: State) -> Iterator[None]:
-        pending, wanted = None, set()
+        with contextlib.ExitStack() as region:
+            yield from self._forward(state, region)
+
+    def _forward(self, state: State, region: contextlib.ExitStack) -> Iterator[None]:
+        pending, wanted, inside = None, set(), False
         for i, step in enumerate(self.steps):
+            if self.region is not None and step.in_region != inside:
+                _wait(pending)  # (an exchange is inside the region: this is a compute step)
+                pending = None
+                if step.in_region:
+                    region.enter_context(self.region())
+                else:
+                    region.close()
+                inside = step.in_region
             if step.exchange is not None:
                 send, receive = step.exchange(state)
-                tokens, pending = _start_all_to_all(state["tokens"], send, receive, step.group)
+                tokens, pending = _start_exchange(state["tokens"], send, receive, step.group)
                 if state["tokens"].requires_grad:
                     wanted.add("tokens")
                 self.done.append(_Done(step, state, {**state, "tokens": tokens}, (send, receive)))
@@ -116,7 +132,7 @@ class ChunkPass:
             entry = self.done[i]
             if entry.sizes is not None:
                 send, receive = entry.sizes  # the gradient goes back the way the tokens came
-                tokens, pending = _start_all_to_all(grads.pop("tokens"), receive, send, entry.step.group)
+                tokens, pending = _start_exchange(grads.pop("tokens"), receive, send, entry.step.group)
                 grads["tokens"] = tokens
                 yield
                 continue

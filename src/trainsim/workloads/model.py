@@ -272,14 +272,16 @@ class TransformerChunk(nn.Module):
         return self._loss(x, targets) if self.last else x
 
     def steps(self, targets: torch.Tensor | None = None) -> list[Step]:
-        """The forward as steps (combined_passes.py; FP8 and full recomputation excluded): the state's 'x' is the
-        input and, on the last chunk, 'loss' the output."""
+        """The forward as steps (combined_passes.py; not with full recomputation): the state's 'x' is the input
+        and, on the last chunk, 'loss' the output. Blocks run inside the FP8 region (ChunkPass(region=...))."""
         rotary = self._rotary()
-        out = [Step("embed", lambda st: {"x": self._embed(st["x"])}, keeps_turn=True)] if self.first else []
+        out = [Step("embed", lambda st: {"x": self._embed(st["x"])}, keeps_turn=True, in_region=False)] \
+            if self.first else []
         for block in self.layers:
             out += block.steps(rotary)
         if self.last:
-            out.append(Step("loss", lambda st: {"loss": self._loss(st["x"], targets)}, keeps_turn=True))
+            out.append(Step("loss", lambda st: {"loss": self._loss(st["x"], targets)}, keeps_turn=True,
+                            in_region=False))
         return out
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

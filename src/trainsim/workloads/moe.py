@@ -87,9 +87,17 @@ class _Exchange:
     receive: list[int]
     """rows received from each ep rank"""
 
-    def reverse(self) -> "_Exchange":
+    def reverse(self) -> _Exchange:
         """The same exchange with send and receive swapped (the combine)."""
         return _Exchange(self.order, self.counts, self.receive, self.by_source, self.send)
+
+
+def exchange_rows(x: torch.Tensor, send: list[int], receive: list[int], group, async_op: bool = False):
+    """(rows received, the work or None): all_to_all_single of x's rows, send[r] of them to rank r of `group`."""
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    with observer().communication(async_op=async_op, group_kind="ep"):
+        work = dist.all_to_all_single(out, x.contiguous(), receive, send, group=group, async_op=async_op)
+    return out, work
 
 
 class _AllToAll(torch.autograd.Function):
@@ -98,10 +106,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group):
         ctx.splits, ctx.group = (output_splits, input_splits), group
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        with observer().communication(group_kind="ep"):
-            dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
+        return exchange_rows(x, input_splits, output_splits, group)[0]
 
     @staticmethod
     def backward(ctx, grad):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
+from trainsim.workloads.combined_passes import ChunkPass, interleave, run_alone
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.data_parallel import GradientBuckets
 from trainsim.workloads.fp8 import fp8_settings
@@ -21,7 +23,6 @@ from trainsim.workloads.fully_sharded import local, shard_chunk
 from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers, layout_of
 from trainsim.workloads.model import DTYPES, TransformerChunk
 from trainsim.workloads.moe import ExpertParallel
-from trainsim.workloads.combined_passes import ChunkPass, interleave, run_alone
 from trainsim.workloads.observe import COMBINED, observer
 from trainsim.workloads.optimizer import MixedPrecisionAdamW
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
@@ -204,7 +205,8 @@ def _forward_pass(rm: RankModel, action: Action, batch, saved: dict) -> Iterator
         src, src_chunk = _neighbour(rm, action.chunk, -1)
         inputs = _recv(rm, src, _p2p_tag(action.microbatch, src_chunk, v, backward=False)).requires_grad_()
     if rm.par.moe_a2a_overlap:
-        kept = ChunkPass(chunk.steps(targets if chunk.last else None))
+        kept = ChunkPass(chunk.steps(targets if chunk.last else None),
+                         chunk.fp8.autocast if chunk.fp8 is not None else None)
         yield from kept.forward({"x": inputs})
         output = kept.output["loss" if chunk.last else "x"]
     else:
@@ -266,9 +268,10 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
         if len(group) == 2:  # a forward and a backward combined (moe_a2a_overlap; never the first or last ones)
             f, b = group
             interleave([
-                (lambda: obs.section(f"{COMBINED}.backward", b.chunk, b.microbatch),
+                (partial(obs.section, f"{COMBINED}.backward", b.chunk, b.microbatch),
                  _backward_pass(rm, b, saved, sync_grads=False)),
-                (lambda: obs.section(f"{COMBINED}.forward", f.chunk, f.microbatch), _forward_pass(rm, f, batch, saved)),
+                (partial(obs.section, f"{COMBINED}.forward", f.chunk, f.microbatch),
+                 _forward_pass(rm, f, batch, saved)),
             ])
             continue
         (action,) = group
