@@ -11,8 +11,9 @@ over pass templates with numpy instead of over op rows, so 1,536 micro-batches c
 * streams: each stream of a class runs its nodes in program order (P2P transfers take no stream slot:
   a send waits only for its receiver, as with batched isend/irecv).
 Cross-class synchronisation: the k-th collective of a class on a group with members in classes S
-starts with the k-th one of every class in S; the k-th send from class A to B in a phase with the k-th
-receive of B from A (NCCL matches P2P in issue order).
+starts with the k-th one of every class in S; the k-th send from class A to B in a direction (forward or
+backward) with the k-th receive of B from A (NCCL matches P2P in issue order). A combined pass (a forward and a
+backward interleaved, parallelism.moe_a2a_overlap) is one template, placed at its forward's micro-batch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 graph.parquet       one row per recorded op of one rank class, in program order
   rank_class        class id (ranks identical up to renaming of group members share it)
   id                event id, program order within the class (0-based)
-  phase             'forward' | 'backward' | 'optimizer'
+  phase             'forward' | 'backward' | 'optimizer', or 'combined.forward' | 'combined.backward' for the two
+                    halves of a combined pass (parallelism.moe_a2a_overlap; workloads/combined_passes.py)
   chunk             model chunk (virtual pipeline stage) on this rank
   microbatch        micro-batch index the op belongs to (always 0 in an ex-situ trace)
   per_microbatch    true: repeat for every micro-batch; false: once per step (DP sync, optimizer)
