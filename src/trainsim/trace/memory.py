@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from trainsim.workloads.schedules import Action
+from trainsim.workloads.schedules import Action, passes
 
 MEMORY_SCHEMA = pa.schema([
     ("rank_class", pa.int32()),
@@ -33,9 +33,18 @@ MEMORY_COLUMNS = MEMORY_SCHEMA.names
 
 
 def peak_inflight_activation_bytes(actions: list[Action], saved_bytes_per_chunk: dict[int, int]) -> tuple[int, int]:
-    """(max bytes, max count) of activations of forwards whose backward has not run yet."""
+    """(max bytes, max count) of activations of forwards whose backward has not run yet. A combined pass (a forward
+    with a paired backward) builds one micro-batch's activations layer by layer while it frees the other's in the
+    opposite order, so it never holds both whole: it holds what it held before, then the forward's instead of the
+    backward's."""
     live = peak = count = peak_count = 0
-    for a in actions:
+    for group in passes(actions):
+        if len(group) == 2:
+            f, b = group
+            live += saved_bytes_per_chunk.get(f.chunk, 0) - saved_bytes_per_chunk.get(b.chunk, 0)
+            peak = max(peak, live)
+            continue
+        (a,) = group
         delta = saved_bytes_per_chunk.get(a.chunk, 0)
         if a.kind == "F":
             live, count = live + delta, count + 1

@@ -9,7 +9,6 @@ any storage it reads, so views and in-place accumulation into gradient buckets a
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
 import itertools
@@ -27,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
-from trainsim.workloads.observe import COMBINED, StepObserver, pass_of
+from trainsim.workloads.observe import StepObserver
 
 # c10d op name -> (collective name, index of the tensor arg whose bytes are the message size).
 # Message size follows nccl-tests: all-gather counts the gathered output, reduce-scatter its input.
@@ -118,12 +117,6 @@ class StepAllocations:
         self._bytes: dict[int, int] = {}
         self._ids = itertools.count()
         self._watched: dict[int, weakref.ref] = {}  # the weak references (a dropped one would never call back)
-        self._held: list[tuple[int, int]] = [(0, 1)]  # (log position, micro-batches whose activations the step holds)
-
-    def hold(self, microbatches: int) -> None:
-        """From here on the step holds `microbatches` micro-batches' activations: 2 in a combined pass, which
-        builds one while it frees another (the schedule counts both, so both are taken out of the transient)."""
-        self._held.append((len(self._log), microbatches))
 
     def note(self, outputs: list[torch.Tensor], input_keys) -> None:
         """`input_keys()`: the storage keys of the op's inputs (asked for only when an output's storage is new
@@ -153,17 +146,14 @@ class StepAllocations:
             del self._alive[key]
             self._log.append((allocation, -self._bytes[allocation]))
 
-    def peak_transient_bytes(self, saved_bytes: int = 0) -> int:
-        """Most bytes alive at once of the storages freed within the step, less `saved_bytes` (one micro-batch's
-        saved activations, which the schedule counts) for each micro-batch held at the time."""
+    def peak_transient_bytes(self) -> int:
+        """Most bytes alive at once of the storages freed within the step."""
         persistent = {entry[0] for entry in self._alive.values()}
-        starts = [position for position, _ in self._held]
         live = peak = 0
-        for i, (allocation, delta) in enumerate(self._log):
+        for allocation, delta in self._log:
             if allocation not in persistent:
                 live += delta
-                held = self._held[bisect.bisect_right(starts, i) - 1][1]
-                peak = max(peak, live - held * saved_bytes)
+                peak = max(peak, live)
         return peak
 
 
@@ -202,13 +192,11 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._phase, self._chunk, self._microbatch = phase, chunk, microbatch
         hooks = (torch.autograd.graph.saved_tensors_hooks(self._on_save, lambda t: t)
                  if phase == "forward" else contextlib.nullcontext())
-        self.allocations.hold(2 if pass_of(phase) == COMBINED else 1)
         try:
             with hooks:
                 yield
         finally:
             self._phase, self._chunk, self._microbatch = previous
-            self.allocations.hold(2 if pass_of(previous[0]) == COMBINED else 1)
 
     @contextlib.contextmanager
     def once_per_step(self) -> Iterator[None]:

@@ -148,9 +148,10 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
                 gradient_bytes=sum(tensor_bytes(local(p.grad)) for p in params if p.grad is not None),
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
                 saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),
-                # what the step holds at its worst moment beyond the micro-batches' saved activations
+                # what the step holds at its worst moment beyond the micro-batch's saved activations
                 # (FSDP's gathered weights are resized storages no op shows: counted from the units' sizes)
-                transient_bytes=recorder.allocations.peak_transient_bytes(sum(recorder.saved_activation_bytes.values()))
+                transient_bytes=max(recorder.allocations.peak_transient_bytes()
+                                    - sum(recorder.saved_activation_bytes.values()), 0)
                 + gathered_weight_bytes(rm.chunks, par.zero_stage, DTYPES[par.precision]),
             )
     finally:

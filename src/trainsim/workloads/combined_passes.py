@@ -109,8 +109,8 @@ class ChunkPass:
                 tokens, pending = _start_exchange(state["tokens"], send, receive, step.group)
                 if state["tokens"].requires_grad:
                     wanted.add("tokens")
-                self.done.append(_Done(step, state, {**state, "tokens": tokens}, (send, receive)))
-                state = self.done[-1].outputs
+                state = {**state, "tokens": tokens}
+                self.done.append(_Done(step, {}, {}, (send, receive)))  # (keeps no tensor: the sent rows may go)
                 yield
                 continue
             _wait(pending)
@@ -128,8 +128,8 @@ class ChunkPass:
     def backward(self, grads: State) -> Iterator[None]:
         """grads: of the output state's tensors by name (None for a scalar loss: a gradient of one)."""
         pending = None
-        for i in reversed(range(len(self.done))):
-            entry = self.done[i]
+        while self.done:
+            entry = self.done.pop()  # (what a step kept goes once its backward has run, as the activations do)
             if entry.sizes is not None:
                 send, receive = entry.sizes  # the gradient goes back the way the tokens came
                 tokens, pending = _start_exchange(grads.pop("tokens"), receive, send, entry.step.group)
@@ -138,13 +138,13 @@ class ChunkPass:
                 continue
             _wait(pending)
             pending = None
+            keeps_turn = entry.step.keeps_turn or (self.done and self.done[-1].sizes is not None)
             grads = _step_backward(entry, grads)
-            previous = self.done[i - 1] if i > 0 else None
-            if not entry.step.keeps_turn and not (previous is not None and previous.sizes is not None):
+            del entry  # (a suspended pass would keep it)
+            if not keeps_turn:
                 yield
         _wait(pending)
         self.input_grads = grads
-        self.done.clear()
 
 
 def _step_backward(entry: _Done, grads: State) -> State:
