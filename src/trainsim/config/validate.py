@@ -245,12 +245,13 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if par.precision == "fp8" and not par.moe_grouped_gemm:
         raise ConfigError("parallelism.precision='fp8' with experts runs them as FP8 grouped GEMMs (Transformer "
                           "Engine's GroupedLinear): set parallelism.moe_grouped_gemm=true")
-    if par.moe_a2a_overlap:
-        _validate_a2a_overlap(par)
+    if par.moe_a2a_overlap and (why := a2a_overlap_refusal(par)):
+        raise ConfigError(why)
 
 
-def _validate_a2a_overlap(par: ParallelismConfig) -> None:
-    """What the combined forward-backward passes (workloads/combined_passes.py) are built for."""
+def a2a_overlap_refusal(par: ParallelismConfig) -> str | None:
+    """Why parallelism.moe_a2a_overlap cannot apply to this layout (None: it can): what the combined
+    forward-backward passes (workloads/combined_passes.py) are built for."""
     needs = [("ep", par.ep > 1, f"ep={par.ep}: there is no all-to-all to hide; set ep > 1"),
              ("moe_token_dispatcher", par.moe_token_dispatcher == "alltoall",
               f"moe_token_dispatcher='{par.moe_token_dispatcher}': only the 'alltoall' dispatcher's exchanges are "
@@ -265,7 +266,8 @@ def _validate_a2a_overlap(par: ParallelismConfig) -> None:
               "is not built; use zero_stage 0 or 1")]
     for field_name, ok, why in needs:
         if not ok:
-            raise ConfigError(f"parallelism.moe_a2a_overlap=true with parallelism.{why} (field {field_name})")
+            return f"parallelism.moe_a2a_overlap=true with parallelism.{why} (field {field_name})"
+    return None
 
 
 def validate_hardware(hw: HardwareConfig) -> None:

@@ -21,10 +21,11 @@ one) or of the whole stage (2: kept from forward to backward) and one layer's gr
 Memory: model states plus activations of the forwards in flight, as the trace stage computes them.
 
 Mixtures of experts: a layer also waits for its token dispatch and combine over the expert-parallel group
-(Megatron's all-to-all dispatcher, no overlap with the experts' compute), and the expert weights' share of a
-stage's gradients is reduced over the expert replicas (dp * cp * tp / ep ranks, their own stream), where the
-distributed optimizer also shards their states and update. Under skewed routing a layer's costs are its busiest
-expert-parallel rank's (slices.py).
+(Megatron's all-to-all dispatcher, no overlap with the experts' compute; with parallelism.moe_a2a_overlap a
+combined pass's all-to-alls hide under its other half's compute, as far as that lasts), and the expert weights'
+share of a stage's gradients is reduced over the expert replicas (dp * cp * tp / ep ranks, their own stream),
+where the distributed optimizer also shards their states and update. Under skewed routing a layer's costs are
+its busiest expert-parallel rank's (slices.py).
 
 Host dispatch (hardware.host_dispatch_s): each stage's host issues its passes' ops back to back, running
 ahead of the device (as the composer's host model): a pass cannot end before its last op is issued.
@@ -46,7 +47,7 @@ from trainsim.search.slices import PART_NAMES, PartCost, SliceCosts
 from trainsim.trace.memory import memory_row
 from trainsim.workloads.layout import chunk_layers, layout_of
 from trainsim.workloads.model import DTYPES
-from trainsim.workloads.schedules import pipeline_actions
+from trainsim.workloads.schedules import passes, pipeline_actions
 
 
 @dataclass
@@ -113,10 +114,14 @@ def _chunk_parts(model: ModelConfig, par: ParallelismConfig) -> dict[tuple[int, 
 
 
 def play_pipeline(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, schedule: str,
-                  num_microbatches: int, host_s: dict | None = None) -> tuple[list[float], list[float], list[float]]:
+                  num_microbatches: int, host_s: dict | None = None,
+                  exchange_s: dict | None = None) -> tuple[list[float], list[float], list[float]]:
     """Per stage: end of its last action, start and duration of its last backward (for the DP overlap).
 
     forward_s / backward_s: (stage, chunk) -> seconds per micro-batch. Virtual stage of (s, c) is c*pp + s.
+    exchange_s: ("F" or "B", stage, chunk) -> seconds of the pass's expert all-to-alls; given, the schedule is
+    played with them overlapped (parallelism.moe_a2a_overlap): a forward and the backward paired with it run as
+    one pass whose all-to-alls hide under the other half's compute, as far as it lasts.
     host_s: ("F" or "B", stage, chunk) -> seconds the host takes to issue the pass's ops. Each stage's host
     issues its passes back to back from the start of the step, never waiting for the device (as the composer's
     host_issue): a pass starts no earlier than its issue starts and ends no earlier than its issue ends.
@@ -126,8 +131,8 @@ def play_pipeline(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: i
     """
     short, long = 2 * pp, 3 * pp
     if schedule == "gpipe" or num_microbatches <= long:  # GPipe's memory of m forwards is not periodic in m
-        return _play(forward_s, backward_s, p2p_s, pp, v, schedule, num_microbatches, host_s)
-    a, b = (_play(forward_s, backward_s, p2p_s, pp, v, schedule, m, host_s) for m in (short, long))
+        return _play(forward_s, backward_s, p2p_s, pp, v, schedule, num_microbatches, host_s, exchange_s)
+    a, b = (_play(forward_s, backward_s, p2p_s, pp, v, schedule, m, host_s, exchange_s) for m in (short, long))
     scale = (num_microbatches - long) / (long - short)
     ends = [e_b + (e_b - e_a) * scale for e_a, e_b in zip(a[0], b[0], strict=True)]
     starts = [s_b + (s_b - s_a) * scale for s_a, s_b in zip(a[1], b[1], strict=True)]
@@ -135,40 +140,49 @@ def play_pipeline(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: i
 
 
 def _play(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, schedule: str,
-          num_microbatches: int, host_s: dict | None = None) -> tuple[list[float], list[float], list[float]]:
-    actions = [pipeline_actions(schedule, pp, s, num_microbatches, v) for s in range(pp)]
+          num_microbatches: int, host_s: dict | None = None,
+          exchange_s: dict | None = None) -> tuple[list[float], list[float], list[float]]:
+    groups = [passes(pipeline_actions(schedule, pp, s, num_microbatches, v, exchange_s is not None))
+              for s in range(pp)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
     position, clock, issued = [0] * pp, [0.0] * pp, [0.0] * pp
     last_backward = [(0.0, 0.0)] * pp
     last_virtual = pp * v - 1
-    remaining = sum(len(a) for a in actions)
+
+    def dependency(a, virtual: int):
+        if a.kind == "F":
+            return ("F", virtual - 1, a.microbatch) if virtual > 0 else None
+        # (the last virtual stage turns its own forward around)
+        return ("B", virtual + 1, a.microbatch) if virtual < last_virtual else ("F", virtual, a.microbatch)
+
+    remaining = sum(len(group) for stage in groups for group in stage)  # actions
     while remaining:
         progressed = False
         for s in range(pp):
-            while position[s] < len(actions[s]):
-                a = actions[s][position[s]]
-                virtual = a.chunk * pp + s
-                if a.kind == "F":
-                    dep = ("F", virtual - 1, a.microbatch) if virtual > 0 else None
-                    duration = forward_s[(s, a.chunk)]
-                else:
-                    dep = ("B", virtual + 1, a.microbatch) if virtual < last_virtual else None
-                    if dep is None:  # the last virtual stage turns its own forward around
-                        dep = ("F", virtual, a.microbatch)
-                    duration = backward_s[(s, a.chunk)]
-                if dep is not None and dep not in done:
+            while position[s] < len(groups[s]):
+                group = groups[s][position[s]]
+                deps = [(a, a.chunk * pp + s, dependency(a, a.chunk * pp + s)) for a in group]
+                if any(dep is not None and dep not in done for _, _, dep in deps):
                     break
-                if dep is None or dep[1] == virtual:
-                    start = max(clock[s], done.get(dep, 0.0), issued[s])
-                else:  # the transfer starts once the sender has sent and this stage posted its receive
-                    start = max(clock[s], done[dep], issued[s]) + p2p_s
-                issued[s] += host_s[(a.kind, s, a.chunk)] if host_s else 0.0
+                start = issued[s]
+                for _, virtual, dep in deps:
+                    if dep is None or dep[1] == virtual:
+                        start = max(start, clock[s], done.get(dep, 0.0))
+                    else:  # the transfer starts once the sender has sent and this stage posted its receive
+                        start = max(start, max(clock[s], done[dep], issued[s]) + p2p_s)
+                durations = {a.kind: (forward_s if a.kind == "F" else backward_s)[(s, a.chunk)] for a in group}
+                duration = sum(durations.values())
+                if len(group) == 2:  # combined: each half's all-to-alls under the other half's compute
+                    exchange = {a.kind: exchange_s[(a.kind, s, a.chunk)] for a in group}
+                    duration -= sum(min(exchange[k], durations[o] - exchange[o]) for k, o in ("FB", "BF"))
+                issued[s] += sum(host_s[(a.kind, s, a.chunk)] for a in group) if host_s else 0.0
                 clock[s] = max(start + duration, issued[s])
-                done[(a.kind, virtual, a.microbatch)] = clock[s]
-                if a.kind == "B":
+                for a, virtual, _ in deps:
+                    done[(a.kind, virtual, a.microbatch)] = clock[s]
+                if group[-1].kind == "B":
                     last_backward[s] = (start, duration)
                 position[s] += 1
-                remaining -= 1
+                remaining -= len(group)
                 progressed = True
         if not progressed:
             raise RuntimeError(f"pipeline schedule {schedule!r} deadlocks for pp={pp}, v={v}")
@@ -269,20 +283,24 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     expert_groups = {kind: (len(ranks), nodes_spanned(ranks, hw))
                      for kind in ("ep", "etp", "tep") for ranks in [layout.group_ranks(0, kind)]}
 
-    def pass_seconds(part: PartCost, phase: str) -> tuple[float, float, float]:
+    def pass_seconds(part: PartCost, phase: str) -> tuple[float, float, float, float]:
+        """(compute, collectives waited for, host issue, the expert all-to-alls among those collectives)."""
         forward = phase == "F"
         compute = part.forward_s if forward else part.backward_s
         counts = part.forward_collectives if forward else part.backward_collectives
         host = part.host_ops.get("forward" if forward else "backward", 0) * hw.host_dispatch_s
         comm_s = _collective_seconds(counts, comm, par.tp, tp_nodes, compute) if par.tp > 1 else 0.0
         # token dispatch and combine (and the expert-tensor-parallel gathers): the layer waits for them
-        for kind, counts in _by_group_kind(part.forward_experts if forward else part.backward_experts).items():
+        by_kind = _by_group_kind(part.forward_experts if forward else part.backward_experts)
+        for kind, counts in by_kind.items():
             comm_s += _collective_seconds(counts, comm, *expert_groups[kind], compute)
+        exchange_s = _collective_seconds({k: n for k, n in by_kind.get("ep", {}).items() if k.startswith("all_to_all")},
+                                         comm, *expert_groups["ep"], compute)
         if par.cp > 1:
             comm_s += _context_parallel_seconds(part.forward_cp if forward else part.backward_cp, comm, par.cp,
                                                 cp_nodes, part.forward_attention_s if forward else
                                                 part.backward_attention_s)
-        return compute, comm_s, host
+        return compute, comm_s, host, exchange_s
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in PART_NAMES}
     dp_nodes = nodes_spanned(layout.group_ranks(0, "dp"), hw)  # (FSDP; the buckets below: per stage)
@@ -291,17 +309,19 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         for name, by_phase in per_part.items():
             gather_s, scatter_s = _fsdp_seconds(getattr(costs, name), par, comm, dp_nodes, edp_nodes)
             for phase, comm_s in (("F", gather_s), ("B", scatter_s + (gather_s if par.zero_stage >= 3 else 0.0))):
-                compute, collectives, host = by_phase[phase]
-                by_phase[phase] = (max(compute, comm_s - collectives), collectives, host)
-    forward, backward, host_s, tp_comm = {}, {}, {}, [0.0] * pp
+                compute, collectives, host, exchange = by_phase[phase]
+                by_phase[phase] = (max(compute, comm_s - collectives), collectives, host, exchange)
+    forward, backward, host_s, exchange_s, tp_comm = {}, {}, {}, {}, [0.0] * pp
     for (s, c), counts in parts.items():
         for phase, table in (("F", forward), ("B", backward)):
-            compute, collectives, host = (sum(n * per_part[p][phase][i] for p, n in counts.items()) for i in range(3))
-            table[(s, c)], host_s[(phase, s, c)] = compute + collectives, host
+            compute, collectives, host, exchange = (sum(n * per_part[p][phase][i] for p, n in counts.items())
+                                                    for i in range(4))
+            table[(s, c)], host_s[(phase, s, c)], exchange_s[(phase, s, c)] = compute + collectives, host, exchange
             tp_comm[s] += collectives * m
     next_stage = layout.rank_of(0, 0, 1) if pp > 1 else 0
     p2p_s = comm.p2p_seconds(costs.p2p_message_bytes, same_node=next_stage // domain == 0) if pp > 1 else 0.0
-    ends, backward_start, backward_len = play_pipeline(forward, backward, p2p_s, pp, v, par.schedule, m, host_s)
+    ends, backward_start, backward_len = play_pipeline(forward, backward, p2p_s, pp, v, par.schedule, m, host_s,
+                                                       exchange_s if par.moe_a2a_overlap else None)
 
     step = exposed_max = optimizer_max = 0.0
     for s in range(pp):

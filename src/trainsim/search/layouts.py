@@ -6,7 +6,8 @@ tensor parallelism then comes with sequence parallelism, as Megatron-Core requir
 not divide the layers get lighter end stages (first/last_stage_layers; DeepSeek-V3's 61 layers as 4 per stage,
 1 on the last). World sizes are the budget and its halvings down to one node, so the search can trade time for
 cost. Tensor parallelism stays inside a node (its collectives block compute on every layer, so nobody runs it
-across nodes). Layouts the model cannot be split into are dropped here with validate_layout's reason.
+across nodes). Layouts the model cannot be split into are dropped here with validate_layout's reason. The base's
+overlaps (overlap_param_gather, moe_a2a_overlap) are kept in the layouts where they apply, off in the others.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.config.validate import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, validate_layout
+from trainsim.config.validate import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, a2a_overlap_refusal, validate_layout
 from trainsim.errors import ConfigError
 from trainsim.workloads.layout import lighter_end_stages
 
@@ -117,6 +118,8 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
                                 virtual_stages=v, recompute=recompute, zero_stage=zero,
                                 first_stage_layers=first, last_stage_layers=last,
                                 overlap_param_gather=base.overlap_param_gather and zero == 1)
+                            if par.moe_a2a_overlap and a2a_overlap_refusal(par):  # where it applies only
+                                par = dataclasses.replace(par, moe_a2a_overlap=False)
                             try:
                                 validate_layout(model, par)
                             except ConfigError:
