@@ -72,7 +72,7 @@ class ExpertParallel:
 
 
 @dataclass
-class _Exchange:
+class TokenExchange:
     """How one micro-batch's token copies move through an MoE layer with the all-to-all dispatcher: sizes known on
     the host once the counts are gathered, kept until the backward (which runs the exchanges in reverse)."""
 
@@ -87,9 +87,9 @@ class _Exchange:
     receive: list[int]
     """rows received from each ep rank"""
 
-    def reverse(self) -> _Exchange:
+    def reverse(self) -> TokenExchange:
         """The same exchange with send and receive swapped (the combine)."""
-        return _Exchange(self.order, self.counts, self.receive, self.by_source, self.send)
+        return TokenExchange(self.order, self.counts, self.receive, self.by_source, self.send)
 
 
 def exchange_rows(x: torch.Tensor, send: list[int], receive: list[int], group, async_op: bool = False):
@@ -287,7 +287,7 @@ class MoE(nn.Module):
         return combined + self.shared(x) if self.shared is not None else combined
 
     def dispatch_preprocess(self, x: torch.Tensor):
-        """Steps 1-2 with the all-to-all dispatcher: (token copies sorted by expert, probs, logits, _Exchange)."""
+        """Steps 1-2 with the all-to-all dispatcher: (token copies sorted by expert, probs, logits, TokenExchange)."""
         tokens, probs, indices, logits, counts, everyone = self._route_and_count(x)
         num_tokens, k, ep = tokens.shape[0], self.top_k, self.ep
         order = indices.flatten().argsort(stable=True)  # token copies grouped by expert
@@ -299,17 +299,17 @@ class MoE(nn.Module):
         sent = everyone[ep.counts.source].reshape(ep.size, self.local_experts)  # [destination rank, its expert]
         mine = slice(ep.rank * self.local_experts, (ep.rank + 1) * self.local_experts)
         by_source = everyone[:, mine].reshape(ep.size, ep.etp, self.local_experts)  # [ep rank, etp rank, my expert]
-        exchange = _Exchange(order, counts, sent.sum(axis=1).tolist(), by_source,
+        exchange = TokenExchange(order, counts, sent.sum(axis=1).tolist(), by_source,
                              by_source[:, ep.etp_rank].sum(axis=1).tolist())
         return tokens.index_select(0, order // k), probs, logits, exchange
 
-    def dispatch(self, x: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor, exchange: TokenExchange) -> torch.Tensor:
         """Step 3's all-to-all (step 5's with exchange.reverse())."""
         if self.ep.size == 1:
             return x
         return _AllToAll.apply(x, exchange.receive, exchange.send, self.ep.group)
 
-    def experts_on(self, received: torch.Tensor, exchange: _Exchange) -> torch.Tensor:
+    def experts_on(self, received: torch.Tensor, exchange: TokenExchange) -> torch.Tensor:
         """Step 4 on the rows the all-to-all brought, in the order they came."""
         ep = self.ep
         by_source = exchange.by_source
@@ -324,7 +324,7 @@ class MoE(nn.Module):
         return out
 
     def combine_postprocess(self, back: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor, x: torch.Tensor,
-                            exchange: _Exchange) -> torch.Tensor:
+                            exchange: TokenExchange) -> torch.Tensor:
         """Step 5 after the all-to-all: each copy weighted by its probability, summed into its token; the
         auxiliary loss and the shared expert."""
         order, k = exchange.order, self.top_k
