@@ -90,7 +90,7 @@ def _with_edges(phase: str, chunk: int, variant: str, ops: pd.DataFrame, kind_of
     for p, deps in enumerate(ops["deps"].to_list()):
         local.append([position[d] for d in deps if d in position])
         external += [(p, d) for d in deps if d not in position and kind_of.get(d, "compute") != "compute"]
-    ops = ops.assign(local_deps=local)
+    ops = ops.assign(local_deps=local, direction=ops["phase"].map(direction_of))  # (a combined pass has both)
     ops["blocking_hint"] = blocking_hint(ops)
     edges = [np.asarray(dependency_rule(name)(ops), dtype=np.int64).reshape(-1, 2) for name in rules]
     edges = np.unique(np.concatenate(edges), axis=0) if edges else np.zeros((0, 2), dtype=np.int64)
@@ -203,7 +203,7 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
     return PassNodes(p.phase, p.chunk, p.variant, kind, compute_s, fixed_s, first, last,
                      [costs.sync_key[i] for i in first], edges, node, p.ops["id"].to_numpy(), host_ops,
                      [(int(node[q]), d) for q, d in p.external], p.ops["per_microbatch"].to_numpy(), nic_s,
-                     p.ops["phase"].map(direction_of).to_numpy()[first] if n else np.zeros(0, dtype=object))
+                     p.ops["direction"].to_numpy()[first])
 
 
 def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representative: int, factor: float,
@@ -249,7 +249,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
         internal[i] = member_classes == (class_id,)
         if not internal[i]:
             sync_key[i] = ("collective", group_kind[i], member_classes)
-    direction = ops["phase"].map(direction_of).to_numpy()  # (a combined pass sends both ways)
+    direction = ops["direction"].to_numpy()  # (a combined pass sends both ways)
     for i in np.flatnonzero((kind == SEND) | (kind == RECV)):
         peer = int(peers[i])
         peer_class = int(class_of_rank[peer])

@@ -123,9 +123,10 @@ def shard_chunk(chunk: nn.Module, group, zero_stage: int, dtype: torch.dtype, ex
         p.grad = torch.zeros_like(p)
     # FSDP2 initialises lazily in the first forward (root state, the gathered weights' tensors): do it now, so
     # the traced step is a steady-state step like the measured ones
-    for unit in [*expert_units, *units][::-1]:  # the root first (the first to initialise is the root)
+    every_unit = [*expert_units, *units]
+    for unit in every_unit[::-1]:  # the root first (the first to initialise is the root)
         unit.unshard()
-    for unit in [*expert_units, *units]:
+    for unit in every_unit:
         unit.reshard()
 
 
