@@ -21,8 +21,14 @@ per rank through s steps and all links work in every step, so loops do not overl
   crosses s - s_inter NVLink hops and s_inter = 2(M-1) (M-1 for the others) network hops, so the
   latency is eta ((s - s_inter) l_intra + s_inter l_inter) (NCCL's own composition), and NVLink, local
   work and NIC run pipelined slice by slice: the slowest of eta s b / B_intra, delta S and
-  eta s b / (share B_inter) paces the rest; an all-to-all sends K (N-K) / (N-1) times a ring's bytes through a
-  node's NICs (all_to_all_nic_load).
+  eta s b / (share B_inter) paces the rest; gloo's all-to-all (pairwise rounds, one peer per round) is priced
+  as this ring, sending K (N-K) / (N-1) times a ring's bytes through a node's NICs (all_to_all_nic_load).
+NCCL's all-to-all ("p2p"): a group of sends and receives of S/N to and from every peer, all in flight at once
+  over the p2p channels, so it pays one step's latency per kind of hop instead of one per ring step:
+  T = alpha + max(l_intra,p, l_inter,Simple) + the slowest of (K-1)/N S over the rank's NVLink (C B_intra,p),
+  K (N-K)/N S through the node's NICs (share C B_inter,Simple) and delta S; on one node latency, NVLink and
+  local work add up as on a ring. p is LL for messages per peer up to NCCL_P2P_LL_THRESHOLD; across nodes
+  it is always Simple (the network's p2p connections share Simple buffers only).
 Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream through a chain:
   eta = ceil(S / (c_p chunk_p));  b = S / (c_p eta)
   T = alpha_a + sum over stages step(b) + (eta - 1) * max over stages step(b) + delta * S (across
@@ -70,8 +76,9 @@ PROTOCOLS = ("LL", "LL128", "Simple")
 RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collectives whose "ring" algorithm is the loop-by-loop ring family; the others stream chunks."""
 ALGORITHMS = {"all_reduce": ("ring", "tree", "nvls"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
-              "all_to_all": ("ring",), "broadcast": ("ring",), "reduce": ("ring",), "send_recv": ("ring",)}
-"""Algorithms each collective can run with (NCCL's tree and NVLS exist for all-reduce only here)."""
+              "all_to_all": ("p2p", "ring"), "broadcast": ("ring",), "reduce": ("ring",), "send_recv": ("ring",)}
+"""Algorithms each collective can run with (NCCL's tree and NVLS exist for all-reduce only here; an all-to-all is
+NCCL's grouped send/recv, "p2p", or gloo's pairwise rounds, priced as a "ring")."""
 NVLS_EFFICIENCY = 0.63
 """Rate of NVLS all-reduce per NVLink byte, relative to the NVLink rate a ring reaches. NVLS moves S per GPU each
 way and the switch reduces (no local work); 8x H200, 8 GiB, NVLS is 1.14 / 1.19 / 1.26 / 1.29 x the ring at
@@ -218,7 +225,9 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
         return np.full_like(size, v[f"alpha.{algorithm}"])
     if algorithm == "nvls":  # a GPU's NVLink carries S each way, at NVLS's rate per byte
         v = {**v, "bandwidth.intra.Simple": v["bandwidth.intra.Simple"] * NVLS_EFFICIENCY}
-    if ring:
+    if algorithm == "p2p":
+        transfer = _all_to_all_p2p_seconds(v, params.protocols, params.channels, share, size, num_ranks, num_nodes)
+    elif ring:
         steps = 2 * (num_ranks - 1) if name == "all_reduce" else num_ranks - 1
         loops = np.maximum(1.0, np.ceil(size / (num_ranks * used * chunk)))
         per_step = size / (num_ranks * used * loops)
@@ -254,6 +263,24 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
     return v[f"alpha.{algorithm}"] + network + transfer
 
 
+def _all_to_all_p2p_seconds(v: dict[str, float], protocols: tuple[str, ...], channels: int, share: float,
+                            size: np.ndarray, num_ranks: int, num_nodes: int) -> np.ndarray:
+    """NCCL's all-to-all after launch (module doc): every peer's send and receive in flight at once."""
+    per_node = num_ranks // num_nodes
+    per_peer = size / num_ranks
+    simple = "Simple" if "Simple" in protocols else protocols[-1]
+    intra = np.where((per_peer <= nccl_constants()["p2p_ll_threshold_bytes"]) & ("LL" in protocols), "LL", simple)
+    latency_intra = np.array([v[f"latency.intra.{p}"] for p in intra])
+    nvlink = (per_node - 1) * per_peer / (channels * np.array([v[f"bandwidth.intra.{p}"] for p in intra]))
+    local = v["delta"] * size
+    if num_nodes == 1:
+        return latency_intra + nvlink + local
+    network = v[f"latency.inter.{simple}"]
+    latency = np.maximum(latency_intra, network) if per_node > 1 else network
+    nic = per_node * (num_ranks - per_node) * per_peer / (share * channels * v[f"bandwidth.inter.{simple}"])
+    return latency + np.maximum.reduce([nvlink, local, nic])
+
+
 def _pair_times(params: CollectiveParams, size, num_ranks: int, num_nodes: int
                 ) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
     """Candidate pairs, their modelled times (pairs x sizes) and the index of the pair run per size."""
@@ -261,7 +288,7 @@ def _pair_times(params: CollectiveParams, size, num_ranks: int, num_nodes: int
     size = np.atleast_1d(np.asarray(size, dtype=float))
     times = np.array([algorithm_protocol_seconds(params, a, p, size, num_ranks, num_nodes) for a, p in pairs])
     f = params.fabric
-    if f.tuner == "nccl" and num_nodes > 1 and f.node_bandwidth_bytes_per_s > 0:
+    if f.tuner == "nccl" and num_nodes > 1 and f.node_bandwidth_bytes_per_s > 0 and len(pairs) > 1:
         estimates = tuner_estimates(f.nccl_version, params.collective, pairs, size, num_ranks, num_nodes,
                                     f.node_bandwidth_bytes_per_s)
         return pairs, times, np.argmin(estimates, axis=0)
@@ -278,11 +305,14 @@ def predict_seconds(params: CollectiveParams, size, num_ranks: int, num_nodes: i
 def candidate_pairs(params: CollectiveParams, num_nodes: int) -> list[tuple[str, str]]:
     """Allowed (algorithm, protocol) pairs. Tree only across nodes: within one node NCCL's tree is a
     chain whose per-channel bandwidth cap (perChMaxTreeBw) keeps its tuner on rings. NVLS only inside one
-    NVLink domain and with the Simple protocol (NVLSTree, its multi-node form, is not modelled)."""
+    NVLink domain and with the Simple protocol (NVLSTree, its multi-node form, is not modelled). NCCL's
+    all-to-all picks its protocol per message and hop, not by a tuner: one pair, labelled Simple."""
     def allowed(a: str) -> bool:
         return (a != "tree" or num_nodes > 1) and (a != "nvls" or num_nodes == 1)
 
     algorithms = [a for a in params.algorithms if allowed(a)] or ["ring"]
+    if "p2p" in algorithms:
+        return [("p2p", "Simple")]
     return [(a, p) for a in algorithms for p in params.protocols if a != "nvls" or p == "Simple"]
 
 
@@ -305,6 +335,8 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     constants = release_constants(nccl.version)
     allowed = ALGORITHMS[collective]
     algorithms = tuple(a for a in nccl.algorithms if a in allowed and (a != "nvls" or hw.network.nvls)) or allowed[:1]
+    if collective == "all_to_all":
+        algorithms = ("p2p",) if hw.comm_backend == "nccl" else ("ring",)
     protocols = tuple(p for p in nccl.protocols if p in PROTOCOLS) or ("Simple",)
     channels = channels or nccl.max_channels or 16
     cuda = hw.device_kind == "cuda"
@@ -356,8 +388,9 @@ class CommModel:
     """Communication time for the composer: one CollectiveParams per calibrated collective.
 
     A collective without measurements borrows the link parameters (latency, bandwidth, alpha, delta)
-    of a calibrated one, since they describe the same links, and keeps its own structure (steps,
-    chunking); with nothing calibrated the priors of `prior_params` are used.
+    of a calibrated one (the all-reduce; for an all-to-all the all-gather first, which moves the same bytes
+    without reducing), since they describe the same links, and keeps its own structure (steps, chunking);
+    with nothing calibrated the priors of `prior_params` are used.
     """
 
     def __init__(self, hardware: HardwareConfig, fits: dict[str, CollectiveParams], source: str,
@@ -399,7 +432,8 @@ class CommModel:
         if collective in self.fits:
             return self.fits[collective]
         prior = prior_params(self.hardware, collective)
-        donor = self.fits.get("all_reduce") or next(iter(self.fits.values()), None)
+        closest = ("all_gather", "all_reduce") if collective == "all_to_all" else ("all_reduce",)  # same bytes moved
+        donor = next((self.fits[c] for c in closest if c in self.fits), next(iter(self.fits.values()), None))
         if donor is not None:
             borrowed = {k: v for k, v in donor.values.items() if not k.startswith("alpha.") or k == "alpha.network"}
             borrowed.update({f"alpha.{a}": donor.values.get(f"alpha.{a}", donor.values[f"alpha.{donor.algorithms[0]}"])
