@@ -77,14 +77,22 @@ LOCAL = {
     "etp2": ["parallelism=dp2", "parallelism.etp=2", "model.num_experts=4", "model.moe_top_k=2"],
     "ep2-overlap": ["parallelism=dp2", "parallelism.ep=2", "model.num_experts=4", "model.moe_top_k=2",
                     "parallelism.moe_a2a_overlap=true"],
+    "pp2-ep2-overlap": ["parallelism=dp2", "parallelism.pp=2", "parallelism.ep=2", "parallelism.global_batch_size=16",
+                        "hardware.devices_per_node=4", "model.num_experts=4", "model.moe_top_k=2",
+                        "parallelism.moe_a2a_overlap=true"],
+    "pp2-v2-ep2-overlap": ["parallelism=dp2", "parallelism.pp=2", "parallelism.schedule=interleaved-1f1b",
+                           "parallelism.virtual_stages=2", "parallelism.ep=2", "parallelism.global_batch_size=16",
+                           "hardware.devices_per_node=4", "model.num_experts=4", "model.moe_top_k=2",
+                           "parallelism.moe_a2a_overlap=true"],
 }
 """Layouts of gpt-small; ep2 makes its MLPs 4 experts (top-2) split over 2 ranks, predicted with the routing of its
 real run (the ground truth's routing histogram as model.moe_routing), ep4 8 experts over 4 ranks; ep2-skew forces
 the real run to a Zipf routing (the hot expert takes a copy of every token) and predicts with the same plan; etp2
 keeps all 4 experts on both ranks with each expert's weights split over them (expert tensor parallelism: the
 tokens of both ranks gathered, uneven, before the experts and the outputs reduce-scattered after); ep2-overlap is ep2
-with its all-to-alls hidden under the other micro-batch's compute (combined forward-backward passes)."""
-LOCAL_RANKS = {"ep4": 4}
+with its all-to-alls hidden under the other micro-batch's compute (combined forward-backward passes), pp2-ep2-overlap
+the same over two pipeline stages (1F1B), pp2-v2-ep2-overlap in interleaved 1F1B with two chunks per stage."""
+LOCAL_RANKS = {"ep4": 4, "pp2-ep2-overlap": 4, "pp2-v2-ep2-overlap": 4}
 """Ranks of the layouts that need more than 2: one core each (more ranks than cores would time-slice them, which
 the prediction does not model), so they are measured only on a machine with as many cores."""
 FIGURE_NAMES = {"ep2-skew": "moe_imbalance_error_pct_local"}

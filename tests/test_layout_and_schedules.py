@@ -46,22 +46,49 @@ def test_every_microbatch_runs_forward_then_backward_once(schedule, v):
         _check_dependencies(pipeline_actions(schedule, 4, rank, 8, v), 8, v)
 
 
-@pytest.mark.parametrize("pp, m", [(1, 4), (4, 8), (4, 3)])
-def test_overlapped_1f1b_pairs_independent_passes_and_keeps_each_stage_busy(pp, m):
+@pytest.mark.parametrize("schedule, v, pp, m", [("1f1b", 1, 1, 4), ("1f1b", 1, 4, 8), ("1f1b", 1, 4, 3),
+                                                 ("interleaved-1f1b", 2, 4, 8), ("interleaved-1f1b", 3, 2, 4)])
+def test_overlapped_schedules_pair_independent_passes_and_keep_each_stage_busy(schedule, v, pp, m):
+    """Steady-state backwards pair with the forward before them; the warm-up is one forward longer than the
+    schedule's own (interleaved: Megatron-Core's combined 1F1B; 1F1B: interleaved's rule with v = 1)."""
     from trainsim.workloads.schedules import passes
 
     for rank in range(pp):
-        actions = pipeline_actions("1f1b", pp, rank, m, a2a_overlap=True)
-        _check_dependencies([a for a in actions], m, 1)
-        warmup = min(2 * (pp - rank - 1) + 1, m)
-        assert [a.microbatch for a in actions[:warmup]] == list(range(warmup))
+        actions = pipeline_actions(schedule, pp, rank, m, v, a2a_overlap=True)
+        _check_dependencies([a for a in actions], m, v)
+        warmup = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
+        assert not any(a.kind == "B" for a in actions[:warmup])
         groups = passes(actions)
         pairs = [g for g in groups if len(g) == 2]
-        assert len(pairs) == m - warmup
-        assert all(f.microbatch != b.microbatch for f, b in pairs)  # a forward never pairs with its own backward
+        assert len(pairs) == m * v - warmup
+        # a forward never pairs with the backward it feeds (its own micro-batch on this chunk, or a later chunk's)
+        assert all((f.microbatch, f.chunk) != (b.microbatch, b.chunk) for f, b in pairs)
         assert len(groups[0]) == 1 and len(groups[-1]) == 1  # the first forward and the last backward run alone
-    with pytest.raises(ValueError, match="accepted: 1f1b"):
-        pipeline_actions("interleaved-1f1b", 2, 0, 4, 2, a2a_overlap=True)
+    with pytest.raises(ValueError, match="accepted: 1f1b, interleaved-1f1b"):
+        pipeline_actions("gpipe", 2, 0, 4, 1, a2a_overlap=True)
+
+
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_overlapped_trace_runs_every_pair_of_chunks_once(v):
+    """The tracer's actions: each chunk's plain forward first (micro-batch 0) and plain backward last, a combined
+    pass of every (forward chunk, backward chunk) pair, every backward after its own forward."""
+    from trainsim.workloads.schedules import passes, trace_actions
+
+    actions = trace_actions(v, a2a_overlap=True)
+    groups = passes(actions)
+    assert sorted((f.chunk, b.chunk) for f, b in (g for g in groups if len(g) == 2)) == [
+        (f, b) for f in range(v) for b in range(v)]
+    plain = [g[0] for g in groups if len(g) == 1]
+    assert [(a.kind, a.chunk) for a in plain] == [("F", c) for c in range(v)] + [("B", c) for c in reversed(range(v))]
+    assert all(a.microbatch == 0 for a in plain[:v])
+    pending = set()
+    for a in actions:
+        if a.kind == "F":
+            assert (a.microbatch, a.chunk) not in pending
+            pending.add((a.microbatch, a.chunk))
+        else:
+            pending.remove((a.microbatch, a.chunk))  # (raises where the forward has not run)
+    assert not pending  # every forward's backward ran
 
 
 def _max_in_flight(actions):

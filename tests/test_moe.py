@@ -252,6 +252,10 @@ def _histogram_of(real) -> RoutingHistogram:
     pytest.param(["parallelism=dp2", "parallelism.ep=2", "parallelism.global_batch_size=8",
                   "parallelism.moe_a2a_overlap=true", "model.moe_routing=zipf:1.0", "model.moe_force_routing=true",
                   "parallelism.precision=fp8", "parallelism.fp8_recipe=delayed"], id="ep2-fp8-a2a-overlap"),
+    pytest.param(["parallelism=dp2", "parallelism.pp=2", "parallelism.schedule=interleaved-1f1b",
+                  "parallelism.virtual_stages=2", "parallelism.ep=2", "parallelism.global_batch_size=16",
+                  "hardware.devices_per_node=4", "parallelism.moe_a2a_overlap=true", "model.moe_routing=zipf:1.0",
+                  "model.moe_force_routing=true"], id="pp2-interleaved-ep2-a2a-overlap"),
 ])
 def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_path):
     """One micro-batch per step: the real step's routing histogram, fed back as model.moe_routing, gives the
@@ -375,16 +379,19 @@ def _squared_gradient_norms(rank, layout, model_cfg, par):
 
 
 @pytest.mark.slow
-def test_combined_passes_give_the_gradients_of_separate_ones():
+@pytest.mark.parametrize("schedule", [["parallelism.schedule=1f1b"],
+                                      ["parallelism.schedule=interleaved-1f1b", "parallelism.virtual_stages=2"]])
+def test_combined_passes_give_the_gradients_of_separate_ones(schedule):
     """With the all-to-alls overlapped each steady-state forward runs interleaved with an earlier backward, step by
     step on detached pieces: the step's gradients are the plain schedule's (same ops, same accumulation order).
-    Two stages, four micro-batches: each stage runs combined passes, the second three of them."""
+    Two stages, four micro-batches: each stage runs combined passes (interleaved: of two chunks each)."""
     norms = {}
     for overlap in (False, True):
         run = compose_run([*MOE, "parallelism=dp2", "parallelism.pp=2", "parallelism.global_batch_size=16",
                            "hardware.devices_per_node=4", "parallelism.ep=2", "parallelism.clip_grad=1.0",
                            "model.moe_shared_expert_ffn_hidden_size=64", "model.moe_aux_loss_coeff=0.01",
-                           f"parallelism.moe_a2a_overlap={str(overlap).lower()}", "parallelism.precision=fp32"])
+                           f"parallelism.moe_a2a_overlap={str(overlap).lower()}", "parallelism.precision=fp32",
+                           *schedule])
         assert any(a.paired for a in step_actions(run.parallelism, 0)) == overlap
         norms[overlap] = spawn_ranks(_squared_gradient_norms, run.parallelism, run.model, run.parallelism)
     assert norms[True] == pytest.approx(norms[False], rel=1e-6)
@@ -507,3 +514,28 @@ def test_many_distinct_traces_run_in_worker_processes_with_the_same_result(monke
     assert serial.rank_classes.to_pandas()["rank_class"].nunique() == 4
     pd.testing.assert_frame_equal(parallel.graph.to_pandas(), serial.graph.to_pandas())  # names a differing column
     assert parallel.memory.equals(serial.memory)
+
+
+def test_a_combined_forward_frees_the_rows_each_all_to_all_sent(tmp_path):
+    """The step output an exchange sends stays in the pass for its backward's autograd history alone: its storage
+    is freed once the exchange has completed, and the backward still gives the gradients of the unfreed graph."""
+    import torch.distributed as dist
+
+    from trainsim.workloads.combined_passes import ChunkPass, Step, run_alone
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        w = torch.randn(8, 8, requires_grad=True)
+        steps = [Step("up", lambda st: {"tokens": st["x"] @ w}),
+                 Step("send", exchange=lambda st: ([st["tokens"].shape[0]], [st["tokens"].shape[0]]),
+                      group=dist.group.WORLD),
+                 Step("down", lambda st: {"x": (st["tokens"] * 2).sum()})]
+        x = torch.randn(4, 8)
+        chunk = ChunkPass(steps)
+        run_alone(chunk.forward({"x": x}))
+        sent = chunk.done[0].outputs["tokens"]
+        assert sent.shape == (4, 8) and sent.untyped_storage().nbytes() == 0
+        run_alone(chunk.backward({"x": None}))
+        assert torch.allclose(w.grad, x.sum(0, keepdim=True).T.expand(8, 8) * 2)
+    finally:
+        dist.destroy_process_group()

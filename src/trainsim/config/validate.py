@@ -256,9 +256,9 @@ def a2a_overlap_refusal(par: ParallelismConfig) -> str | None:
              ("moe_token_dispatcher", par.moe_token_dispatcher == "alltoall",
               f"moe_token_dispatcher='{par.moe_token_dispatcher}': only the 'alltoall' dispatcher's exchanges are "
               "overlapped"),
-             ("schedule", par.schedule == "1f1b",
-              f"schedule='{par.schedule}': combined passes pair the forwards and backwards of '1f1b' (pp = 1 "
-              "included); 'interleaved-1f1b' and 'gpipe' are not built"),
+             ("schedule", par.schedule in ("1f1b", "interleaved-1f1b"),
+              f"schedule='{par.schedule}': combined passes pair the steady-state forwards and backwards of "
+              "'1f1b' (pp = 1 included) and 'interleaved-1f1b'; use one of them"),
              ("recompute", par.recompute != "full",
               "recompute='full': a block recomputed as a whole cannot be split at its all-to-alls; use "
               "'selective' or 'none' (as Megatron-Core requires)"),

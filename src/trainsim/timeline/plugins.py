@@ -42,7 +42,7 @@ def schedule_actions(name: str, pp: int, pp_rank: int, num_microbatches: int, vi
     if name in _SCHEDULES:
         if a2a_overlap:
             raise ValueError(f"schedule {name!r} is a registered one: overlapped all-to-alls pair the built-in "
-                             "1f1b's passes only (parallelism.moe_a2a_overlap=false)")
+                             "1f1b and interleaved-1f1b passes only (parallelism.moe_a2a_overlap=false)")
         return _SCHEDULES[name](pp, pp_rank, num_microbatches, virtual_stages)
     if name in BUILTIN_SCHEDULES:
         return pipeline_actions(name, pp, pp_rank, num_microbatches, virtual_stages, a2a_overlap)

@@ -24,7 +24,14 @@ import numpy as np
 
 from trainsim.timeline.program import BLOCK, COMPUTE, RECV, SEND, PassNodes
 from trainsim.workloads.observe import COMBINED
-from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch, passes
+from trainsim.workloads.schedules import (
+    Action,
+    combined_chunk,
+    first_forward_microbatch,
+    last_backward_microbatch,
+    num_chunks,
+    passes,
+)
 
 
 class TimelineError(RuntimeError):
@@ -86,9 +93,10 @@ def occurrences(program: ClassProgram) -> tuple[np.ndarray, np.ndarray]:
     last_mb = last_backward_microbatch(program.actions)
     first_mb = first_forward_microbatch(program.actions)
     occ_t, occ_mb = [], []
+    v = num_chunks(program.actions)
     for group in passes(program.actions):
         if len(group) == 2:  # a combined pass, by its forward's micro-batch (its backward's forward ran earlier)
-            occ_t.append(index[(COMBINED, group[0].chunk, "all")])
+            occ_t.append(index[(COMBINED, combined_chunk(*group, v), "all")])
             occ_mb.append(group[0].microbatch)
             continue
         (a,) = group

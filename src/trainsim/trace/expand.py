@@ -14,7 +14,14 @@ import pandas as pd
 
 from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
 from trainsim.workloads.observe import COMBINED, direction_of, pass_of
-from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch, passes
+from trainsim.workloads.schedules import (
+    Action,
+    combined_chunk,
+    first_forward_microbatch,
+    last_backward_microbatch,
+    num_chunks,
+    passes,
+)
 
 
 def expand_step(class_events: pd.DataFrame, actions: list[Action]) -> pd.DataFrame:
@@ -25,10 +32,11 @@ def expand_step(class_events: pd.DataFrame, actions: list[Action]) -> pd.DataFra
     passes_of = class_events["phase"].map(pass_of)
     by_pass = {(name, chunk): group for (name, chunk), group in class_events.groupby([passes_of, "chunk"], sort=False)}
     pieces = []
+    v = num_chunks(actions)
     for group in passes(actions):
         if len(group) == 2:  # (combined passes hold no once-per-step work: see schedules.pipeline_actions)
             f, b = group
-            events = by_pass[(COMBINED, f.chunk)]
+            events = by_pass[(COMBINED, combined_chunk(f, b, v))]
             backward = events["phase"].map(direction_of).to_numpy() == "backward"
             pieces.append(events.assign(microbatch=np.where(backward, b.microbatch, f.microbatch)))
             continue

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
-from trainsim.workloads.observe import StepObserver
+from trainsim.workloads.observe import StepObserver, direction_of
 
 # c10d op name -> (collective name, index of the tensor arg whose bytes are the message size).
 # Message size follows nccl-tests: all-gather counts the gathered output, reduce-scatter its input.
@@ -146,6 +146,12 @@ class StepAllocations:
             del self._alive[key]
             self._log.append((allocation, -self._bytes[allocation]))
 
+    def release(self, t: torch.Tensor) -> None:
+        """`t`'s storage was resized to nothing: its bytes are free, whatever still refers to it."""
+        entry = self._alive.pop(t.untyped_storage()._cdata, None)
+        if entry is not None:
+            self._log.append((entry[0], -self._bytes[entry[0]]))
+
     def peak_transient_bytes(self) -> int:
         """Most bytes alive at once of the storages freed within the step."""
         persistent = {entry[0] for entry in self._alive.values()}
@@ -190,8 +196,10 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
     def section(self, phase: str, chunk: int, microbatch: int) -> Iterator[None]:
         previous = self._phase, self._chunk, self._microbatch
         self._phase, self._chunk, self._microbatch = phase, chunk, microbatch
+        # every forward under the hooks, a combined pass's too: a backward unpacks its saved tensors with a detach
+        # each where they were packed by a hook, so its ops would depend on how its forward ran
         hooks = (torch.autograd.graph.saved_tensors_hooks(self._on_save, lambda t: t)
-                 if phase == "forward" else contextlib.nullcontext())
+                 if direction_of(phase) == "forward" else contextlib.nullcontext())
         try:
             with hooks:
                 yield
@@ -205,6 +213,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             yield
         finally:
             self._once_per_step = previous
+
+    def released(self, tensor: torch.Tensor) -> None:
+        self.allocations.release(tensor)
 
     @contextlib.contextmanager
     def communication(self, async_op: bool = False, group_kind: str | None = None,

@@ -17,7 +17,9 @@ pass a state (name -> tensor or host value) along; gradients flow back name by n
 
 Each pass is a generator that yields where the other may take over: after issuing an exchange, or after a compute
 step that no exchange follows. `interleave` alternates two of them, the backward first. A pass alone runs its
-exchanges as issue-then-wait. The real step and the trace run this same code.
+exchanges as issue-then-wait. A forward frees the rows an exchange sent once it has completed (resized to nothing):
+the step output they are stays only for its backward's autograd history. The real step and the trace run this same
+code.
 """
 
 from __future__ import annotations
@@ -56,10 +58,15 @@ def _start_exchange(x: torch.Tensor, send: list[int], receive: list[int], group)
     return out, (work, x)
 
 
-def _wait(pending) -> None:
+def _wait(pending, release: bool = False) -> None:
+    """Wait for an exchange; with `release`, free the rows it sent: the forward keeps the step output they are
+    for its backward, which needs only its autograd history (Megatron-Core frees such outputs too)."""
     if pending is not None:
         with observer().communication():
             pending[0].wait()
+        if release:
+            pending[1].untyped_storage().resize_(0)
+            observer().released(pending[1])
 
 
 def _leaves(state: State, wanted: set[str]) -> State:
@@ -97,7 +104,7 @@ class ChunkPass:
         pending, wanted, inside = None, set(), False
         for i, step in enumerate(self.steps):
             if self.region is not None and step.in_region != inside:
-                _wait(pending)  # (an exchange is inside the region: this is a compute step)
+                _wait(pending, release=True)  # (an exchange is inside the region: this is a compute step)
                 pending = None
                 if step.in_region:
                     region.enter_context(self.region())
@@ -113,7 +120,7 @@ class ChunkPass:
                 self.done.append(_Done(step, {}, {}, (send, receive)))  # (keeps no tensor: the sent rows may go)
                 yield
                 continue
-            _wait(pending)
+            _wait(pending, release=True)
             pending = None
             inputs = _leaves(state, wanted)
             wanted = set()
@@ -122,7 +129,7 @@ class ChunkPass:
             following = self.steps[i + 1] if i + 1 < len(self.steps) else None
             if not step.keeps_turn and not (following is not None and following.exchange is not None):
                 yield
-        _wait(pending)
+        _wait(pending, release=True)
         self.output = state
 
     def backward(self, grads: State) -> Iterator[None]:

@@ -40,6 +40,9 @@ class StepObserver:
         """Work that runs only on the last micro-batch (gradient sync) rather than on every one."""
         yield
 
+    def released(self, tensor) -> None:
+        """The step freed `tensor`'s storage (resized to nothing) and keeps the tensor for autograd alone."""
+
     @contextlib.contextmanager
     def communication(self, async_op: bool = False, group_kind: str | None = None,
                       stands_for: tuple | None = None) -> Iterator[None]:

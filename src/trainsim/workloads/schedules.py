@@ -7,15 +7,16 @@ An action is (pass, microbatch, chunk): pass 'F' or 'B', chunk the virtual stage
 * Interleaved 1F1B (same paper, sec. 2.2.2; Megatron-LM schedules.py
   forward_backward_pipelining_with_interleaving): each rank holds v chunks; micro-batches move
   through chunks in groups of pp; warm-up is (pp - rank - 1) * 2 + (v - 1) * pp.
-* 1F1B with the expert all-to-alls overlapped (parallelism.moe_a2a_overlap; Megatron-Core's combined 1F1B):
-  each steady-state backward is `paired` with the forward before it: the two run as one combined pass,
-  interleaved layer by layer (workloads/combined_passes.py). Warm-up is 2 (pp - rank - 1) + 1 forwards. The 1
-  makes the pair independent (the last stage would otherwise pair a micro-batch's forward with its own backward;
-  with pp = 1 this is Megatron-Core's combined schedule without pipelining). The 2 per stage is as interleaved
-  1F1B's: a combined pass sends its forward's output only at its end, so with 1F1B's one micro-batch per stage
-  the next stage would wait for each of this stage's passes and this stage for each of the next one's (lockstep,
-  half the rate); two per stage let a stage run a pass while its neighbour runs the one before. Megatron-Core
-  combines passes only without pipelining or interleaved; this is trainsim's extension, held to the same rule.
+* With the expert all-to-alls overlapped (parallelism.moe_a2a_overlap; Megatron-Core's combined 1F1B) each
+  steady-state backward is `paired` with the forward before it: the two run as one combined pass, interleaved
+  layer by layer (workloads/combined_passes.py). Warm-up is one forward more than interleaved 1F1B's; the 1
+  makes the pair independent (the last stage would otherwise pair a micro-batch's forward with its own
+  backward; with pp = 1 this is Megatron-Core's combined schedule without pipelining). Plain 1F1B gets
+  interleaved 1F1B's warm-up with v = 1, 2 (pp - rank - 1) + 1: a combined pass sends its forward's output
+  only at its end, so with 1F1B's one micro-batch per stage the next stage would wait for each of this stage's
+  passes and this stage for each of the next one's (lockstep, half the rate); two per stage let a stage run a
+  pass while its neighbour runs the one before. Megatron-Core combines pipelined passes only interleaved; 1F1B
+  is trainsim's extension, held to the same rule.
 The real training step and the timeline composer both run these lists, so they cannot disagree.
 """
 
@@ -45,8 +46,8 @@ def _interleaved_microbatch(k: int, pp: int, v: int) -> int:
 def pipeline_actions(schedule: str, pp: int, pp_rank: int, num_microbatches: int,
                      virtual_stages: int = 1, a2a_overlap: bool = False) -> list[Action]:
     m, v = num_microbatches, virtual_stages
-    if a2a_overlap and schedule != "1f1b":
-        raise ValueError(f"schedule {schedule!r} with overlapped all-to-alls; accepted: 1f1b")
+    if a2a_overlap and schedule == "gpipe":
+        raise ValueError(f"schedule {schedule!r} with overlapped all-to-alls; accepted: 1f1b, interleaved-1f1b")
     if schedule == "gpipe":
         return [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
     if schedule == "1f1b":
@@ -58,7 +59,7 @@ def pipeline_actions(schedule: str, pp: int, pp_rank: int, num_microbatches: int
         return actions
     if schedule == "interleaved-1f1b":
         total = m * v
-        warmup = min((pp - pp_rank - 1) * 2 + (v - 1) * pp, total)
+        warmup = min((pp - pp_rank - 1) * 2 + (v - 1) * pp + int(a2a_overlap), total)
 
         def fwd(k: int) -> Action:
             return Action("F", _interleaved_microbatch(k, pp, v), _interleaved_chunk(k, pp, v, True))
@@ -68,7 +69,8 @@ def pipeline_actions(schedule: str, pp: int, pp_rank: int, num_microbatches: int
 
         actions = [fwd(k) for k in range(warmup)]
         for k in range(total - warmup):
-            actions += [fwd(warmup + k), bwd(k)]
+            b = bwd(k)
+            actions += [fwd(warmup + k), Action(b.kind, b.microbatch, b.chunk, paired=a2a_overlap)]
         actions += [bwd(k) for k in range(total - warmup, total)]
         return actions
     raise ValueError(f"schedule {schedule!r}; accepted: gpipe, 1f1b, interleaved-1f1b")
@@ -81,13 +83,35 @@ def step_actions(par, pp_rank: int) -> list[Action]:
 
 
 def trace_actions(virtual_stages: int, a2a_overlap: bool = False) -> list[Action]:
-    """What the tracer runs: one micro-batch through every chunk, then back (it is also the last one); with
-    overlapped all-to-alls the first forward, a combined pass (second forward, first backward), the last backward."""
-    if a2a_overlap:
-        return [Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0, paired=True), Action("B", 1, 0)]
-    return [Action("F", 0, c) for c in range(virtual_stages)] + [
-        Action("B", 0, c) for c in reversed(range(virtual_stages))
-    ]
+    """What the tracer runs: one micro-batch through every chunk, then back (it is also the last one). With
+    overlapped all-to-alls also one combined pass of every pair of chunks (forward chunk, backward chunk), each
+    on a micro-batch whose forward of that chunk has not run (its own) and one whose backward is pending; the
+    plain forward of every chunk is micro-batch 0's (the first) and its plain backward the last."""
+    v = virtual_stages
+    if not a2a_overlap:
+        return [Action("F", 0, c) for c in range(v)] + [Action("B", 0, c) for c in reversed(range(v))]
+    actions = [Action("F", 0, c) for c in range(v)]
+    pending = {c: [0] for c in range(v)}  # chunk -> micro-batches whose forward ran and backward has not
+    ran = {c: 1 for c in range(v)}  # chunk -> forwards run (micro-batches 0, 1, ... in order)
+    todo = [(f, b) for f in range(v) for b in range(v)]
+    while todo:  # each pair moves one pending micro-batch from its backward's chunk to its forward's
+        f, b = next(pair for pair in todo if pending[pair[1]])
+        todo.remove((f, b))
+        actions += [Action("F", ran[f], f), Action("B", pending[b].pop(0), b, paired=True)]
+        pending[f].append(ran[f])
+        ran[f] += 1
+    return actions + [Action("B", pending[c].pop(0), c) for c in reversed(range(v))]
+
+
+def combined_chunk(forward: Action, backward: Action, virtual_stages: int) -> int:
+    """The chunk a combined pass is recorded under: its forward's and its backward's in one number (0 with one
+    chunk per rank)."""
+    return forward.chunk * virtual_stages + backward.chunk
+
+
+def num_chunks(actions: list[Action]) -> int:
+    """The chunks (virtual stages) a rank's actions run through."""
+    return 1 + max((a.chunk for a in actions), default=0)
 
 
 def passes(actions: list[Action]) -> list[tuple[Action, ...]]:

@@ -26,7 +26,13 @@ from trainsim.workloads.moe import ExpertParallel
 from trainsim.workloads.observe import COMBINED, observer
 from trainsim.workloads.optimizer import MixedPrecisionAdamW
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
-from trainsim.workloads.schedules import Action, first_forward_microbatch, last_backward_microbatch, passes
+from trainsim.workloads.schedules import (
+    Action,
+    combined_chunk,
+    first_forward_microbatch,
+    last_backward_microbatch,
+    passes,
+)
 
 
 def create_groups(layout: Layout, rank: int, every_group: bool, experts: bool = False) -> dict[str, object]:
@@ -267,10 +273,11 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
     for group in passes(actions):
         if len(group) == 2:  # a forward and a backward combined (moe_a2a_overlap; never the first or last ones)
             f, b = group
+            chunk = combined_chunk(f, b, rm.par.virtual_stages)
             interleave([
-                (partial(obs.section, f"{COMBINED}.backward", b.chunk, b.microbatch),
+                (partial(obs.section, f"{COMBINED}.backward", chunk, b.microbatch),
                  _backward_pass(rm, b, saved, sync_grads=False)),
-                (partial(obs.section, f"{COMBINED}.forward", f.chunk, f.microbatch),
+                (partial(obs.section, f"{COMBINED}.forward", chunk, f.microbatch),
                  _forward_pass(rm, f, batch, saved)),
             ])
             continue
