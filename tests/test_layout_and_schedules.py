@@ -68,16 +68,23 @@ def test_overlapped_schedules_pair_independent_passes_and_keep_each_stage_busy(s
         pipeline_actions("gpipe", 2, 0, 4, 1, a2a_overlap=True)
 
 
-@pytest.mark.parametrize("v", [1, 2, 3])
-def test_overlapped_trace_runs_every_pair_of_chunks_once(v):
-    """The tracer's actions: each chunk's plain forward first (micro-batch 0) and plain backward last, a combined
-    pass of every (forward chunk, backward chunk) pair, every backward after its own forward."""
-    from trainsim.workloads.schedules import passes, trace_actions
+@pytest.mark.parametrize("v, pp, m", [(1, 4, 8), (2, 2, 4), (3, 2, 4), (8, 4, 16)])
+def test_overlapped_trace_runs_each_pair_of_chunks_the_schedule_combines_once(v, pp, m):
+    """The tracer's actions: each chunk's plain forward first (micro-batch 0) and plain backward last, one combined
+    pass of every (forward chunk, backward chunk) pair some rank's schedule combines (whole permutations of the
+    chunks: with 8 chunks 32 of the 64 pairs), every backward after its own forward."""
+    from types import SimpleNamespace
 
-    actions = trace_actions(v, a2a_overlap=True)
+    from trainsim.workloads.schedules import combined_pairs, passes, step_actions, trace_actions
+
+    par = SimpleNamespace(schedule="1f1b" if v == 1 else "interleaved-1f1b", pp=pp, virtual_stages=v,
+                          num_microbatches=m, moe_a2a_overlap=True)
+    pairs = combined_pairs(par)
+    scheduled = {(g[0].chunk, g[1].chunk) for s in range(pp) for g in passes(step_actions(par, s)) if len(g) == 2}
+    assert scheduled <= set(pairs) and len(pairs) == len(set(pairs)) <= 4 * v
+    actions = trace_actions(v, a2a_overlap=True, pairs=pairs)
     groups = passes(actions)
-    assert sorted((f.chunk, b.chunk) for f, b in (g for g in groups if len(g) == 2)) == [
-        (f, b) for f in range(v) for b in range(v)]
+    assert sorted((f.chunk, b.chunk) for f, b in (g for g in groups if len(g) == 2)) == sorted(pairs)
     plain = [g[0] for g in groups if len(g) == 1]
     assert [(a.kind, a.chunk) for a in plain] == [("F", c) for c in range(v)] + [("B", c) for c in reversed(range(v))]
     assert all(a.microbatch == 0 for a in plain[:v])

@@ -37,7 +37,7 @@ from trainsim.workloads.layout import Layout
 from trainsim.workloads.model import DTYPES
 from trainsim.workloads.observe import observing
 from trainsim.workloads.routing import PlannedCounts, RoutingPlan, model_routing_plan
-from trainsim.workloads.schedules import step_actions, trace_actions
+from trainsim.workloads.schedules import combined_pairs, step_actions, trace_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
 
 
@@ -133,7 +133,8 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
             recorder = ExecutionRecorder(layout, rank)
             try:
                 with observing(recorder), recorder:
-                    actions = trace_actions(par.virtual_stages, par.moe_a2a_overlap)
+                    actions = trace_actions(par.virtual_stages, par.moe_a2a_overlap,
+                                            combined_pairs(par) if par.moe_a2a_overlap else None)
                     train_step(rm, actions, lambda microbatch: (tokens, targets))
             except (RuntimeError, ValueError, TypeError) as exc:
                 raise TraceError(f"tracing the step of rank {rank} (pp_rank {layout.position(rank).pp_rank}) "

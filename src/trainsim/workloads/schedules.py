@@ -82,18 +82,21 @@ def step_actions(par, pp_rank: int) -> list[Action]:
                             par.moe_a2a_overlap)
 
 
-def trace_actions(virtual_stages: int, a2a_overlap: bool = False) -> list[Action]:
+def trace_actions(virtual_stages: int, a2a_overlap: bool = False,
+                  pairs: list[tuple[int, int]] | None = None) -> list[Action]:
     """What the tracer runs: one micro-batch through every chunk, then back (it is also the last one). With
-    overlapped all-to-alls also one combined pass of every pair of chunks (forward chunk, backward chunk), each
-    on a micro-batch whose forward of that chunk has not run (its own) and one whose backward is pending; the
-    plain forward of every chunk is micro-batch 0's (the first) and its plain backward the last."""
+    overlapped all-to-alls also one combined pass of each (forward chunk, backward chunk) pair of `pairs` (default
+    all; combined_pairs gives a schedule's), each on a micro-batch whose forward of that chunk has not run (its
+    own) and one whose backward is pending; the plain forward of every chunk is micro-batch 0's (the first) and its
+    plain backward the last. `pairs` must take every chunk as often as forward as as backward (whole permutations):
+    then a pending backward is always there for the next pair."""
     v = virtual_stages
     if not a2a_overlap:
         return [Action("F", 0, c) for c in range(v)] + [Action("B", 0, c) for c in reversed(range(v))]
     actions = [Action("F", 0, c) for c in range(v)]
     pending = {c: [0] for c in range(v)}  # chunk -> micro-batches whose forward ran and backward has not
     ran = {c: 1 for c in range(v)}  # chunk -> forwards run (micro-batches 0, 1, ... in order)
-    todo = [(f, b) for f in range(v) for b in range(v)]
+    todo = list(pairs) if pairs is not None else [(f, b) for f in range(v) for b in range(v)]
     while todo:  # each pair moves one pending micro-batch from its backward's chunk to its forward's
         f, b = next(pair for pair in todo if pending[pair[1]])
         todo.remove((f, b))
@@ -101,6 +104,15 @@ def trace_actions(virtual_stages: int, a2a_overlap: bool = False) -> list[Action
         pending[f].append(ran[f])
         ran[f] += 1
     return actions + [Action("B", pending[c].pop(0), c) for c in reversed(range(v))]
+
+
+def combined_pairs(par) -> list[tuple[int, int]]:
+    """The (forward chunk, backward chunk) pairs that run combined on any pipeline rank of a ParallelismConfig,
+    as whole permutations: in interleaved 1F1B a pair's chunks always add up to one of a few values mod v (the
+    warm-up's length in rounds of pp), so each value seen stands for its v pairs (at most 4 v of the v x v)."""
+    v = par.virtual_stages
+    sums = {(g[0].chunk + g[1].chunk) % v for s in range(par.pp) for g in passes(step_actions(par, s)) if len(g) == 2}
+    return [(f, b) for f in range(v) for b in range(v) if (f + b) % v in sums]
 
 
 def combined_chunk(forward: Action, backward: Action, virtual_stages: int) -> int:
