@@ -55,7 +55,7 @@ def test_overlapped_schedules_pair_independent_passes_and_keep_each_stage_busy(s
 
     for rank in range(pp):
         actions = pipeline_actions(schedule, pp, rank, m, v, a2a_overlap=True)
-        _check_dependencies([a for a in actions], m, v)
+        _check_dependencies(actions, m, v)
         warmup = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
         assert not any(a.kind == "B" for a in actions[:warmup])
         groups = passes(actions)

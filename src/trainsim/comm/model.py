@@ -269,9 +269,13 @@ def _all_to_all_p2p_seconds(v: dict[str, float], protocols: tuple[str, ...], cha
     per_node = num_ranks // num_nodes
     per_peer = size / num_ranks
     simple = "Simple" if "Simple" in protocols else protocols[-1]
-    intra = np.where((per_peer <= nccl_constants()["p2p_ll_threshold_bytes"]) & ("LL" in protocols), "LL", simple)
-    latency_intra = np.array([v[f"latency.intra.{p}"] for p in intra])
-    nvlink = (per_node - 1) * per_peer / (channels * np.array([v[f"bandwidth.intra.{p}"] for p in intra]))
+    ll = per_peer <= nccl_constants()["p2p_ll_threshold_bytes"] if "LL" in protocols else np.zeros(size.shape, bool)
+
+    def intra(kind: str) -> np.ndarray:  # LL's value for small messages, the other's for the rest
+        return np.where(ll, v.get(f"{kind}.intra.LL", np.nan), v[f"{kind}.intra.{simple}"])
+
+    latency_intra = intra("latency")
+    nvlink = (per_node - 1) * per_peer / (channels * intra("bandwidth"))
     local = v["delta"] * size
     if num_nodes == 1:
         return latency_intra + nvlink + local

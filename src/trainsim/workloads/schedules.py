@@ -22,7 +22,7 @@ The real training step and the timeline composer both run these lists, so they c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ def pipeline_actions(schedule: str, pp: int, pp_rank: int, num_microbatches: int
 
         actions = [fwd(k) for k in range(warmup)]
         for k in range(total - warmup):
-            b = bwd(k)
-            actions += [fwd(warmup + k), Action(b.kind, b.microbatch, b.chunk, paired=a2a_overlap)]
+            actions += [fwd(warmup + k), replace(bwd(k), paired=a2a_overlap)]
         actions += [bwd(k) for k in range(total - warmup, total)]
         return actions
     raise ValueError(f"schedule {schedule!r}; accepted: gpipe, 1f1b, interleaved-1f1b")
