@@ -13,6 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from trainsim.config import compose_run
 from trainsim.errors import ArtifactError, ConfigError, ReplayError
@@ -224,6 +225,18 @@ def test_caches_are_flushed_before_every_timed_call():
     flush()
     assert (flush.buffer == before + 1).all()  # writes the whole buffer
     assert CacheFlush("cpu", enabled=False).buffer.numel() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph timing needs a GPU")
+def test_an_op_that_syncs_with_the_host_is_timed_without_a_graph_and_random_numbers_still_work():
+    """A failed graph capture leaves CUDA's random generator marked as capturing (every later op that draws
+    random numbers failed, rebuilt inputs included): syncing ops are found before any capture."""
+    from trainsim.profile.measure import time_cuda
+
+    x = torch.randn(1 << 16, device="cuda")
+    assert time_cuda(lambda: x.nonzero()).metrics["graph_s"] is None
+    dropout = time_cuda(lambda: torch.nn.functional.dropout(x, 0.1))
+    assert dropout.metrics["graph_s"] is not None and torch.randn(8, device="cuda").isfinite().all()
 
 
 def test_gpu_hardware_uses_the_analytical_backend(tmp_path, tiny_ops):

@@ -135,6 +135,12 @@ class KernelModelConfig:
     """Throughput of non-matmul arithmetic; 0 = fp32 peak (CUDA cores) / 2."""
     launch_overhead_s: float = 4.0e-6
     """Floor per kernel: launch and tail effects."""
+    grouped_gemm_setup_s: float = 0.0
+    """Floor of one grouped GEMM (all local experts in one kernel, which first reads the groups' sizes and
+    builds their tile lists); 0 = launch_overhead_s."""
+    grouped_gemm_memory_efficiency: float = 0.0
+    """Fraction of memory bandwidth a grouped GEMM reads and writes its operands at (the experts' weights, at
+    few tokens per expert); 0 = memory_efficiency."""
     kind_efficiency: dict[str, float] = field(default_factory=dict)
     """Bandwidth efficiency per op kind (normalization, softmax_loss, optimizer, ...) relative to
     elementwise kernels; kinds not listed have 1."""

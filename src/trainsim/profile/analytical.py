@@ -1,6 +1,7 @@
 """Analytical kernel time: a roofline per op class, with the shape effects GPUs have, and its fit.
 
   GEMM       t = launch + max(flops / (R_mm * sat(flops, F_half) * q_shape), bytes / (R_mem * sat(bytes, B_half)))
+  grouped    the same with its own floor and bandwidth (grouped_gemm_setup_s, grouped_gemm_memory_efficiency)
   attention  t = launch + c * flops / (peak * e_attn_{fwd,bwd})            c = 1/2 when causal (masked tiles skipped)
   other ops  t = launch + max(flops / (R_vec * e_k), bytes / (R_mem * e_k * sat(bytes, B_half)))
   sat(x, h) = x / (x + h)
@@ -125,6 +126,10 @@ def gemm_shape_efficiency(batch: int, m: int, n: int, k: int, sm_count: int, dty
     return alignment * best
 
 
+GROUPED_GEMM_OPS = ("trainsim::grouped_mm", "trainsim::fp8_grouped_mm")
+"""Name prefixes of the grouped GEMM ops (workloads/grouped_gemm.py), weight gradients included."""
+
+
 def grouped_gemm_groups(op: str, shapes: list, args: str) -> list[tuple[int, int, int]] | None:
     """(m, n, k) of each group of a grouped GEMM of workloads/grouped_gemm.py: trainsim::grouped_mm (x [T, k]
     times w [E, k, n], expert e owning counts[e] rows), its FP8 twin (x [T, k] times w_t [E, n, k]), and their
@@ -150,11 +155,16 @@ def grouped_gemm_groups(op: str, shapes: list, args: str) -> list[tuple[int, int
     return None
 
 
-def grouped_gemm_efficiency(groups: list[tuple[int, int, int]], sm_count: int, dtype: str = "bf16") -> float:
+def grouped_gemm_efficiency(groups: list[tuple[int, int, int]], sm_count: int, dtype: str = "bf16",
+                            tokens_axis: int = 0) -> float:
     """gemm_shape_efficiency for one kernel over many GEMMs (a CUTLASS/TE grouped GEMM): the groups' output
-    tiles share the waves, so a small group pads only its own last tile; no split-K."""
+    tiles share the waves, so a small group pads only its own last tile; no split-K. `tokens_axis` is the
+    dimension of (m, n, k) that counts each expert's tokens (0: forward and input gradient, 2: weight gradient);
+    it only sets where a group starts, so it does not count for alignment (measured: skewed token counts cost
+    the weight gradient nothing, data/kernels/h100_grouped-gemm-bf16_trainsim.csv)."""
     groups = [g for g in groups if min(g) > 0]
-    aligned = all((d * DTYPE_BYTES.get(dtype, 2)) % 16 == 0 for m, n, k in groups for d in (n, k))
+    aligned = all((d * DTYPE_BYTES.get(dtype, 2)) % 16 == 0
+                  for group in groups for axis, d in enumerate(group) if axis != tokens_axis)
     alignment = 1.0 if aligned else MISALIGNED_EFFICIENCY
     if not groups or sm_count <= 0:
         return alignment
@@ -177,10 +187,10 @@ def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: i
         if kind != "matmul":
             continue
         shapes = json.loads(shapes) if isinstance(shapes, str) else shapes
-        if op.startswith(("trainsim::grouped_mm", "trainsim::fp8_grouped_mm")):
+        if op.startswith(GROUPED_GEMM_OPS):
             groups = grouped_gemm_groups(op, shapes, arg)
             if groups is not None:
-                out[i] = grouped_gemm_efficiency(groups, sm_count, dtype)
+                out[i] = grouped_gemm_efficiency(groups, sm_count, dtype, 2 if "weight_grad" in op else 0)
             continue
         dims = gemm_dims(op, shapes)
         if dims is not None and min(dims) > 0:
@@ -236,6 +246,10 @@ class RooflineRates:
     """Flash attention's (forward, backward) FLOP/s; 0 = the matmul rate."""
     sm_count: int = 0
     """SMs of the device for GEMM wave quantisation; 0 = not modelled."""
+    grouped_setup_s: float = 0.0
+    """Floor of a grouped GEMM; 0 = launch_overhead_s."""
+    grouped_memory_bytes_per_s: float = 0.0
+    """Bandwidth of a grouped GEMM; 0 = memory_bytes_per_s."""
 
 
 def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
@@ -261,13 +275,17 @@ def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
         kind_efficiency=tuple(sorted(km.kind_efficiency.items())),
         attention_flops_per_s=attention,
         sm_count=hw.sm_count,
+        grouped_setup_s=km.grouped_gemm_setup_s,
+        grouped_memory_bytes_per_s=hw.memory_bandwidth_bytes_per_s * km.grouped_gemm_memory_efficiency,
     )
 
 
-def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=None, attention=None) -> np.ndarray:
+def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=None, attention=None,
+            grouped=None) -> np.ndarray:
     """Seconds per op (vectorised); `kinds` are op kinds from `op_kind`; `shape_efficiency` the GEMMs'
     q_shape (1 = a large aligned GEMM); `attention` = (pass, causal factor) per row from `_attention_rows`
-    (pass 0: not flash attention), timed at the attention rates where the hardware has them."""
+    (pass 0: not flash attention), timed at the attention rates where the hardware has them; `grouped` marks
+    grouped GEMMs, timed with their own floor and bandwidth where the hardware has them."""
     flops = np.asarray(flops, dtype=float)
     bytes_moved = np.asarray(bytes_moved, dtype=float)
     kinds = np.asarray(kinds, dtype=object)
@@ -279,7 +297,14 @@ def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=No
     mm = (flops + rates.matmul_half_flops) / (rates.matmul_flops_per_s * shape)
     vector = flops / (rates.vector_flops_per_s * kind_eff)
     compute = np.where(matmul, mm, vector)
-    time = rates.launch_overhead_s + np.maximum(compute, memory)
+    launch = np.full(len(flops), rates.launch_overhead_s)
+    if grouped is not None:
+        grouped = np.asarray(grouped, dtype=bool)
+        if rates.grouped_memory_bytes_per_s > 0:
+            memory[grouped] = (bytes_moved[grouped] + rates.memory_half_bytes) / rates.grouped_memory_bytes_per_s
+        if rates.grouped_setup_s > 0:
+            launch[grouped] = rates.grouped_setup_s
+    time = launch + np.maximum(compute, memory)
     if attention is not None:
         pass_, factor = attention
         for which, rate in ((1, rates.attention_flops_per_s[0]), (2, rates.attention_flops_per_s[1])):
@@ -300,7 +325,8 @@ def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -
     """Seconds per op row (op, flops, bytes_moved, and input_shapes / op_args where known) at `rates`."""
     kinds = _kinds(rows)
     shape = _shape_efficiency(rows, kinds, [dtype] * len(rows), rates.sm_count)
-    return predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, _attention_rows(rows, kinds))
+    grouped = rows["op"].astype(str).str.startswith(GROUPED_GEMM_OPS).to_numpy()
+    return predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, _attention_rows(rows, kinds), grouped)
 
 
 def _kinds(rows: pd.DataFrame) -> np.ndarray:

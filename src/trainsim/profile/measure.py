@@ -240,7 +240,14 @@ def time_cuda(call: Callable[[], Any], *, repeats: int = 20, warmup: int = 3,
 
 
 def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], Any]) -> float | None:
-    """Median seconds of `call` captured in a CUDA graph and replayed, or None if it cannot be captured."""
+    """Median seconds of `call` captured in a CUDA graph and replayed, or None if it cannot be captured.
+
+    A capture that fails part-way (an op that synchronises with the host: an `.item()`, a copy to the CPU,
+    an output sized by its values) ends before CUDA's default random generator leaves capture mode, and
+    every random number drawn afterwards in the process fails ("Offset increment outside graph capture"),
+    rebuilt inputs and dropout included: the generator's state is put back from a copy taken before."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    state = generator.clone_state()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -250,8 +257,9 @@ def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], 
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(graph):
             call()
-    except (RuntimeError, TypeError):  # host synchronisation, CPU tensors, ...: not capturable
+    except (RuntimeError, TypeError):  # not capturable
         torch.cuda.synchronize()
+        generator.graphsafe_set_state(state)
         return None
     samples = []
     for _ in range(repeats):
@@ -263,3 +271,4 @@ def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], 
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
     return statistics.median(samples)
+

@@ -11,6 +11,8 @@ multiplied in turn: the same numbers, then as many kernels as experts.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
@@ -18,7 +20,11 @@ _REFUSED: set[tuple[str, torch.dtype]] = set()
 """(device type, dtype) pairs torch._grouped_mm refused in this process: not tried again."""
 
 
-def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def _offsets(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The groups' end rows on the device. Kept for calls with the same counts: the copy from the host waits for
+    the device, which a CUDA graph cannot capture, so a replayed call (warmed up first) runs the kernel alone, as
+    Megatron-Core's does (it computes the offsets on the device)."""
     return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
 
 
@@ -28,8 +34,10 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tenso
     if not hasattr(torch, "_grouped_mm") or key in _REFUSED:
         return None
     try:
-        return torch._grouped_mm(a, b, offs=_offsets(counts, a.device))
+        return torch._grouped_mm(a, b, offs=_offsets(tuple(counts), a.device))
     except (RuntimeError, NotImplementedError):
+        if a.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise  # the capture failed, not the op
         _REFUSED.add(key)
         return None
 
