@@ -223,17 +223,14 @@ class TransformerChunk(nn.Module):
         self.sequence_parallel = sequence_parallel and tp > 1
         self.loss_scale = loss_scale  # 1 / num_microbatches: gradients accumulate to the batch mean
         self.fp8 = Fp8Region(fp8) if fp8 is not None else None
-        self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
-                                          tp_comm_overlap, self.fp8, cp, self._experts(layer, dtype, ep))
-                                    for layer in layers)
-        if self.fp8 is not None:
-            self.fp8.allocate()
         vocab = padded_vocab_size(cfg.vocab_size, tp)
         positions = cp.positions(cfg.seq_length) if cp else torch.arange(cfg.seq_length)
         if cfg.family == "llama":
             cos, sin = _rotary_tables(cfg, dtype, positions)
             self.register_buffer("rotary_cos", cos, persistent=False)
             self.register_buffer("rotary_sin", sin, persistent=False)
+        # Parameters are registered in the order forward uses them, as Megatron-Core's modules are: data-parallel
+        # buckets follow the reverse of that order, so the embedding's bucket is reduced last and gathered first.
         if first:
             self.embed = VocabParallelEmbedding(vocab, cfg.hidden_size, tp, tp_rank, tp_group, dtype)
             if cfg.family == "gpt":
@@ -241,6 +238,11 @@ class TransformerChunk(nn.Module):
                 nn.init.normal_(self.positions, std=0.02)
                 # context parallelism: this rank's rows of the position table (an embedding lookup, as Megatron)
                 self.register_buffer("position_ids", positions if cp else None, persistent=False)
+        self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
+                                          tp_comm_overlap, self.fp8, cp, self._experts(layer, dtype, ep))
+                                    for layer in layers)
+        if self.fp8 is not None:
+            self.fp8.allocate()
         if last:
             self.final_norm = _norm(cfg, dtype, self.sequence_parallel)
             self.head = ColumnParallelLinear(cfg.hidden_size, vocab, tp, tp_group, dtype, bias=False,
