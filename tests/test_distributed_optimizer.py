@@ -51,6 +51,29 @@ def test_buckets_are_reduce_scattered_and_weights_all_gathered():
     assert memory["gradient_bytes"].iloc[0] >= replicated_memory["gradient_bytes"].iloc[0]  # full grad buffer
 
 
+def test_bf16_gradients_accumulate_and_reduce_in_fp32_as_megatron_does():
+    """Megatron-LM keeps bf16 runs' gradients in fp32 buffers (main_grad), reduce-scatters them in fp32 and
+    hands them to the optimizer as its master gradients; grad_reduce_in_fp32=false keeps them in bf16."""
+    base = ("parallelism=dp2", "parallelism.dp=4", "parallelism.global_batch_size=16", "parallelism.zero_stage=1",
+            "parallelism.precision=bf16", "parallelism.dp_bucket_size_bytes=300000")
+    _, graph, memory = _trace(*base)
+    _, low, low_memory = _trace(*base, "parallelism.grad_reduce_in_fp32=false")
+    comm, low_comm = _comm(graph), _comm(low)
+    scatter, gather = comm[comm["collective"] == "reduce_scatter"], comm[comm["collective"] == "all_gather"]
+    assert sorted(scatter["message_bytes"]) == sorted(2 * gather["message_bytes"])  # fp32 gradients, bf16 weights
+    low_scatter = low_comm[low_comm["collective"] == "reduce_scatter"]
+    assert scatter["message_bytes"].sum() == 2 * low_scatter["message_bytes"].sum()
+    assert memory["gradient_bytes"].iloc[0] == 2 * low_memory["gradient_bytes"].iloc[0]
+    # the fp32 buffer is the optimizer's master gradient: no fp32 copy of its slice beside it
+    assert low_memory["optimizer_state_bytes"].iloc[0] > memory["optimizer_state_bytes"].iloc[0]
+    copies = graph[(graph["op"] == "aten::_foreach_copy_") & (graph["phase"] == "optimizer")]
+    assert len(copies) == len(low[(low["op"] == "aten::_foreach_copy_") & (low["phase"] == "optimizer")]) - 1
+    # each micro-batch's bf16 gradient is added into the fp32 buffer during backward
+    adds = graph[(graph["phase"] == "backward") & graph["op"].str.startswith("aten::add_")
+                 & graph["input_dtypes"].str.startswith("fp32,bf16")]
+    assert len(adds) > 0
+
+
 def test_gradient_norm_is_summed_over_every_rank():
     _, graph, _ = _trace("parallelism=pp2", "parallelism.dp=2", "parallelism.global_batch_size=8",
                          "parallelism.zero_stage=1")

@@ -50,6 +50,8 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
     ["parallelism=dp2", "parallelism.zero_stage=1"],
     ["parallelism=dp2", "parallelism.zero_stage=1", "parallelism.overlap_param_gather=true",
      "parallelism.precision=bf16", "parallelism.dp_bucket_size_bytes=200000"],
+    pytest.param(["parallelism=dp2", "parallelism.precision=bf16", "parallelism.grad_reduce_in_fp32=false"],
+                 id="dp2-bf16-gradients"),
     ["parallelism=tp2"],
     ["parallelism=tp2", "parallelism.sequence_parallel=true"],
     ["parallelism=tp2", "parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true"],

@@ -31,6 +31,7 @@ from trainsim.trace.expand import rename_for_rank
 from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
 from trainsim.trace.recorder import ExecutionRecorder, tensor_bytes
 from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
+from trainsim.workloads.data_parallel import gradient
 from trainsim.workloads.fp8 import fp8_weight_bytes
 from trainsim.workloads.fully_sharded import gathered_weight_bytes, local
 from trainsim.workloads.layout import Layout
@@ -146,7 +147,7 @@ def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
                 # FP8 training keeps an FP8 copy (and its transpose) of each weight for the step
                 parameter_bytes=sum(tensor_bytes(local(p)) for p in params)
                 + sum(fp8_weight_bytes(chunk) for chunk in rm.chunks),
-                gradient_bytes=sum(tensor_bytes(local(p.grad)) for p in params if p.grad is not None),
+                gradient_bytes=sum(tensor_bytes(local(gradient(p))) for p in params if gradient(p) is not None),
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
                 saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),
                 # what the step holds at its worst moment beyond the micro-batch's saved activations

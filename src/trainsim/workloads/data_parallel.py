@@ -10,6 +10,10 @@ bucket is not special-cased (Megatron-LM does the same). DDP's C++ reducer calls
 group directly and cannot run on fake tensors, hence this Python twin of its schedule. With dp=1
 the buckets still hold the gradients (Megatron's contiguous grad buffer) but nothing is reduced.
 
+With `grad_dtype` fp32 under bf16/fp16 weights the buckets are Megatron's fp32 gradient buffers: each weight's
+`main_grad` is its view, a micro-batch's low-precision gradient is added into it once accumulated and then
+freed (Megatron's backward hook without gradient-accumulation fusion), and the buckets are reduced in fp32.
+
 Sharded (ZeRO-1, Megatron-Core's distributed optimizer, Rajbhandari et al. 2020): the weights live in a
 flat parameter buffer per bucket too (each weight a view into it). A ready bucket is reduce-scattered in
 place, so this rank's 1/dp slice of the gradient buffer holds the sum, and the optimizer updates only
@@ -33,12 +37,19 @@ from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
 from trainsim.workloads.observe import observer
 
 
+def gradient(p: nn.Parameter) -> torch.Tensor | None:
+    """The gradient the optimizer reads: the fp32 `main_grad` where a bucket keeps one, else `.grad`."""
+    return getattr(p, "main_grad", p.grad)
+
+
 class GradientBuckets:
     def __init__(self, params: list[nn.Parameter], bucket_size_bytes: int, group, dp: int,
-                 shard: bool = False, modules: list[nn.Module] = (), average_over: int | None = None):
+                 shard: bool = False, modules: list[nn.Module] = (), average_over: int | None = None,
+                 grad_dtype: torch.dtype | None = None):
         """dp: ranks in `group` (that reduce, and shard with `shard`); average_over: replicas the gradients are
-        averaged over (default dp; MoE experts: every data replica, though fewer ranks hold each expert)."""
-        self.group, self.dp, self.shard = group, dp, shard
+        averaged over (default dp; MoE experts: every data replica, though fewer ranks hold each expert);
+        grad_dtype: the buckets' dtype (default the weights')."""
+        self.group, self.dp, self.shard, self.grad_dtype = group, dp, shard, grad_dtype
         self.average_over = dp if average_over is None else average_over
         self.sync_enabled = False
         self._buckets: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
@@ -70,11 +81,15 @@ class GradientBuckets:
         numel = sum(p.numel() for p in members)
         if self.shard:
             numel = math.ceil(numel / math.lcm(self.dp, 128)) * math.lcm(self.dp, 128)
-        buffer = torch.zeros(numel, dtype=members[0].dtype)
+        buffer = torch.zeros(numel, dtype=self.grad_dtype or members[0].dtype)
         weights = torch.empty(numel, dtype=members[0].dtype) if self.shard else None
         offset = 0
         for p in members:
-            p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            view = buffer[offset:offset + p.numel()].view_as(p)
+            if view.dtype == p.dtype:
+                p.grad = view
+            else:
+                p.main_grad = view
             if weights is not None:
                 with torch.no_grad():
                     weights[offset:offset + p.numel()].copy_(p.detach().flatten())
@@ -112,6 +127,9 @@ class GradientBuckets:
         self._pending = [len(members) for _, members in self._buckets]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if hasattr(param, "main_grad"):
+            param.main_grad.add_(param.grad)
+            param.grad = None
         if not self.sync_enabled or self.average_over == 1:
             return
         index = self._bucket_of[param]

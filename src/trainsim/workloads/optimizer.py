@@ -10,8 +10,10 @@ applies it: gradients are copied to fp32, Adam updates the fp32 master weights, 
 copied back into the bf16/fp16 model weights. Both copies are one multi-tensor op each, as Megatron
 (apex's multi_tensor_scale, fp32 main_grad buffers) and DeepSpeed (flat buffers) do them: a copy per
 parameter would cost the host a dispatch per parameter (~450 ops for a 12-layer GPT) that those
-optimizers do not have. Memory per parameter: 2 (weight) + 2 (grad) + 4 (master) + 4 (master grad) +
-8 (Adam moments) bytes. Dynamic loss scaling for fp16 is not modelled.
+optimizers do not have. With fp32 gradients (Megatron's main_grad buffers, `parallelism.grad_reduce_in_fp32`)
+they are the master gradients and the first copy goes. Memory per parameter: 2 (weight) + 4 (fp32 grad) + 4
+(master) + 8 (Adam moments) bytes; with low-precision gradients 2 (grad) + 4 (master grad) in place of the 4.
+Dynamic loss scaling for fp16 is not modelled.
 
 Gradient clipping as Megatron's clip_grad_norm_fp32: the L2 norm of this rank's gradients (one
 multi-tensor norm), squared and summed over the model-parallel group (one all-reduce: every tensor
@@ -47,10 +49,12 @@ class MixedPrecisionAdamW:
         self.expert_tensors, self.expert_norm_group = expert_tensors, expert_norm_group
         self.reduce_expert_norm = reduce_expert_norm
         self.mixed = bool(self.params) and self.params[0].dtype != torch.float32
+        # fp32 gradients (Megatron's main_grad buffers) are the master gradients themselves: no copy
+        self.copy_grads = self.mixed and any(g.dtype != torch.float32 for g in self.grads)
         if self.mixed:
             self.master = [nn.Parameter(p.detach().float()) for p in self.params]
-            for m in self.master:
-                m.grad = torch.zeros_like(m)
+            for m, g in zip(self.master, self.grads):
+                m.grad = torch.zeros_like(m) if self.copy_grads else g
         else:
             self.master = [p if isinstance(p, nn.Parameter) else nn.Parameter(p, requires_grad=False)
                            for p in self.params]
@@ -68,7 +72,7 @@ class MixedPrecisionAdamW:
 
     def step(self) -> None:
         with torch.no_grad():
-            if self.mixed:
+            if self.copy_grads:
                 torch._foreach_copy_([m.grad for m in self.master], self.grads)
             if self.clip_grad > 0 and self.master:
                 self._clip([m.grad for m in self.master])
@@ -97,11 +101,13 @@ class MixedPrecisionAdamW:
         return squared
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer-owned tensors: Adam moments, plus fp32 master weights and their fp32 gradients
-        when mixed (12 + 4 bytes per parameter; the CUDA allocator's peak of a real step on an H100 showed
-        the gradients' 4 bytes missing when only the states were counted)."""
+        """Bytes of optimizer-owned tensors: Adam moments, plus fp32 master weights when mixed, plus their own fp32
+        gradients when the model's are low-precision (12 + 4 bytes per parameter; the CUDA allocator's peak of a
+        real step on an H100 showed those 4 bytes missing when only the states were counted)."""
         total = sum(t.numel() * t.element_size() for s in self.inner.state.values() for t in s.values()
                     if isinstance(t, torch.Tensor) and t.dim() > 0)
         if self.mixed:
-            total += sum(m.numel() * m.element_size() + m.grad.numel() * m.grad.element_size() for m in self.master)
+            total += sum(m.numel() * m.element_size() for m in self.master)
+        if self.copy_grads:
+            total += sum(m.grad.numel() * m.grad.element_size() for m in self.master)
         return total

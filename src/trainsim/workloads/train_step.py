@@ -17,7 +17,7 @@ from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
 from trainsim.workloads.combined_passes import ChunkPass, interleave, run_alone
 from trainsim.workloads.context_parallel import ContextParallel
-from trainsim.workloads.data_parallel import GradientBuckets
+from trainsim.workloads.data_parallel import GradientBuckets, gradient
 from trainsim.workloads.fp8 import fp8_settings
 from trainsim.workloads.fully_sharded import local, shard_chunk
 from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers, layout_of
@@ -135,6 +135,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                                         clip_grad=par.clip_grad, norm_group=None, reduce_norm=layout.world_size > 1)
         return RankModel(layout, rank, model_cfg, par, groups, chunks, [], optimizer, cp)
     shard = par.zero_stage == 1
+    grad_dtype = torch.float32 if par.grad_reduce_in_fp32 else None
     buckets, expert_buckets = [], []
     for chunk in chunks:  # experts' gradients are reduced over the ranks holding the same experts (Megatron's
         # expert data-parallel group), averaged like the dense ones over every replica of the batch
@@ -142,11 +143,11 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         experts = [p for p in chunk.parameters() if getattr(p, "expert", False)]
         modules = list(chunk.modules())
         buckets.append(GradientBuckets(dense, par.dp_bucket_size_bytes, groups["dp"], par.weight_replicas,
-                                       shard=shard, modules=modules))
+                                       shard=shard, modules=modules, grad_dtype=grad_dtype))
         if experts:
             expert_buckets.append(GradientBuckets(experts, par.dp_bucket_size_bytes, groups["edp"],
                                                   layout.expert_replicas, shard=shard, modules=modules,
-                                                  average_over=par.weight_replicas))
+                                                  average_over=par.weight_replicas, grad_dtype=grad_dtype))
     if shard:  # the distributed optimizer: this rank's slices of the flat buffers, the norm over every rank
         weights = [w for b in buckets + expert_buckets for w in b.param_shards()]
         grads = [g for b in buckets + expert_buckets for g in b.grad_shards()]
@@ -156,7 +157,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         params.sort(key=lambda p: getattr(p, "expert", False))
         num_expert = sum(getattr(p, "expert", False) for p in params)
-        optimizer = MixedPrecisionAdamW(params, [p.grad for p in params], clip_grad=par.clip_grad,
+        optimizer = MixedPrecisionAdamW(params, [gradient(p) for p in params], clip_grad=par.clip_grad,
                                         norm_group=groups["mp"], reduce_norm=layout.tp * layout.pp > 1,
                                         expert_tensors=num_expert, expert_norm_group=groups.get("emp"),
                                         reduce_expert_norm=par.ep * par.etp * par.pp > 1)
@@ -251,7 +252,8 @@ def _backward_pass(rm: RankModel, action: Action, saved: dict, sync_grads: bool)
 def allreduce_sequence_parallel_grads(rm: RankModel) -> None:
     """Sum the partial gradients of parameters applied to token shards (norms, row-parallel biases) over
     the tp group: one flat all-reduce, as Megatron-Core's finalize_model_grads does after the DP sync."""
-    grads = [local(p.grad) for p in rm.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [local(gradient(p)) for p in rm.parameters()
+             if getattr(p, "sequence_parallel", False) and gradient(p) is not None]
     if not grads or rm.par.tp == 1:
         return
     flat = torch.cat([g.flatten() for g in grads])
