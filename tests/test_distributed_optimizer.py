@@ -53,11 +53,11 @@ def test_buckets_are_reduce_scattered_and_weights_all_gathered():
 
 def test_bf16_gradients_accumulate_and_reduce_in_fp32_as_megatron_does():
     """Megatron-LM keeps bf16 runs' gradients in fp32 buffers (main_grad), reduce-scatters them in fp32 and
-    hands them to the optimizer as its master gradients; grad_reduce_in_fp32=false keeps them in bf16."""
+    hands them to the optimizer as its master gradients (grad_reduce_in_fp32); the default keeps them in bf16."""
     base = ("parallelism=dp2", "parallelism.dp=4", "parallelism.global_batch_size=16", "parallelism.zero_stage=1",
             "parallelism.precision=bf16", "parallelism.dp_bucket_size_bytes=300000")
-    _, graph, memory = _trace(*base)
-    _, low, low_memory = _trace(*base, "parallelism.grad_reduce_in_fp32=false")
+    _, graph, memory = _trace(*base, "parallelism.grad_reduce_in_fp32=true")
+    _, low, low_memory = _trace(*base)
     comm, low_comm = _comm(graph), _comm(low)
     scatter, gather = comm[comm["collective"] == "reduce_scatter"], comm[comm["collective"] == "all_gather"]
     assert sorted(scatter["message_bytes"]) == sorted(2 * gather["message_bytes"])  # fp32 gradients, bf16 weights

@@ -488,13 +488,13 @@ class ParallelismConfig:
     block's weights all-gathered (bf16) before its forward and gradients reduce-scattered (fp32) after every
     micro-batch's backward; 2 keeps the gathered weights until the backward (SHARD_GRAD_OP), 3 frees them
     after the forward and gathers them again for the backward (FULL_SHARD, ZeRO-3)."""
-    grad_reduce_in_fp32: bool = True
-    """With low-precision weights (bf16, fp16, fp8 runs): gradients accumulate in an fp32 buffer (each weight's
-    `main_grad`: a micro-batch's gradient is added into it and freed) and are reduced over data parallelism in
+    grad_reduce_in_fp32: bool = False
+    """With low-precision weights (bf16, fp16, fp8 runs): accumulate gradients in an fp32 buffer (each weight's
+    `main_grad`: a micro-batch's gradient is added into it and freed) and reduce them over data parallelism in
     fp32, as Megatron-LM does for bf16 (`--accumulate-allreduce-grads-in-fp32`, forced on for bf16) and NeMo's
-    bf16-mixed; the optimizer reads them as its master gradients. False: gradients kept and reduced in the
-    weights' dtype (Megatron-LM's fp16 default), copied to fp32 for the optimizer. FSDP (zero_stage 2, 3)
-    reduce-scatters in fp32 either way."""
+    bf16-mixed; the optimizer reads them as its master gradients. False (default): gradients kept and reduced in
+    the weights' dtype, copied to fp32 for the optimizer; the published H100 runs fit it (docs/validation.md,
+    "Gradient dtype"). FSDP (zero_stage 2, 3) reduce-scatters in fp32 either way."""
     overlap_param_gather: bool = False
     """With zero_stage 1: all-gather the updated weights during the next step's first forward, each layer
     waiting only for its own bucket (Megatron-Core --overlap-param-gather), instead of after the optimizer."""

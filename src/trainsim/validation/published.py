@@ -148,9 +148,10 @@ ASSUMPTIONS = {
                          "others set it: applied to every tp > 1 row alike)",
     "dp_bucket": "gradients all-reduced in 25 MiB buckets overlapped with backward (Megatron DDP with overlap); "
                  "with the distributed optimizer reduce-scattered in the same buckets",
-    "grad_dtype": "bf16 and FP8 runs (2024 H100, NeMo 24.07): gradients accumulated and reduced in fp32 (Megatron-LM "
-                  "forces --accumulate-allreduce-grads-in-fp32 for bf16; NeMo's mixed precision grad_reduce_in_fp32); "
-                  "the 2021 fp16 runs in fp16 (Megatron-LM's default for fp16)",
+    "grad_dtype": "gradients reduced in the weights' dtype (parallelism.grad_reduce_in_fp32 false). Megatron-LM "
+                  "forces fp32 for bf16, but at fp32 the 2024 pp=1 rows cannot reach their measured times (32B tp8: "
+                  "16 GB per GPU reduce-scattered through one 50 GB/s NIC after the last micro-batch); the sources "
+                  "do not state the precision",
     "distributed_optimizer": "Megatron-Core r0.8 and NeMo 24.07: zero_stage 1 with overlap_param_gather (NeMo's "
                              "recipes: optim distributed_fused_adam / mcore_distributed_optim, overlap_grad_sync "
                              "and overlap_param_sync true)",
@@ -247,7 +248,6 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
                               micro_batch_size=int(row["micro_batch"]),
                               global_batch_size=int(row["global_batch"]),
                               precision=table.precision, recompute=table.recompute,
-                              grad_reduce_in_fp32=table.precision != "fp16",
                               sequence_parallel=sp, tp_comm_overlap=sp,
                               zero_stage=int(table.distributed_optimizer),
                               overlap_param_gather=table.distributed_optimizer,
