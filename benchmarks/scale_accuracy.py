@@ -18,6 +18,8 @@ Prints per row and
   figure scale_bias_pct_<table> <v> %       signed mean error (target |bias| <= 2)
   figure scale_fit_<param>_<table> <v> ratio   the all-rows fit (what conf/hardware carries)
   figure scale_skipped_rows_<table> <v> rows    rows left out because a config cannot express them yet
+  figure scale_fit_<param>_joint_<hardware> <v> ratio   the fit over every row of the tables of one GPU (what
+                                            conf/hardware carries where a GPU has more than one table)
   figure predict_seconds_cached_fresh_process <v> s   `trainsim compose --quick` of one point in a new
                                             process with every input cached
 The overlap-slowdown model is not applied here (communication overlap is composed, its kernel slowdown is not).
@@ -35,7 +37,7 @@ import time
 
 import pandas as pd
 
-from trainsim.validation.published import ASSUMPTIONS, FITTED, TABLES, evaluate_table
+from trainsim.validation.published import ASSUMPTIONS, FITTED, TABLES, evaluate_table, joint_fit
 
 TIMING_POINT = ["hardware=a100-80g-selene", "model=gpt-175b", "parallelism=pp16-tp8-dp8"]
 
@@ -61,8 +63,10 @@ def main() -> None:
     print("assumed where the sources are silent:")
     for name, text in ASSUMPTIONS.items():
         print(f"  {name}: {text}")
+    by_hardware: dict[str, list] = {}
     for name in args.tables:
         result = evaluate_table(name)
+        by_hardware.setdefault(TABLES[name].hardware, []).append(result)
         rows = result.rows
         print(f"\n{name} on {TABLES[name].hardware}, leave-one-row-out ({result.seconds:.0f} s):")
         print(rows[["model", "gpus", "tp", "pp", "dp", "virtual_stages", "micro_batch", "global_batch", "measured_s",
@@ -76,6 +80,10 @@ def main() -> None:
         for param, value in result.all_rows_fit.items():
             print(f"figure scale_fit_{param}_{name} {value:.4f} ratio")
         print(f"figure scale_skipped_rows_{name} {len(result.skipped)} rows")
+    for hardware, results in by_hardware.items():
+        if len(results) > 1:
+            for param, value in joint_fit(results).items():
+                print(f"figure scale_fit_{param}_joint_{hardware} {value:.4f} ratio")
     if not args.skip_timing:
         print(f"figure predict_seconds_cached_fresh_process {time_one_point():.2f} s")
 
