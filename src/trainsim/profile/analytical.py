@@ -293,17 +293,17 @@ def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=No
     efficiency = dict(rates.kind_efficiency)
     kind_eff = np.array([efficiency.get(k, 1.0) for k in kinds])
     matmul = np.isin(kinds, MATMUL_KINDS)
-    memory = (bytes_moved + rates.memory_half_bytes) / (rates.memory_bytes_per_s * kind_eff)
-    mm = (flops + rates.matmul_half_flops) / (rates.matmul_flops_per_s * shape)
-    vector = flops / (rates.vector_flops_per_s * kind_eff)
-    compute = np.where(matmul, mm, vector)
-    launch = np.full(len(flops), rates.launch_overhead_s)
+    bandwidth, launch = rates.memory_bytes_per_s * kind_eff, np.full(len(flops), rates.launch_overhead_s)
     if grouped is not None:
         grouped = np.asarray(grouped, dtype=bool)
         if rates.grouped_memory_bytes_per_s > 0:
-            memory[grouped] = (bytes_moved[grouped] + rates.memory_half_bytes) / rates.grouped_memory_bytes_per_s
+            bandwidth = np.where(grouped, rates.grouped_memory_bytes_per_s, bandwidth)
         if rates.grouped_setup_s > 0:
             launch[grouped] = rates.grouped_setup_s
+    memory = (bytes_moved + rates.memory_half_bytes) / bandwidth
+    mm = (flops + rates.matmul_half_flops) / (rates.matmul_flops_per_s * shape)
+    vector = flops / (rates.vector_flops_per_s * kind_eff)
+    compute = np.where(matmul, mm, vector)
     time = launch + np.maximum(compute, memory)
     if attention is not None:
         pass_, factor = attention

@@ -357,15 +357,16 @@ class TableResult:
     seconds: float
     skipped: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
     """rows that cannot be expressed yet, with their skip_reason (not in rows, the fit or the figures)"""
-    linearised: tuple = ()
-    """(base, slopes, measured) of `linearise` over the rows, and the hardware they were taken at: tables of one
-    GPU are fitted jointly from them (`joint_fit`)"""
+    linearised: tuple[np.ndarray, np.ndarray, np.ndarray] = ()
+    """(base, slopes, measured) of `linearise` over the rows: tables of one GPU are fitted jointly from them"""
+    hardware: HardwareConfig | None = None
+    """the hardware the rows were linearised at"""
 
 
 def joint_fit(results: list[TableResult]) -> dict[str, float]:
     """FITTED from every row of several tables of the same GPU (the matmul ceiling of bf16 GEMMs)."""
-    base, slopes, measured = (np.concatenate([r.linearised[i] for r in results]) for i in range(3))
-    return fit_ratios(base, slopes, measured, results[0].linearised[3])
+    base, slopes, measured = (np.concatenate(parts) for parts in zip(*(r.linearised for r in results)))
+    return fit_ratios(base, slopes, measured, results[0].hardware)
 
 
 def calibrated_comm(run):
@@ -439,4 +440,4 @@ def evaluate_table(name: str, workers: int = 2) -> TableResult:
     for name_ in FITTED:
         out[name_] = [f[name_] for f in folds]
     return TableResult(out, fit_ratios(base, slopes, measured, hw, dtype), time.perf_counter() - started, skipped,
-                       (base, slopes, measured, hw))
+                       (base, slopes, measured), hw)
