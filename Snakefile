@@ -6,6 +6,7 @@
 #   snakemake --cores 2 --config sweep_file=sweeps/example.yaml sweep_name=grid   # a large grid from a file
 # Every --config entry is a Hydra override (field-level ones under `overrides`) except sweep_file and
 # sweep_name; see README. Every sweep ends in artifacts/sweeps/{name}/ (summary table and page).
+import dataclasses
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ if not RUNS:
 
 
 def stage_config_json(stage, wildcards):
-    """Plain JSON of the config groups a stage depends on, for the run matching the wildcards.
+    """Plain JSON of the config groups (and settings) a stage depends on, for the run matching the wildcards.
 
     Params are plain strings so Snakemake re-runs the job when any of these values change.
     """
@@ -31,6 +32,7 @@ def stage_config_json(stage, wildcards):
         if all(run.key(group) == wildcards[group] for group in stage.keyed_by):
             plain = {group: run.group(group) for group in stage.keyed_by}
             plain["keys"] = {group: run.key(group) for group in stage.keyed_by}
+            plain |= {name: dataclasses.asdict(getattr(run, name)) for name in stage.settings}
             return json.dumps(plain, sort_keys=True)
     raise ValueError(f"no configured run matches {dict(wildcards)} for stage {stage.name}")
 

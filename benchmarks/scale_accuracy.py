@@ -24,8 +24,11 @@ Prints per row and
                                             process with every input cached
 The overlap-slowdown model is not applied here (communication overlap is composed, its kernel slowdown is not).
 
-    python benchmarks/scale_accuracy.py [--tables megatron2021_a100 mcore2024_h100] [--skip-timing]
+    python benchmarks/scale_accuracy.py [--tables megatron2021_a100 mcore2024_h100] [--skip-timing] [--page OUT.html]
 Builds missing NCCL calibrations (seconds); the first run traces 19 layouts (~3 min on 2 cores).
+--page writes a self-contained page of the tables run: predicted against measured per row (y = x, +-5/10 %
+bands, coloured by table and hardware) and |error| by model and by layout, as the sweep summary page draws
+its measured points (trainsim/report/accuracy_figures.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 
@@ -58,14 +62,16 @@ def main() -> None:
     parser.add_argument("--tables", nargs="*", default=list(TABLES), choices=list(TABLES),
                         help="tables to predict (none: only the timing)")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--page", type=Path, metavar="OUT.html", help="write the tables' accuracy page here")
     args = parser.parse_args()
     pd.set_option("display.width", 200)
     print("assumed where the sources are silent:")
     for name, text in ASSUMPTIONS.items():
         print(f"  {name}: {text}")
     by_hardware: dict[str, list] = {}
+    evaluated = {}
     for name in args.tables:
-        result = evaluate_table(name)
+        result = evaluated[name] = evaluate_table(name)
         by_hardware.setdefault(TABLES[name].hardware, []).append(result)
         rows = result.rows
         print(f"\n{name} on {TABLES[name].hardware}, leave-one-row-out ({result.seconds:.0f} s):")
@@ -84,6 +90,11 @@ def main() -> None:
         if len(results) > 1:
             for param, value in joint_fit(results).items():
                 print(f"figure scale_fit_{param}_joint_{hardware} {value:.4f} ratio")
+    if args.page is not None:
+        from trainsim.report.accuracy_figures import published_page
+
+        args.page.write_text(published_page(evaluated))
+        print(f"page {args.page}")
     if not args.skip_timing:
         print(f"figure predict_seconds_cached_fresh_process {time_one_point():.2f} s")
 

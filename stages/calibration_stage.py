@@ -13,6 +13,7 @@ from rich.console import Console
 
 from trainsim.comm.calibration import write_calibration_artifact
 from trainsim.errors import ArtifactError, ConfigError
+from trainsim.progress import status
 from trainsim.stage_cli import resolve_groups, stage_parser
 
 
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     try:
         config, keys = resolve_groups(args, ("hardware",))
-        with console.status(f"calibrating collectives on {keys['hardware']}"):
+        with status(f"calibrating collectives on {keys['hardware']}"):
             fit = write_calibration_artifact(config["hardware"], keys, args.output)
     except (ConfigError, ArtifactError, KeyError) as exc:
         console.print(f"[red]calibration failed:[/red] {exc}")

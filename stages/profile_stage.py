@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
-from rich.progress import Progress
 
 from trainsim.errors import ArtifactError, ConfigError
 from trainsim.profile.stage import write_profile_artifact
@@ -27,12 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         trace_dir = stage_inputs(args)["trace"]
         if args.database is None:
             raise ConfigError("--database DIR is required (the hardware's profile database)")
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task(f"profiling on {keys['hardware']}", total=None)
-            summary = write_profile_artifact(config["hardware"], keys, trace_dir, args.database, args.output,
-                                             progress=lambda done, total: bar.update(task, completed=done,
-                                                                                     total=total),
-                                             remeasure=args.remeasure)
+        # the timing loop draws its own bar on a terminal (trainsim.progress)
+        summary = write_profile_artifact(config["hardware"], keys, trace_dir, args.database, args.output,
+                                         remeasure=args.remeasure)
     except (ConfigError, ArtifactError, KeyError) as exc:
         console.print(f"[red]profile failed:[/red] {exc}")
         return 2

@@ -2,7 +2,7 @@
 
 Inputs: --input compose=DIR (required) and trace, profile, calibration, slowdown_model (shown when given);
 --input ground_truth=DIR optional, else artifacts/ground_truth/{hardware}/{model}/{parallelism} when it
-exists; without it the page says "not measured".
+exists; without it the page says "not measured". The token budget (train.tokens) adds the training totals.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rich.console import Console
 from trainsim.errors import ArtifactError, ConfigError
 from trainsim.registry import STAGES
 from trainsim.report.stage import write_report_artifact
-from trainsim.stage_cli import resolve_groups, stage_inputs, stage_parser
+from trainsim.stage_cli import resolve_groups, resolve_setting, stage_inputs, stage_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,11 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     try:
         _, keys = resolve_groups(args, ("hardware", "model", "parallelism"))
+        train = resolve_setting(args, "train")
         inputs = stage_inputs(args)
         if "compose" not in inputs:
             raise ConfigError("--input compose=DIR is required")
         truth = inputs.get("ground_truth", Path(STAGES["ground_truth"].path(keys)))
-        result = write_report_artifact(keys, inputs, args.output, truth)
+        result = write_report_artifact(keys, inputs, args.output, truth, train=train)
     except (ConfigError, ArtifactError) as exc:
         console.print(f"[red]report failed:[/red] {exc}")
         return 2

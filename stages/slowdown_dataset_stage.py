@@ -10,6 +10,7 @@ import sys
 from rich.console import Console
 
 from trainsim.errors import ArtifactError, ConfigError
+from trainsim.progress import status
 from trainsim.slowdown.stage import write_dataset_artifact
 from trainsim.stage_cli import resolve_groups, stage_parser
 
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     try:
         config, keys = resolve_groups(args, ("hardware",))
-        with console.status(f"slowdown dataset for {keys['hardware']} ({config['hardware'].slowdown.source})"):
+        with status(f"slowdown dataset for {keys['hardware']} ({config['hardware'].slowdown.source})"):
             summary = write_dataset_artifact(config["hardware"], keys, args.output)
     except (ConfigError, ArtifactError, ValueError, KeyError) as exc:
         console.print(f"[red]slowdown dataset failed:[/red] {exc}")

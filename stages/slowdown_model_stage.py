@@ -9,6 +9,7 @@ import sys
 from rich.console import Console
 
 from trainsim.errors import ArtifactError, ConfigError
+from trainsim.progress import status
 from trainsim.slowdown.stage import write_model_artifact
 from trainsim.stage_cli import resolve_groups, stage_inputs, stage_parser
 
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, keys = resolve_groups(args, ("hardware",))
         dataset_dir = stage_inputs(args)["slowdown_dataset"]
-        with console.status(f"training the slowdown model of {keys['hardware']}"):
+        with status(f"training the slowdown model of {keys['hardware']}"):
             result = write_model_artifact(config["hardware"], keys, dataset_dir, args.output)
     except (ConfigError, ArtifactError, ValueError, KeyError) as exc:
         console.print(f"[red]slowdown model failed:[/red] {exc}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
-from rich.progress import Progress
 
 from trainsim.errors import ConfigError, TraceError
+from trainsim.progress import tracked
 from trainsim.stage_cli import resolve_groups, stage_parser
 from trainsim.trace.stage import write_trace_artifact
 
@@ -18,10 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, keys = resolve_groups(args, ("model", "parallelism"))
         model, par = config["model"], config["parallelism"]
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task(f"tracing {model.name} / {par.name}", total=par.pp)
-            result = write_trace_artifact(model, par, keys, args.output,
-                                          progress=lambda done, total: bar.update(task, completed=done))
+        with tracked(f"tracing {model.name} / {par.name}", par.pp) as bar:  # silent unless stderr is a terminal
+            result = write_trace_artifact(model, par, keys, args.output, progress=bar)
     except (ConfigError, TraceError) as exc:
         console.print(f"[red]trace failed:[/red] {exc}")
         return 2

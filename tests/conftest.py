@@ -44,3 +44,15 @@ def workflow_env() -> dict[str, str]:
     env.setdefault("GIT_COMMITTER_NAME", "trainsim-tests")
     env.setdefault("GIT_COMMITTER_EMAIL", "tests@trainsim.invalid")
     return env
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The headless browser that pages are checked in (report/browser.py); a test needing it is skipped only
+    where none is installed (.ci/run installs Debian's chromium)."""
+    from trainsim.report.browser import find_browser
+
+    browser = find_browser()
+    if browser is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium)")
+    return browser

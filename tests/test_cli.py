@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from trainsim.artifacts import read_manifest
@@ -70,3 +72,46 @@ def test_profile_fit_and_import(tmp_path, monkeypatch, capsys, repo):
     assert main(["profile-fit"]) == 0
     out = capsys.readouterr().out
     assert "held out" in out and "kernel_model:" in out and "matmul_half_flops" in out
+
+
+def _verbs() -> list[str]:
+    """The subcommands build_parser() defines, read from the parser itself."""
+    from trainsim.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return list(sub.choices)
+
+
+def test_every_verb_help_shows_an_example(capsys):
+    """A new verb without an example in its --help fails here (examples live in cli.EXAMPLES)."""
+    verbs = _verbs()
+    assert len(verbs) >= 8
+    for verb in ["", *verbs]:  # "": the top-level `trainsim --help`
+        with pytest.raises(SystemExit) as exit_:
+            main([verb, "--help"] if verb else ["--help"])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: trainsim"), verb
+        lines = out.splitlines()
+        start = next((i for i, line in enumerate(lines) if line.lower().startswith("example")), None)
+        assert start is not None, f"`trainsim {verb} --help` has no examples"
+        examples = [line.strip() for line in lines[start + 1:] if line.startswith("  trainsim ")]
+        assert examples and all(line.startswith(f"trainsim {verb}".rstrip()) for line in examples), (verb, examples)
+
+
+def test_help_examples_are_valid_commands():
+    """Every example parses, and its Hydra overrides compose to a valid layout (config names exist)."""
+    import shlex
+
+    from trainsim.cli import EXAMPLES, parse_args
+    from trainsim.config import compose_run
+
+    for line in {line for lines in EXAMPLES.values() for line in lines}:
+        words = shlex.split(line.split(">")[0])  # `trainsim dvc-yaml > dvc.yaml`: the shell's redirect
+        assert words[0] == "trainsim"
+        args = parse_args(words[1:])  # exits on an unknown option
+        overrides = [w for w in words[2:] if "=" in w and not w.startswith("-")]
+        if getattr(args, "hardware", None):
+            overrides.append(f"hardware={args.hardware}")
+        if overrides:
+            compose_run(overrides, check="layout")

@@ -9,6 +9,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from conftest import copy_project
 
@@ -65,6 +66,11 @@ def test_page_renders_whole_in_chromium(a100_project, tmp_path):
     # calibration, one row per calibrated collective, kernel model, slowdown model
     assert tables["inputs-table"] == 3 + tables["comm-table"]
     assert (tmp_path / "page.png").stat().st_size > 10_000
+    # the step's Chrome trace, downloaded and gunzipped by the browser: every event of the compose artifact's
+    trace = json.loads((_artifact(a100_project, "compose") / "trace.json").read_text())
+    assert [(d["id"], d["events"]) for d in rendered["downloads"]] == [("trace-download", len(trace["traceEvents"]))]
+    assert tables["efficiency-table"] == 7 and "training-table" not in tables  # no token budget: no totals
+    assert 'id="training-missing"' in page.read_text()
 
 
 @pytest.mark.slow
@@ -128,3 +134,64 @@ def test_a_corrupt_input_stops_the_report_and_keeps_the_old_one(a100_project, tm
     with pytest.raises(ArtifactError, match="summary.json does not match the SHA-256"):
         write_report_artifact(KEYS, inputs, output, tmp_path / "no-ground-truth")
     assert (output / HTML_FILE).read_bytes() == before
+
+
+@pytest.mark.slow
+def test_a_token_budget_re_renders_only_the_pages_with_training_totals(a100_project, workflow_env):
+    compose = read_manifest(_artifact(a100_project, "compose"))
+    budget = ["--config", f"hardware={KEYS['hardware']}", "overrides=[train.tokens=3e11]", "sweep_name=budget"]
+    plan = subprocess.run(["snakemake", "-n", "--cores", "1", "--quiet", "rules", *budget], cwd=a100_project,
+                          env=workflow_env, capture_output=True, text=True, timeout=600)
+    assert plan.returncode == 0, plan.stderr
+    assert "report" in plan.stdout and "compose" not in plan.stdout and "trace" not in plan.stdout
+    run = subprocess.run(["snakemake", "--cores", "1", *budget], cwd=a100_project, env=workflow_env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert read_manifest(_artifact(a100_project, "compose")) == compose  # nothing re-simulated
+    efficiency = json.loads((_artifact(a100_project, "report") / METRICS_FILE).read_text())["efficiency"]
+    steps = -(-300_000_000_000 // efficiency["tokens_per_step"])
+    assert efficiency["training_steps"] == steps
+    assert efficiency["training_days"] == pytest.approx(steps * compose_step_s(a100_project) / 86400)
+    assert efficiency["training_cost_usd"] == pytest.approx(efficiency["training_gpu_hours"] * 5.12)
+    rendered = render_report(_artifact(a100_project, "report") / HTML_FILE, browser=_browser())
+    assert {t["id"]: t["rows"] for t in rendered["tables"]}["training-table"] == 6
+    summary = pd.read_csv(a100_project / "artifacts/sweeps/budget/summary.csv")
+    assert summary["training_days"].tolist() == [pytest.approx(efficiency["training_days"])]
+    _snakemake(a100_project, workflow_env, "--cores", "1")  # back to no budget for the other tests
+
+
+def compose_step_s(project: Path) -> float:
+    return json.loads((project / STAGES["compose"].path(KEYS) / "summary.json").read_text())["step_time_s"]
+
+
+@pytest.mark.slow
+def test_plan_answers_days_and_dollars_in_one_page(a100_project, monkeypatch, capsys):
+    """`trainsim plan`: the search, the chosen layout composed in full (the project's calibration and slowdown
+    model reused), the answer in plan.json equal to composing those overrides, and the page whole in Chromium."""
+    from trainsim.api import predict
+    from trainsim.cli import main
+    from trainsim.search.plan import SECTIONS as PLAN_SECTIONS
+
+    monkeypatch.chdir(a100_project)
+    args = ["plan", "hardware=a100-80g-dgx", "model=gpt-tiny", "--gpus", "8", "--micro-batch-sizes", "1", "2",
+            "--schedules", "1f1b", "--recompute", "none", "--jobs", "1", "train.tokens=2e9"]
+    assert main(args) == 0
+    out = a100_project / "artifacts/plans/a100-80g-dgx/gpt-tiny/8gpu"
+    answer = json.loads((out / "plan.json").read_text())
+    layouts = pd.read_csv(out / "layouts.csv")
+    fitting = layouts[layouts["status"] == "ok"]
+    assert answer["layout"] == fitting.loc[fitting["step_time_s"].idxmin(), "layout"]  # the fastest
+    composed = predict(*answer["overrides"])
+    assert answer["step_time_s"] == composed.step_time_s
+    assert answer["training_days"] == pytest.approx(composed.efficiency["training_days"])
+    assert answer["training_steps"] == -(-2_000_000_000 // answer["tokens_per_step"])
+    printed = capsys.readouterr().out
+    assert f"{answer['layout']} on {answer['world_size']} GPUs" in printed and "days" in printed
+    rendered = render_report(out / "plan.html", browser=_browser())
+    assert broken_elements(rendered, PLAN_SECTIONS) == [] and rendered["sections"] == list(PLAN_SECTIONS)
+    assert {"breakdown-figure", "timeline-figure", "step-time-heatmap", "memory-heatmap", "pareto-figure"} <= {
+        img["id"] for img in rendered["images"]}
+    assert rendered["downloads"][0]["events"] > 0
+    assert main([*args[:-1], "--by", "cost"]) == 0
+    cheapest = json.loads((out / "plan.json").read_text())
+    assert cheapest["layout"] == fitting.loc[fitting["cost_per_million_tokens_usd"].idxmin(), "layout"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pandas as pd
@@ -11,11 +12,19 @@ import pytest
 from trainsim.config import compose_run
 from trainsim.config.sweep import read_sweep_file
 from trainsim.errors import ArtifactError, ConfigError
-from trainsim.report.browser import broken_elements, find_browser, render_report
+from trainsim.report.browser import broken_elements, render_report
 from trainsim.search.estimate import estimate_layout, play_pipeline
 from trainsim.search.layouts import SearchSpace, enumerate_layouts
 from trainsim.search.output import SECTIONS, write_search_artifact
-from trainsim.search.run import STATUS_OK, cluster_for, layout_overrides, load_slice_costs, search_layouts
+from trainsim.search.run import (
+    STATUS_OK,
+    cluster_for,
+    cost_column,
+    layout_overrides,
+    load_slice_costs,
+    pareto_front,
+    search_layouts,
+)
 from trainsim.workloads.routing import RoutingHistogram
 
 SMALL = ["hardware=a100-80g-dgx", "model=gpt-small", "parallelism=dp2", "parallelism.global_batch_size=16"]
@@ -247,7 +256,7 @@ def test_fast_path_takes_each_layer_at_its_busiest_expert_rank(skewed_moe_search
 
 
 @pytest.mark.slow
-def test_search_artifact_page_and_sweep_file(small_search, tmp_path):
+def test_search_artifact_page_and_sweep_file(small_search, tmp_path, chromium):
     run, result, _ = small_search
     write_search_artifact(run, 16, SPACE, result, tmp_path / "search", top=3)
     name, points = read_sweep_file(tmp_path / "search/sweep.yaml")
@@ -257,10 +266,70 @@ def test_search_artifact_page_and_sweep_file(small_search, tmp_path):
     summary = json.loads((tmp_path / "search/summary.json").read_text())
     assert summary["layouts"] == len(result.table)
     assert len(pd.read_csv(tmp_path / "search/layouts.csv")) == len(result.table)
-    if find_browser() is not None:
-        rendered = render_report(tmp_path / "search/search.html")
-        assert broken_elements(rendered, SECTIONS) == []
-        assert "pareto-figure" in {img["id"] for img in rendered["images"]}
+    rendered = render_report(tmp_path / "search/search.html", browser=chromium)
+    assert broken_elements(rendered, SECTIONS) == []
+    assert {"step-time-heatmap", "memory-heatmap", "pareto-figure"} <= {img["id"] for img in rendered["images"]}
+
+
+def _layout_table() -> pd.DataFrame:
+    """A search table on 16 GPUs as search_layouts writes it: every (tp, pp, dp) at two micro-batch sizes;
+    tp1 pp1 does not fit, and the larger micro-batch is faster but needs more memory (tp2 pp1 mbs2 OOM)."""
+    rows = []
+    for tp, pp, dp, mbs in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 2)):
+        if tp * pp * dp > 16:
+            continue
+        memory = 90 / (tp * pp) * (1 + 0.9 * (mbs - 1))
+        row = {"layout": f"dp{dp}-tp{tp}-pp{pp}-mbs{mbs}", "world_size": tp * pp * dp, "dp": dp, "tp": tp, "cp": 1,
+               "pp": pp, "micro_batch_size": mbs, "peak_memory_gib": memory, "status": "oom" if memory > 80 else "ok"}
+        if memory <= 80:
+            step = (tp * pp * dp) ** -0.8 * (1.1 if mbs == 1 else 1.0) * (1.2 if pp > 1 else 1.0)
+            row.update(step_time_s=step, gpu_seconds_per_step=step * tp * pp * dp,
+                       cost_per_million_tokens_usd=step * tp * pp * dp / 3)
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    ok = table["status"] == STATUS_OK
+    table["pareto"] = False
+    table.loc[ok, "pareto"] = pareto_front(table[ok], "step_time_s", cost_column(table))
+    return table
+
+
+def test_grid_cells_hold_the_fastest_layout_that_fits():
+    from trainsim.search.output import grid_cells
+
+    table = _layout_table()
+    cells = grid_cells(table).set_index(["row", "dp"])
+    assert len(cells) == len(table.groupby(["tp", "pp", "dp"]))
+    ok = table[table["status"] == STATUS_OK]
+    for (tp, pp, dp), part in ok.groupby(["tp", "pp", "dp"]):
+        cell = cells.loc[(f"tp{tp} pp{pp}", dp)]
+        assert cell["step_time_s"] == part["step_time_s"].min() and not cell["oom"]
+    assert cells.loc[("tp2 pp1", 4), "layout"] == "dp4-tp2-pp1-mbs1"  # mbs2 is faster but does not fit
+    assert cells.loc[("tp2 pp1", 4), "peak_memory_gib"] == 45  # the memory of the layout the cell shows
+    tp1 = cells.loc["tp1 pp1"]
+    assert tp1["oom"].all() and tp1["step_time_s"].isna().all() and (tp1["peak_memory_gib"] == 90).all()
+
+
+def test_search_page_draws_the_grid_and_marks_the_fastest_and_cheapest(tmp_path, chromium):
+    from trainsim.search.output import chosen_layouts, pareto_figure, render_search_page
+    from trainsim.search.run import SearchResult
+
+    table = _layout_table()
+    chosen = chosen_layouts(table)
+    ok = table[table["status"] == STATUS_OK]
+    assert chosen["fastest"]["step_time_s"] == ok["step_time_s"].min()
+    assert chosen["cheapest"]["cost_per_million_tokens_usd"] == ok["cost_per_million_tokens_usd"].min()
+    ax = pareto_figure(table).axes[0]
+    assert [t.get_text() for t in ax.texts] == ["fastest", "cheapest"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[2].startswith(f"fastest: {chosen['fastest']['layout']} (")
+    assert legend[3].startswith(f"cheapest: {chosen['cheapest']['layout']} (")
+    run = compose_run(SMALL)
+    page = tmp_path / "search.html"
+    page.write_text(render_search_page(run, 16, SearchResult(table, 0.0, 0.1, 1)))
+    rendered = render_report(page, browser=chromium)
+    assert broken_elements(rendered, SECTIONS) == []
+    assert {"step-time-heatmap", "memory-heatmap", "pareto-figure"} <= {img["id"] for img in rendered["images"]}
+    assert page.read_text().count("<figcaption") == 3 and "not measured" in page.read_text()
 
 
 def test_pipeline_depths_that_do_not_divide_the_layers_get_lighter_end_stages():

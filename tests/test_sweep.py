@@ -12,7 +12,7 @@ from trainsim.config import compose_run
 from trainsim.config.sweep import read_sweep_file, sweep_points
 from trainsim.errors import ConfigError
 from trainsim.report.browser import broken_elements, find_browser, render_report
-from trainsim.report.efficiency import efficiency, model_flops_per_step
+from trainsim.report.efficiency import TRAINING_TOTALS, efficiency, hardware_flops_per_step, model_flops_per_step
 from trainsim.report.sweep import SECTIONS, STATUS_INVALID, STATUS_OK
 
 
@@ -67,6 +67,43 @@ def test_model_flops_match_megatron_and_efficiency_figures():
     no_price = efficiency(10.0, {**run.group("hardware"), "price_per_device_hour": 0.0, "peak_flops_per_s": {}},
                           model, par)
     assert no_price["cost_per_step_usd"] is None and no_price["mfu_pct"] is None
+
+
+def test_hardware_flops_count_recomputation_as_megatron_does():
+    run = compose_run(["hardware=a100-80g-dgx", "model=gpt-175b", "parallelism=pp8-tp8-dp2"])
+    model, hw = run.group("model"), run.group("hardware")
+    par = run.group("parallelism")
+    b, s, h, v = par["global_batch_size"], model["seq_length"], model["hidden_size"], model["vocab_size"]
+    layers = model["num_layers"]
+    full = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))  # Korthikanti et al. 2022
+    assert hardware_flops_per_step(model, {**par, "recompute": "full"}) == pytest.approx(full, rel=1e-12)
+    selective = model_flops_per_step(model, par) + b * s * layers * 4 * s * h  # scores and values once more
+    assert hardware_flops_per_step(model, {**par, "recompute": "selective"}) == pytest.approx(selective, rel=1e-12)
+    figures = efficiency(10.0, hw, model, {**par, "recompute": "full"})
+    assert figures["hfu_pct"] / figures["mfu_pct"] == pytest.approx(full / model_flops_per_step(model, par))
+    world = par["dp"] * par["tp"] * par["pp"]
+    assert figures["tokens_per_s_per_gpu"] * world == pytest.approx(figures["tokens_per_s"])
+    assert figures["model_tflops_per_s_per_gpu"] == pytest.approx(figures["mfu_pct"] / 100 * 312)
+
+
+def test_training_totals_for_a_token_budget():
+    run = compose_run(["hardware=a100-80g-dgx", "model=gpt-175b", "parallelism=pp8-tp8-dp2", "train.tokens=3e11"])
+    model, hw, par = run.group("model"), run.group("hardware"), run.group("parallelism")
+    world, tokens = par["dp"] * par["tp"] * par["pp"], par["global_batch_size"] * model["seq_length"]
+    totals = efficiency(10.0, hw, model, par, train_tokens=run.train.tokens)
+    steps = -(-300_000_000_000 // tokens)  # the last step is a whole one
+    assert totals["training_steps"] == steps
+    assert totals["training_days"] == pytest.approx(steps * 10.0 / 86400)
+    assert totals["training_gpu_hours"] == pytest.approx(steps * 10.0 * world / 3600)
+    assert totals["training_cost_usd"] == pytest.approx(totals["training_gpu_hours"] * 5.12)
+    assert totals["training_energy_mwh"] == pytest.approx(400 * world * steps * 10.0 / 3.6e9)
+    no_power = efficiency(10.0, {**hw, "power_per_device_w": 0.0, "price_per_device_hour": 0.0}, model, par,
+                          train_tokens=3e11)
+    assert no_power["training_days"] == totals["training_days"]
+    assert no_power["training_energy_mwh"] is None and no_power["training_cost_usd"] is None
+    assert all(efficiency(10.0, hw, model, par)[k] is None for k in TRAINING_TOTALS)
+    with pytest.raises(ConfigError, match="train.tokens=-1.0"):
+        compose_run(["train.tokens=-1"], check="layout")
 
 
 @pytest.mark.slow
@@ -131,3 +168,67 @@ def test_summary_compares_every_point_with_the_first():
                           "status": ["ok", "ok", "invalid"], "step_time_s": [2.0, 1.5, None]})
     table.loc[[0, 1], "step_vs_first_pct"] = [0.0, -25.0]
     assert what_if_lines(table) == ["net=2: step -25.0% (1.5 s vs 2 s with net=1)"]
+
+
+SUMMARY_POINTS = {  # name -> (model, tp, pp, dp, predicted step s)
+    "net=1": ("gpt-small", 1, 1, 8, 2.0), "net=2": ("gpt-small", 1, 1, 8, 1.5), "big": ("gpt-1b", 2, 2, 2, 8.0)}
+
+
+def _summary(monkeypatch, measured: dict[str, float], **extra) -> pd.DataFrame:
+    """A what-if sweep (net=1 first, net=2, a bigger model) and an invalid point through the real summary_table,
+    with point_row replaced by rows of its shape (no artifacts needed); `measured` gives ground truths and
+    `extra` more columns per point name."""
+    from trainsim.report import sweep
+
+    def point_row(keys, root):
+        model, tp, pp, dp, step = SUMMARY_POINTS[keys["parallelism"]]
+        return {**keys, "status": STATUS_OK, "reason": None, "world_size": tp * pp * dp, "num_nodes": 1, "dp": dp,
+                "tp": tp, "pp": pp, "step_time_s": step, "measured_step_s": measured.get(keys["parallelism"]),
+                "trace_s": 1.0, "compose_s": 0.2, **{k: v[keys["parallelism"]] for k, v in extra.items()}}
+
+    monkeypatch.setattr(sweep, "point_row", point_row)
+    points = [{"overrides": [f"model={m}", name], "keys": {"hardware": "a100-80g-dgx", "model": m, "parallelism": name},
+               "reason": None} for name, (m, *_) in SUMMARY_POINTS.items()]
+    return sweep.summary_table([*points, {"overrides": ["parallelism.tp=3"], "keys": None, "reason": "tp=3"}])
+
+
+def test_what_if_bars_put_every_point_after_the_first(monkeypatch):
+    from trainsim.report.sweep import what_if_figure
+
+    fig = what_if_figure(_summary(monkeypatch, {}))
+    assert len(fig.axes) == 1  # no token budget: step time only
+    bars = [p.get_width() for p in fig.axes[0].patches]
+    assert bars == pytest.approx([2.0, 2.0, 1.5, 8.0])  # before (the first point) twice, then each after
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert labels == [" 1.5 (-25.0 %)", " 8 (+300.0 %)"]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["net=2\n(vs net=1)",
+                                                                      "model=gpt-1b big\n(vs model=gpt-small net=1)"]
+    days = {"net=1": 20.0, "net=2": 15.0, "big": 80.0}
+    with_budget = what_if_figure(_summary(monkeypatch, {}, training_days=days,
+                                          training_cost_usd={"net=1": 1e6, "net=2": 7.5e5, "big": None}))
+    assert [ax.get_xlabel() for ax in with_budget.axes] == ["step time (s)", "training time (days)"]  # cost: not all
+
+
+def test_summary_page_draws_predicted_against_measured_in_chromium(monkeypatch, tmp_path, chromium):
+    from trainsim.report.accuracy_figures import accuracy_points
+    from trainsim.report.sweep import render_summary_page
+
+    table = _summary(monkeypatch, {"net=1": 2.1, "big": 7.4})
+    points = accuracy_points(table, predicted="step_time_s", measured="measured_step_s", label="point",
+                             model="model")
+    assert list(points["label"]) == ["model=gpt-small net=1", "model=gpt-1b big"]  # net=2 is not measured
+    assert points["error_pct"].tolist() == pytest.approx([100 * (2.0 / 2.1 - 1), 100 * (8.0 / 7.4 - 1)])
+    measured_page, unmeasured_page = tmp_path / "measured.html", tmp_path / "unmeasured.html"
+    measured_page.write_text(render_summary_page("m", table))
+    unmeasured_page.write_text(render_summary_page("u", _summary(monkeypatch, {})))
+    accuracy = {"accuracy-scatter-figure", "error-by-model-figure", "error-by-layout-figure"}
+    rendered = render_report(measured_page, browser=chromium)
+    assert broken_elements(rendered, SECTIONS) == []
+    images = {img["id"] for img in rendered["images"]}
+    assert accuracy | {"what-if-figure", "cost-figure"} <= images
+    assert measured_page.read_text().count("<figcaption") == len(images)  # every figure says where it comes from
+    assert "measured: median step time" in measured_page.read_text()
+    rendered = render_report(unmeasured_page, browser=chromium)
+    assert broken_elements(rendered, SECTIONS) == []
+    assert not accuracy & {img["id"] for img in rendered["images"]}  # no empty figure: a sentence says why
+    assert "No point has a ground truth" in unmeasured_page.read_text()

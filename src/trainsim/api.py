@@ -3,6 +3,7 @@
     import trainsim
     p = trainsim.predict("model=gpt-175b", "parallelism=pp16-tp8-dp8", hardware="a100-80g-dgx")
     p.step_time_s, p.breakdown, p.memory, p.warnings
+    p.efficiency["mfu_pct"]                   # with "train.tokens=3e11": p.efficiency["training_days"]
     p.write_chrome_trace("step.json")        # open in https://ui.perfetto.dev
 
 `trainsim compose` calls the same `predict`, so the two never disagree. Artifacts are cached under
@@ -47,6 +48,10 @@ class Prediction:
     """Calibration, kernel timing and slowdown model used, with their errors (timeline/provenance.py)."""
     warnings: list[str]
     """Where a weaker input stood in (uncalibrated links, default kernel model, no slowdown model)."""
+    efficiency: dict
+    """The step in the field's numbers: tokens/s (and per GPU), model TFLOP/s per GPU, MFU, HFU, cost per
+    step and per million tokens; with `train.tokens` the whole run: steps, days, GPU-hours, cost, energy
+    (report/efficiency.py; None where the hardware config lacks a peak rate, price or power)."""
     summary: dict
     """The whole summary.json of the timeline artifact."""
     artifact_dir: Path
@@ -87,6 +92,7 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
     from trainsim.artifacts import read_table
     from trainsim.config import compose_run
     from trainsim.registry import STAGES
+    from trainsim.report.efficiency import efficiency
     from trainsim.timeline.stage import CLASSES_FILE, compose_run_artifacts
     from trainsim.trace.stage import MEMORY_FILE
 
@@ -95,9 +101,13 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
     classes = read_table(out_dir, CLASSES_FILE).to_pandas()
     trace_dir = Path(STAGES["trace"].path(run.keys))  # the trace the timeline was composed from
     memory = memory_table(read_table(trace_dir, MEMORY_FILE).to_pandas(), run.hardware.memory_capacity_bytes)
-    return Prediction(step_time_s=float(summary["step_time_s"]), breakdown=classes[BREAKDOWN_COLUMNS],
+    step_time_s = float(summary["step_time_s"])
+    figures = efficiency(step_time_s, run.group("hardware"), run.group("model"), run.group("parallelism"),
+                         train_tokens=run.train.tokens)
+    return Prediction(step_time_s=step_time_s, breakdown=classes[BREAKDOWN_COLUMNS],
                       memory=memory, critical_path=summary["critical_path"], inputs=summary["inputs"],
-                      warnings=list(summary["inputs"]["warnings"]), summary=summary, artifact_dir=out_dir)
+                      warnings=list(summary["inputs"]["warnings"]), efficiency=figures, summary=summary,
+                      artifact_dir=out_dir)
 
 
 def memory_table(memory: pd.DataFrame, capacity_bytes: float) -> pd.DataFrame:

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainsim.errors import ArtifactError, ConfigError, TraceError
+from trainsim.progress import status, tracked
 
 GIB = 1024**3
 
@@ -56,8 +57,8 @@ def _cmd_trace(args, console: Console) -> int:
 
     run = compose_run(args.overrides, check="run" if args.check_hardware else "layout")
     output = Path(args.output or STAGES["trace"].path(run.keys))
-    with console.status(f"tracing {run.model.name} on {run.parallelism.name}"):
-        result = write_trace_artifact(run.model, run.parallelism, run.keys, output)
+    with tracked(f"tracing {run.model.name} on {run.parallelism.name}", run.parallelism.pp) as bar:
+        result = write_trace_artifact(run.model, run.parallelism, run.keys, output, progress=bar)
     graph = result.graph.to_pandas()
     console.print(f"{run.parallelism.world_size} ranks in {run.parallelism.pp} class(es); "
                   f"{len(graph)} events ({(graph['kind'] != 'compute').sum()} communication) "
@@ -205,10 +206,37 @@ def _inputs_lines(inputs: dict) -> list[str]:
     return lines + [f"[yellow]warning:[/yellow] {w}" for w in inputs["warnings"]]
 
 
+def _efficiency_lines(figures: dict) -> list[str]:
+    """The step, then the whole run, in the numbers the field compares (report/efficiency.py)."""
+    def money(usd):
+        return f"${usd / 1e6:,.2f} M" if usd >= 1e6 else f"${usd:,.2f}" if usd >= 1 else f"${usd:.3g}"
+
+    rates = [f"{figures['tokens_per_s']:,.0f} tokens/s ({figures['tokens_per_s_per_gpu']:,.0f} per GPU)",
+             f"{figures['model_tflops_per_s_per_gpu']:.1f} model TFLOP/s per GPU"]
+    if figures["mfu_pct"] is not None:
+        rates.append(f"MFU {figures['mfu_pct']:.1f} %, HFU {figures['hfu_pct']:.1f} %")
+    if figures["cost_per_step_usd"] is not None:
+        rates.append(f"{money(figures['cost_per_step_usd'])} per step, "
+                     f"{money(figures['cost_per_million_tokens_usd'])} per million tokens")
+    lines = ["throughput: " + "; ".join(rates)]
+    if figures["training_tokens"] is None:
+        return lines + ["(add train.tokens=3e11 for the days, GPU-hours and cost of a whole run)"]
+    run = [f"{figures['training_steps']:,} steps", f"{figures['training_days']:,.1f} days",
+           f"{figures['training_gpu_hours']:,.0f} GPU-hours"]
+    if figures["training_cost_usd"] is not None:
+        run.append(money(figures["training_cost_usd"]))
+    if figures["training_energy_mwh"] is not None:
+        run.append(f"{figures['training_energy_mwh']:,.0f} MWh at the GPUs' maximum power")
+    tokens = figures["training_tokens"]
+    scale = next(((d, u) for d, u in ((1e12, " trillion"), (1e9, " billion"), (1e6, " million")) if tokens >= d),
+                 (1, ""))
+    return lines + [f"training on {tokens / scale[0]:,.4g}{scale[1]} tokens: " + ", ".join(run)]
+
+
 def _cmd_compose(args, console: Console) -> int:
     from trainsim.api import predict
 
-    with console.status("composing (building missing traces, profiles, calibration, slowdown model first)"):
+    with status("composing (building missing traces, profiles, calibration, slowdown model first)"):
         result = predict(*args.overrides, build_missing=not args.quick, output=args.output)
     summary = result.summary
     table = Table(title=f"step {result.step_time_s:.4f} s: breakdown per rank class (seconds)")
@@ -224,21 +252,19 @@ def _cmd_compose(args, console: Console) -> int:
                                              row["optimizer_step_s"], row.get("contention_added_s", 0.0))),
                       "[red]OOM[/red]" if row["oom"] else "fits")
     console.print(table)
-    for line in _inputs_lines(result.inputs):
+    for line in [*_efficiency_lines(result.efficiency), *_inputs_lines(result.inputs)]:
         console.print(line, highlight=False)
     console.print(f"{summary['num_nodes']} nodes in {summary['simulate_s']:.2f} s -> {result.artifact_dir} "
                   f"(open {result.artifact_dir}/trace.json in https://ui.perfetto.dev)", highlight=False)
     return 0
 
 
-def _cmd_search(args, console: Console) -> int:
-    import pandas as pd
-
+def _search_setup(args, console: Console):
+    """The run, the search space of the command line, and the hardware's calibration (built when missing
+    unless --quick)."""
     from trainsim.config import compose_run
     from trainsim.registry import STAGES
     from trainsim.search.layouts import SearchSpace
-    from trainsim.search.output import search_dir, write_search_artifact
-    from trainsim.search.run import STATUS_OK, cost_column, search_layouts
 
     run = compose_run(args.overrides, check="layout")
     space = SearchSpace(micro_batch_sizes=tuple(args.micro_batch_sizes), schedules=tuple(args.schedules),
@@ -249,9 +275,41 @@ def _cmd_search(args, console: Console) -> int:
     if not args.quick and not (calibration / "manifest.json").is_file():
         from trainsim.comm.calibration import write_calibration_artifact
 
-        with console.status(f"calibrating the collectives of {run.hardware.name} (cached in {calibration})"):
+        with status(f"calibrating the collectives of {run.hardware.name} (cached in {calibration})"):
             write_calibration_artifact(run.hardware, run.keys, calibration)
-    with console.status(f"searching layouts of {run.model.name} on {args.gpus} x {run.hardware.name}"):
+    return run, space, calibration
+
+
+def _cmd_plan(args, console: Console) -> int:
+    from trainsim.search.plan import PAGE_FILE, answer, make_plan, plan_dir, write_plan_artifact
+
+    run, space, calibration = _search_setup(args, console)
+    with status(f"searching the layouts of {run.model.name} on {args.gpus} x {run.hardware.name}, then "
+                "composing the chosen one in full (missing inputs built first)"):
+        plan = make_plan(run, args.gpus, space, by=args.by, jobs=args.jobs or os.cpu_count() or 1,
+                         calibration_dir=calibration)
+    output = Path(args.output) if args.output else plan_dir(run, args.gpus)
+    write_plan_artifact(plan, output)
+    a = answer(plan)
+    console.print(f"{a['layout']} on {a['world_size']} GPUs ({'fastest' if args.by == 'time' else 'cheapest'} of "
+                  f"{len(plan.search.table)} layouts): {a['step_time_s']:.4f} s per step"
+                  + (" [red](OOM in the full trace)[/red]" if a["oom"] else ""), highlight=False)
+    for line in [*_efficiency_lines(plan.prediction.efficiency), *_inputs_lines(plan.prediction.inputs)]:
+        console.print(line, highlight=False)
+    console.print(f"reproduce: trainsim compose {' '.join(plan.overrides)}", highlight=False)
+    console.print(f"-> {output}/{PAGE_FILE} (the answer, where the time goes, memory, the alternatives)",
+                  highlight=False)
+    return 0
+
+
+def _cmd_search(args, console: Console) -> int:
+    import pandas as pd
+
+    from trainsim.search.output import search_dir, write_search_artifact
+    from trainsim.search.run import STATUS_OK, cost_column, search_layouts
+
+    run, space, calibration = _search_setup(args, console)
+    with status(f"searching layouts of {run.model.name} on {args.gpus} x {run.hardware.name}"):
         result = search_layouts(run, args.gpus, space, jobs=args.jobs or os.cpu_count() or 1,
                                 calibration_dir=calibration)
     output = Path(args.output) if args.output else search_dir(run, args.gpus)
@@ -287,6 +345,64 @@ def _cmd_dvc_yaml(args, console: Console) -> int:
         return 0
     sys.stdout.write(text)
     return 0
+
+
+def _add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout search's arguments (search and plan)."""
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: model, hardware, parallelism.global_batch_size, "
+                                                "train.tokens ...")
+    p.add_argument("--gpus", type=int, required=True, help="GPU budget (also halvings of it down to one node)")
+    p.add_argument("--min-gpus", type=int, default=0, help="smallest world size tried (default: one node)")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"])
+    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"])
+    p.add_argument("--cp-sizes", type=int, nargs="+", default=[1],
+                   help="context-parallel degrees to try, e.g. 1 2 4 8 for long sequences (default: 1, none)")
+    p.add_argument("--zero-stages", type=int, nargs="+", default=[],
+                   help="state sharding to try: 0 replicated, 1 distributed optimizer, 2 3 FSDP "
+                        "(default: the config's parallelism.zero_stage)")
+    p.add_argument("--ep-sizes", type=int, nargs="+", default=[],
+                   help="expert-parallel degrees to try for a mixture of experts (default: every divisor of "
+                        "model.num_experts)")
+    p.add_argument("--etp-sizes", type=int, nargs="+", default=[],
+                   help="expert-tensor-parallel degrees to try (default: 1 and each layout's tp)")
+    p.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="do not build a missing calibration (the output warns that datasheet rates stood in)")
+
+
+EXAMPLES = {
+    "trainsim": ("trainsim config model=gpt-13b parallelism=tp2",
+                 "trainsim compose model=gpt-175b parallelism=pp16-tp8-dp8 hardware=a100-80g-dgx",
+                 "trainsim search model=gpt-175b hardware=a100-80g-dgx parallelism=pp16-tp8-dp8 --gpus 1024"),
+    "config": ("trainsim config model=gpt-13b parallelism=tp2",
+               "trainsim config model=llama3-70b hardware=h100-sxm-dgx parallelism=tp8-sp-pp8-dp4"),
+    "trace": ("trainsim trace model=gpt-175b parallelism=pp12-tp8-dp1 hardware=h800-dgx",
+              "trainsim trace model=gpt-tiny parallelism=dp2 hardware=local-cpu --check-hardware"),
+    "run": ("trainsim run model=gpt-tiny parallelism=dp2 hardware=local-cpu --steps 5",),
+    "profile-fit": ("trainsim profile-fit hardware=local-cpu",
+                    "trainsim profile-fit hardware=local-cpu --train-fraction 0.7 --seed 1"),
+    "profile-import": ("trainsim profile-import --hardware a100-80g-dgx run/rank0.json.gz run/rank1.json.gz",
+                       "trainsim profile-import other/kernels.parquet hardware=a100-80g-dgx"),
+    "compose": ("trainsim compose model=gpt-175b parallelism=pp16-tp8-dp8 hardware=a100-80g-dgx",
+                "trainsim compose model=gpt-tiny parallelism=dp2 --quick"),
+    "search": ("trainsim search model=gpt-175b hardware=a100-80g-dgx parallelism=pp16-tp8-dp8 --gpus 1024",
+               "trainsim search model=mixtral-8x7b hardware=h100-sxm-dgx parallelism=ep8-pp4-dp16 --gpus 64 "
+               "--ep-sizes 1 2 4 8"),
+    "plan": ("trainsim plan model=gpt-175b hardware=a100-80g-dgx parallelism=pp16-tp8-dp8 --gpus 1024 "
+             "train.tokens=3e11",
+             "trainsim plan model=llama3-70b hardware=h100-sxm-dgx parallelism=tp8-sp-pp8-dp4 --gpus 512 "
+             "train.tokens=15e12 --by cost"),
+    "dvc-yaml": ("trainsim dvc-yaml > dvc.yaml", "trainsim dvc-yaml --check"),
+}
+"""Real command lines each verb's --help ends with (tests/test_cli.py wants some for every verb)."""
+
+
+def _add_examples(parser: argparse.ArgumentParser, name: str) -> None:
+    """Append the examples of `name` to its --help, line by line (argparse would rewrap them)."""
+    if name in EXAMPLES:
+        parser.epilog = "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,41 +450,40 @@ def build_parser() -> argparse.ArgumentParser:
                         "warns about what stood in")
     p.set_defaults(func=_cmd_compose)
     p = sub.add_parser("search", help="search the parallel layouts of a model on a GPU budget")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides: model, hardware, parallelism.global_batch_size ...")
-    p.add_argument("--gpus", type=int, required=True, help="GPU budget (also halvings of it down to one node)")
-    p.add_argument("--min-gpus", type=int, default=0, help="smallest world size tried (default: one node)")
-    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"])
-    p.add_argument("--recompute", nargs="+", default=["none", "selective", "full"])
-    p.add_argument("--cp-sizes", type=int, nargs="+", default=[1],
-                   help="context-parallel degrees to try, e.g. 1 2 4 8 for long sequences (default: 1, none)")
-    p.add_argument("--zero-stages", type=int, nargs="+", default=[],
-                   help="state sharding to try: 0 replicated, 1 distributed optimizer, 2 3 FSDP "
-                        "(default: the config's parallelism.zero_stage)")
-    p.add_argument("--ep-sizes", type=int, nargs="+", default=[],
-                   help="expert-parallel degrees to try for a mixture of experts (default: every divisor of "
-                        "model.num_experts)")
-    p.add_argument("--etp-sizes", type=int, nargs="+", default=[],
-                   help="expert-tensor-parallel degrees to try (default: 1 and each layout's tp)")
-    p.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
+    _add_search_arguments(p)
     p.add_argument("--top", type=int, default=5, help="fastest layouts shown and written to sweep.yaml")
     p.add_argument("--output", help="artifact directory (default artifacts/search/{hardware}/{model}/{gpus}gpu)")
-    p.add_argument("--quick", action="store_true",
-                   help="do not build a missing calibration (the output warns that datasheet rates stood in)")
     p.set_defaults(func=_cmd_search)
+    p = sub.add_parser("plan", help="days and dollars to train a model on N GPUs: search, compose the chosen "
+                                    "layout in full, one page")
+    _add_search_arguments(p)
+    p.add_argument("--by", choices=("time", "cost"), default="time",
+                   help="choose the fastest layout that fits (default) or the cheapest per token")
+    p.add_argument("--output", help="artifact directory (default artifacts/plans/{hardware}/{model}/{gpus}gpu)")
+    p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")
     p.set_defaults(func=_cmd_dvc_yaml)
+    for name, command in [("trainsim", parser), *sub.choices.items()]:
+        _add_examples(command, name)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with positionals also after options (`--gpus 64 train.tokens=3e11`, `--hardware X a.json`),
+    which argparse alone leaves over."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "profile-import" and not any(e.startswith("-") for e in extra):
-        args.inputs += extra  # sources after an option (`--hardware X a.json b.json`)
+    positional = "inputs" if args.command == "profile-import" else "overrides"
+    if extra and hasattr(args, positional) and not any(e.startswith("-") for e in extra):
+        setattr(args, positional, getattr(args, positional) + extra)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     console = Console()
     try:
         return args.func(args, console)

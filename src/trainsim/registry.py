@@ -7,9 +7,14 @@ Each output path has exactly one owning stage.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import yaml
+
+from trainsim.config.schema import RunConfig
+
+RUN_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig)}
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class Stage:
     """(file, x column, y column) of the output's CSV tables for `dvc plots show`."""
     snakemake_report: str | None = None
     """Caption (reStructuredText) under which `snakemake --report` shows the output; None: not shown."""
+    settings: tuple[str, ...] = ()
+    """Root config nodes beyond `keyed_by` that the stage reads (e.g. 'train': the token budget of the
+    report's training totals). They key no path: a change re-runs the stage in place, nothing upstream."""
 
     def path(self, keys: dict[str, str]) -> str:
         return self.output.format(**{k: keys[k] for k in self.keyed_by})
@@ -139,6 +147,7 @@ STAGES: dict[str, Stage] = {
                    ("plots/breakdown.csv", "part", "seconds"),
                    ("plots/importances.csv", "feature", "gain_share")),
         snakemake_report="report/caption.rst",
+        settings=("train",),
     ),
 }
 
@@ -167,7 +176,9 @@ def render_dvc_yaml() -> str:
         # `dvc repro` builds every stage, on-demand ones included, so optional inputs are plain deps here
         inputs = {name: STAGES[name].path(keys) for name in (*stage.inputs, *stage.optional_inputs)}
         database = stage.database_path(keys) if stage.database else None
-        choices = " ".join(f"{group}=${{{group}}}" for group in stage.keyed_by)
+        settings = [f"{name}.{field.name}" for name in stage.settings
+                    for field in dataclasses.fields(RUN_FIELDS[name].default_factory())]
+        choices = " ".join(f"{key}=${{{key}}}" for key in (*stage.keyed_by, *settings))
         outs: list = [f"{output}/{name}" for name in stage.dvc_files] or [output]
         if database:
             outs.append({database: {"persist": True}})
@@ -175,7 +186,7 @@ def render_dvc_yaml() -> str:
             "desc": stage.summary,
             "cmd": stage_command(stage, output, inputs, database, choices),
             "deps": [*inputs.values(), *stage.code, *(f"conf/{group}/${{{group}}}.yaml" for group in stage.keyed_by)],
-            "params": list(stage.keyed_by),
+            "params": [*stage.keyed_by, *settings],
             "outs": outs,
         }
         if stage.dvc_metrics:

@@ -15,6 +15,7 @@ from trainsim.config import compose_run, group_from_plain
 from trainsim.config.compose import detect_local_devices
 from trainsim.config.validate import validate_hardware, validate_layout
 from trainsim.errors import ConfigError
+from trainsim.registry import RUN_FIELDS
 
 
 def stage_parser(description: str | None) -> argparse.ArgumentParser:
@@ -33,7 +34,7 @@ def stage_inputs(args: argparse.Namespace) -> dict[str, Path]:
     for item in args.input:
         name, sep, path = item.partition("=")
         if not sep:
-            raise ConfigError(f"--input {item!r}: expected NAME=DIR")
+            raise ConfigError(f"--input {item!r}: expected NAME=DIR, e.g. --input trace=artifacts/traces/gpt-tiny/dp2")
         inputs[name] = Path(path)
     return inputs
 
@@ -55,3 +56,12 @@ def resolve_groups(args: argparse.Namespace, groups: tuple[str, ...]) -> tuple[d
     if "hardware" in typed:
         validate_hardware(typed["hardware"])
     return typed, keys
+
+
+def resolve_setting(args: argparse.Namespace, name: str) -> Any:
+    """A root config node that keys no artifact (registry.Stage.settings), typed: from --config-json (its
+    defaults where Snakemake passed none), else composed from the overrides."""
+    if args.config_json:
+        schema = type(RUN_FIELDS[name].default_factory())
+        return schema(**json.loads(args.config_json).get(name, {}))
+    return getattr(compose_run(args.overrides, check="layout"), name)

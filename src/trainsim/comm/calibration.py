@@ -34,6 +34,7 @@ from trainsim.comm.noise import fit_noise, measure_local
 from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile, HardwareConfig
 from trainsim.errors import ConfigError
+from trainsim.progress import progress, status
 
 MEASUREMENT_COLUMNS = ["collective", "algorithm", "protocol", "num_ranks", "num_nodes", "message_bytes", "time_s",
                        "source"]
@@ -55,7 +56,9 @@ def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibra
         table = pd.read_parquet(path)
         missing = {"collective", "message_bytes", "time_s", "nranks", "nodes"} - set(table.columns)
         if missing:
-            raise ConfigError(f"{path}: not a trainsim.comm.sweep table, missing columns {sorted(missing)}")
+            raise ConfigError(f"{path}: not a trainsim.comm.sweep table, missing columns {sorted(missing)}; give "
+                              "the Parquet `torchrun ... -m trainsim.comm.sweep --output FILE` writes, or an "
+                              "nccl-tests log")
         table = table.rename(columns={"nranks": "num_ranks", "nodes": "num_nodes"})
         if entry.num_ranks:
             table["num_ranks"] = entry.num_ranks
@@ -85,7 +88,8 @@ def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibra
     uneven = table[(table["num_ranks"] % table["num_nodes"]) != 0]
     if len(uneven):
         raise ConfigError(f"{path}: num_ranks={uneven['num_ranks'].iloc[0]} is not a multiple of "
-                          f"num_nodes={uneven['num_nodes'].iloc[0]}")
+                          f"num_nodes={uneven['num_nodes'].iloc[0]}; set the right num_ranks / num_nodes in its "
+                          f"hardware.calibration.files entry ({{path: {entry.path}, num_ranks: ..., num_nodes: ...}})")
     table = table.assign(collective=table["collective"].map(normalize_collective), algorithm="auto",
                          protocol="auto", source=str(entry.path))[MEASUREMENT_COLUMNS].reset_index(drop=True)
     table.attrs["skipped_wrong"] = skipped_wrong
@@ -159,7 +163,8 @@ def heldout_errors(table: pd.DataFrame, hw: HardwareConfig, collective: str) -> 
 def calibrate(measurements: pd.DataFrame, hw: HardwareConfig) -> dict:
     """Per measured collective: the fit on all its measurements and its held-out errors."""
     result = {}
-    for collective, table in measurements.groupby("collective", sort=True):
+    groups = measurements.groupby("collective", sort=True)
+    for collective, table in progress(groups, groups.ngroups, f"fitting {groups.ngroups} collective model(s)"):
         table = table.reset_index(drop=True)
         fit = fit_collective(table, prior_params(hw, collective), channel_choices(hw))
         baseline = fit_alpha_beta(table, collective)
@@ -208,6 +213,7 @@ def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output:
                "skipped_lines": measurements.attrs.get("skipped_lines", {}),
                "collectives": calibrate(measurements, hw) if len(measurements) else {}}
         if measures_system_noise(hw):
-            fit["system_noise"] = system_noise_entry(noise())
+            with status("measuring system noise (2 ranks)"):
+                fit["system_noise"] = system_noise_entry(noise())
         (tmp / FIT_FILE).write_text(json.dumps(_finite(fit), indent=2) + "\n")
     return fit

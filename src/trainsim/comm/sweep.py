@@ -13,20 +13,22 @@ On a cluster:  torchrun --nnodes 2 --nproc-per-node 8 -m trainsim.comm.sweep --o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from trainsim.comm.nccl_tests import COLUMNS, bus_bandwidth_factor
+from trainsim.progress import feed, spawn, tracked
 from trainsim.workloads.launch import free_port
 
 SWEEP_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
@@ -95,9 +97,17 @@ def _median_batch_seconds(call, device: torch.device, iters: int, repeats: int) 
     return float(np.median(batches))
 
 
+def sweep_points(collectives: list[str], sizes: list[int], world: int) -> int:
+    """How many (collective, size) points `measure` times (send_recv needs 2 ranks)."""
+    return sum(len(sizes) for c in collectives if not (c == "send_recv" and world < 2))
+
+
 def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: int = 3,
-            repeats: int = 3) -> pd.DataFrame | None:
-    """Run the sweep inside an initialised process group; rank 0 returns the table, others None."""
+            repeats: int = 3, progress: Callable[[int, int], None] | None = None) -> pd.DataFrame | None:
+    """Run the sweep inside an initialised process group; rank 0 returns the table, others None.
+
+    `progress(done, total)` is called after each (collective, size) point.
+    """
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # *_tensor renames
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -115,6 +125,8 @@ def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: i
             rows.append({"collective": collective, "message_bytes": size, "dtype": "fp32",
                          "placement": "out_of_place", "time_s": time_s, "algbw_gbps": algbw,
                          "busbw_gbps": algbw * bus_bandwidth_factor(collective, world), "source": source})
+            if progress:
+                progress(len(rows), sweep_points(collectives, sizes, world))
     if dist.get_rank() != 0:
         return None
     table = pd.DataFrame(rows, columns=list(COLUMNS))
@@ -122,11 +134,12 @@ def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: i
     return table.assign(nranks=world, nodes=nodes)
 
 
-def _local_worker(rank: int, world: int, port: int, collectives, sizes, iters, warmup, repeats, out: str) -> None:
+def _local_worker(rank: int, slot, world: int, port: int, collectives, sizes, iters, warmup, repeats,
+                  out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        table = measure(collectives, sizes, iters, warmup, repeats)
+    try:  # rank 0 reports its points; the parent draws the bar
+        table = measure(collectives, sizes, iters, warmup, repeats, progress=feed(slot) if rank == 0 else None)
         if table is not None:
             table.to_parquet(out)
     finally:
@@ -144,8 +157,9 @@ def run_local_sweep(world: int, collectives: list[str] = SWEEP_COLLECTIVES, size
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="trainsim-sweep-") as tmp:
         out = str(Path(tmp) / "sweep.parquet")
-        mp.spawn(_local_worker, nprocs=world, join=True,
-                 args=(world, port, list(collectives), sizes or default_sizes(), iters, warmup, repeats, out))
+        sizes = sizes or default_sizes()
+        spawn(_local_worker, world, (world, port, list(collectives), sizes, iters, warmup, repeats, out),
+              f"sweeping collectives over {world} gloo rank(s)", sweep_points(list(collectives), sizes, world))
         return pd.read_parquet(out)
 
 
@@ -165,7 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend)
     try:
         sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default_sizes()
-        table = measure(args.collectives.split(","), sizes, args.iters, args.warmup, args.repeats)
+        collectives = args.collectives.split(",")
+        bar = tracked(f"sweeping collectives over {dist.get_world_size()} {backend} rank(s)",
+                      sweep_points(collectives, sizes, dist.get_world_size()))
+        with bar if dist.get_rank() == 0 else contextlib.nullcontext() as update:  # one bar, rank 0's
+            table = measure(collectives, sizes, args.iters, args.warmup, args.repeats, progress=update)
         if table is not None:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             table.to_parquet(args.output)

@@ -25,6 +25,7 @@ from trainsim.config.schema import (
     HardwareConfig,
     ModelConfig,
     ParallelismConfig,
+    TrainConfig,
     register_configs,
 )
 from trainsim.config.validate import validate_layout, validate_run
@@ -57,6 +58,8 @@ class Run:
     option_values: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Plain values of each chosen option without field overrides (an override to the same value keeps
     the option's key, so it re-runs nothing)."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """The whole run (token budget) for totals; in no artifact key."""
 
     def group(self, name: str) -> dict[str, Any]:
         """The plain (JSON-able) values of one config group."""
@@ -89,7 +92,7 @@ def detect_local_devices(hw: HardwareConfig) -> HardwareConfig:
 
 
 def _compose(conf: Path, overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, Any]]:
-    """Chosen option per group and the typed groups."""
+    """Chosen option per group and the typed groups, and the typed `train` node."""
     register_configs()
     GlobalHydra.instance().clear()
     try:
@@ -101,7 +104,7 @@ def _compose(conf: Path, overrides: tuple[str, ...]) -> tuple[dict[str, str], di
     finally:
         GlobalHydra.instance().clear()
     choices = {name: str(cfg.hydra.runtime.choices[name]) for name in CONFIG_GROUPS}
-    return choices, {name: OmegaConf.to_object(cfg[name]) for name in CONFIG_GROUPS}
+    return choices, {name: OmegaConf.to_object(cfg[name]) for name in (*CONFIG_GROUPS, "train")}
 
 
 def compose_run(
@@ -116,7 +119,8 @@ def compose_run(
     """
     conf = Path(config_dir or default_config_dir()).resolve()
     if not (conf / "config.yaml").is_file():
-        raise ConfigError(f"no config.yaml in config directory {conf}")
+        raise ConfigError(f"no config.yaml in config directory {conf}; run from the project root (the directory "
+                          "holding conf/), or pass config_dir=")
     choices, typed = _compose(conf, tuple(overrides))
     touched = {name for name in CONFIG_GROUPS if any(o.lstrip("+~").startswith(f"{name}.") for o in overrides)}
     options = _compose(conf, tuple(f"{g}={choices[g]}" for g in CONFIG_GROUPS))[1] if touched else typed
@@ -128,7 +132,11 @@ def compose_run(
         overrides=tuple(overrides),
         option_values={name: dataclasses.asdict(detect_local_devices(options[name]) if name == "hardware"
                                                 else options[name]) for name in CONFIG_GROUPS},
+        train=typed["train"],
     )
+    if not run.train.tokens >= 0:
+        raise ConfigError(f"train.tokens={run.train.tokens}: the run's token budget must be >= 0 (0 = no training "
+                          "totals), e.g. train.tokens=3e11 for 300 billion tokens")
     if check == "run":
         validate_run(run.hardware, run.model, run.parallelism)
     elif check == "layout":

@@ -338,6 +338,9 @@ class HardwareConfig:
     on a CPU device the dispatch is part of each measured op time, so keep 0 there."""
     price_per_device_hour: float = 0.0
     """Cost of one device for one hour in USD (for cost-per-step figures); 0 = unknown."""
+    power_per_device_w: float = 0.0
+    """Electrical power of one device in W for the energy of a training run (the datasheet's maximum, an
+    upper bound: the node's CPUs, NICs and cooling are not in it); 0 = unknown."""
     slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)
     """How the overlap-slowdown dataset is obtained and its model trained."""
     stragglers: list[StragglerConfig] = field(default_factory=list)
@@ -532,6 +535,15 @@ class ParallelismConfig:
 
 
 @dataclass
+class TrainConfig:
+    """A whole training run, for totals beyond one step (steps, days, GPU-hours, cost, energy). It keys no
+    artifact: a new budget only re-renders the pages, it re-simulates nothing."""
+
+    tokens: float = 0.0
+    """Tokens the run trains on (e.g. 3.0e11 for GPT-3's 300 billion); 0 = no totals."""
+
+
+@dataclass
 class RunConfig:
     """The composed root config: one simulation point."""
 
@@ -541,6 +553,8 @@ class RunConfig:
     """The transformer trained (conf/model/)."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The layout of one training step on the cluster (conf/parallelism/)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The whole run a step belongs to (`train.tokens=3e11`)."""
 
 
 CONFIG_GROUPS: dict[str, type] = {

@@ -58,7 +58,8 @@ def validate_model(model: ModelConfig) -> None:
     kv_heads = model.num_kv_heads or model.num_attention_heads
     if model.num_attention_heads % kv_heads:
         raise ConfigError(
-            f"model.num_kv_heads={kv_heads} must divide model.num_attention_heads={model.num_attention_heads}"
+            f"model.num_kv_heads={kv_heads} must divide model.num_attention_heads={model.num_attention_heads}; "
+            f"choose num_kv_heads among {_divisors(model.num_attention_heads)}"
         )
     head_dim = model.head_dim or model.hidden_size // model.num_attention_heads
     if head_dim < 1:
@@ -111,11 +112,13 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if par.precision == "fp8":
         _one_of("parallelism", "fp8_recipe", par.fp8_recipe, FP8_RECIPES)
     if par.dp_bucket_size_bytes < 1:
-        raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} must be positive")
+        raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} must be positive "
+                          "(bytes per gradient bucket; the default is 26214400, 25 MiB)")
     if par.sequence_parallel and (par.micro_batch_size * model.seq_length) % par.tp:
         raise ConfigError(f"parallelism.sequence_parallel=true splits each micro-batch's tokens over tp: "
                           f"micro_batch_size * model.seq_length = {par.micro_batch_size * model.seq_length} is not "
-                          f"divisible by parallelism.tp={par.tp}")
+                          f"divisible by parallelism.tp={par.tp}; set parallelism.sequence_parallel=false, or a tp "
+                          "or micro_batch_size that divides it")
     if par.tp_comm_overlap and not (par.sequence_parallel and par.tp > 1):
         raise ConfigError(f"parallelism.tp_comm_overlap=true overlaps the sequence-parallel collectives: it needs "
                           f"parallelism.sequence_parallel=true and tp > 1 (got sequence_parallel="
@@ -126,14 +129,16 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         if model.seq_length % (2 * par.cp):
             raise ConfigError(f"parallelism.cp={par.cp} cuts each sequence into 2 * cp = {2 * par.cp} chunks "
                               f"(load-balanced causal split): model.seq_length={model.seq_length} is not divisible "
-                              f"by {2 * par.cp}")
+                              f"by {2 * par.cp}; choose cp among "
+                              f"{_divisors(model.seq_length // 2) if model.seq_length % 2 == 0 else '1'}")
         if model.attention != "fused":
             raise ConfigError(f"parallelism.cp={par.cp} runs attention as flash-attention blocks: it needs "
                               f"model.attention='fused' (got {model.attention!r})")
         if par.sequence_parallel and (par.micro_batch_size * model.seq_length // par.cp) % par.tp:
             raise ConfigError(f"parallelism.sequence_parallel=true splits each context-parallel rank's "
                               f"{par.micro_batch_size * model.seq_length // par.cp} tokens per micro-batch over "
-                              f"tp={par.tp}: not divisible")
+                              f"tp={par.tp}: not divisible; set parallelism.sequence_parallel=false, or a tp, cp "
+                              "or micro_batch_size that makes it divisible")
     if par.overlap_param_gather and par.zero_stage != 1:
         raise ConfigError("parallelism.overlap_param_gather=true overlaps the distributed optimizer's parameter "
                           f"all-gather: it needs parallelism.zero_stage=1 (got {par.zero_stage}; FSDP, stages 2 "
@@ -155,7 +160,8 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
             )
     ffn = model.ffn_hidden_size or 4 * model.hidden_size
     if ffn % par.tp:
-        raise ConfigError(f"parallelism.tp={par.tp} does not divide the MLP width {ffn} of '{model.name}'")
+        raise ConfigError(f"parallelism.tp={par.tp} does not divide the MLP width {ffn} (model.ffn_hidden_size) of "
+                          f"'{model.name}'; choose tp among {_divisors(ffn)}")
 
     if par.first_stage_layers or par.last_stage_layers:
         fields = (f"parallelism.first_stage_layers={par.first_stage_layers}, "
@@ -180,9 +186,11 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
 
     samples_per_microbatch_round = par.micro_batch_size * par.dp
     if par.global_batch_size % samples_per_microbatch_round:
+        above = -(-par.global_batch_size // samples_per_microbatch_round) * samples_per_microbatch_round
         raise ConfigError(
             f"parallelism.global_batch_size={par.global_batch_size} is not a multiple of "
-            f"micro_batch_size * dp = {par.micro_batch_size} * {par.dp} = {samples_per_microbatch_round}"
+            f"micro_batch_size * dp = {par.micro_batch_size} * {par.dp} = {samples_per_microbatch_round}; set "
+            f"parallelism.global_batch_size={above} (the next multiple) or change micro_batch_size / dp"
         )
 
     if par.schedule == "interleaved-1f1b":
@@ -199,7 +207,8 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     elif par.virtual_stages != 1:
         raise ConfigError(
             f"parallelism.virtual_stages={par.virtual_stages} needs schedule='interleaved-1f1b' "
-            f"(got '{par.schedule}')"
+            f"(got '{par.schedule}'); set parallelism.schedule=interleaved-1f1b (pp >= 2) or "
+            "parallelism.virtual_stages=1"
         )
 
 
@@ -238,10 +247,12 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if par.moe_token_dispatcher == "allgather" and model.moe_capacity_factor:
         raise ConfigError("parallelism.moe_token_dispatcher='allgather' with model.moe_capacity_factor="
                           f"{model.moe_capacity_factor}: token dropping is modelled with the 'alltoall' "
-                          "dispatcher only")
+                          "dispatcher only; set parallelism.moe_token_dispatcher=alltoall or "
+                          "model.moe_capacity_factor=0 (no dropping)")
     if model.moe_shared_expert_ffn_hidden_size % par.tp:
         raise ConfigError(f"parallelism.tp={par.tp} does not divide model.moe_shared_expert_ffn_hidden_size="
-                          f"{model.moe_shared_expert_ffn_hidden_size} (the shared expert is tensor-parallel)")
+                          f"{model.moe_shared_expert_ffn_hidden_size} (the shared expert is tensor-parallel); choose "
+                          f"tp among {_divisors(model.moe_shared_expert_ffn_hidden_size)}")
     if par.precision == "fp8" and not par.moe_grouped_gemm:
         raise ConfigError("parallelism.precision='fp8' with experts runs them as FP8 grouped GEMMs (Transformer "
                           "Engine's GroupedLinear): set parallelism.moe_grouped_gemm=true")

@@ -260,7 +260,8 @@ def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
                           f"(known: {known}); add it, or fit the kernel model with `trainsim profile-fit`")
     if hw.memory_bandwidth_bytes_per_s <= 0:
         raise ConfigError(f"hardware '{hw.name}': the analytical backend needs "
-                          "hardware.memory_bandwidth_bytes_per_s > 0")
+                          "hardware.memory_bandwidth_bytes_per_s > 0; set it from the device's datasheet in bytes/s "
+                          "(e.g. 2.039e12 for an A100 80GB SXM), or measure the kernels on that device")
     km = hw.kernel_model
     vector = km.vector_flops_per_s or hw.peak_flops_per_s.get("fp32", hw.peak_flops_per_s[dtype]) / 2
     attention = tuple(hw.peak_flops_per_s[dtype] * e for e in (km.attention_forward_efficiency,

@@ -691,7 +691,8 @@ def import_traces(paths: list[str | Path], hw: HardwareConfig, database: str | P
     `database` defaults to artifacts/profiles/<hardware_key>/kernels.parquet.
     """
     if not paths:
-        raise ConfigError("no trace files given")
+        raise ConfigError("no trace files given; pass torch.profiler (Kineto) traces, *.json or *.json.gz, e.g. "
+                          "`trainsim profile-import --hardware a100-80g-dgx run/rank0.json.gz`")
     key = hardware_key or hw.name
     db = ProfileDatabase(Path(database) if database else Path("artifacts/profiles") / key / "kernels.parquet")
     parsed = [read_trace(p, hw, allow_device_mismatch) for p in paths]

@@ -127,9 +127,10 @@ class Lockstep:
 def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: int = 3,
              min_seconds: float = 0.005, max_samples: int = 100, warmup: int = 1,
              flush: Callable[[], Any] = lambda: None, lockstep: Lockstep | None = None,
-             leader: bool = True) -> list[Timing]:
+             leader: bool = True, progress: Callable[[int, int], None] | None = None) -> list[Timing]:
     """Time each call: `rounds` passes over all calls, each taking at least `min_samples` samples
     and `min_seconds` of wall time (at most `max_samples`) before moving to the next.
+    `progress(done, total)` is called after each call's block of samples (total: rounds x calls).
 
     `flush` runs before every sample, untimed (a `CacheFlush`). With a `lockstep` shared by
     co-located processes running the same calls, every sample of an op starts in all of them at once;
@@ -141,6 +142,7 @@ def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: in
         for _ in range(warmup):
             call()
     samples: list[list[float]] = [[] for _ in calls]
+    blocks = 0
     for _ in range(rounds):
         for call, taken in zip(calls, samples):
             if lockstep:
@@ -158,6 +160,9 @@ def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: in
                         break
                     if leader:
                         lockstep.finish_block()
+            blocks += 1
+            if progress:
+                progress(blocks, rounds * len(calls))
     timings = []
     for taken in samples:
         median, spread = _summary(taken)
@@ -175,7 +180,8 @@ def _colocated_worker(rows: list[dict], lockstep: Lockstep, threads: int, flush_
 
 
 def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices: int, threads: int,
-                       flush_caches: bool = True) -> list[Timing]:
+                       flush_caches: bool = True, progress: Callable[[int, int], None] | None = None
+                       ) -> list[Timing]:
     """Time `calls` (built from `rows`) while `devices - 1` other processes run the same ops in lockstep.
 
     CPU "devices" are cores that share caches and memory bandwidth; in SPMD training every rank of a
@@ -184,7 +190,7 @@ def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices
     use_steady_state_allocator()  # as the real ranks run (workloads/allocator.py)
     flush = CacheFlush("cpu", flush_caches)
     if devices <= 1:
-        return time_cpu(calls, flush=flush)
+        return time_cpu(calls, flush=flush, progress=progress)
     ctx = mp.get_context("spawn")
     lockstep = Lockstep(ctx, devices)
     workers = [ctx.Process(target=_colocated_worker, args=(rows, lockstep, threads, flush_caches), daemon=True)
@@ -192,7 +198,7 @@ def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices
     for worker in workers:
         worker.start()
     try:
-        return time_cpu(calls, flush=flush, lockstep=lockstep)
+        return time_cpu(calls, flush=flush, lockstep=lockstep, progress=progress)
     finally:
         for worker in workers:
             worker.join(BARRIER_TIMEOUT_S)

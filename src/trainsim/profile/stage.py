@@ -30,6 +30,7 @@ from trainsim.profile.analytical import fit_rates, op_kind, predict, predict_row
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
 from trainsim.profile.measure import CacheFlush, time_cpu_colocated, time_cuda
 from trainsim.profile.replay import build_call
+from trainsim.progress import tracked
 from trainsim.trace.stage import GRAPH_FILE
 
 OP_COLUMNS = ["signature", "op", "input_shapes", "input_strides", "input_dtypes", "op_args", "flops", "bytes_moved"]
@@ -88,9 +89,10 @@ def _row(op: pd.Series, hardware_key: str, backend: str, median_s: float, **extr
 
 
 def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, backend: str,
-                   summary: ProfileSummary) -> list[dict]:
+                   summary: ProfileSummary, progress: Callable[[float, float], None] | None = None) -> list[dict]:
     """Measure a batch of ops (CPU: interleaved rounds, co-located on the node's devices; GPU: one op at a
-    time, its inputs freed before the next is built); unreplayable ones go to summary.fallback."""
+    time, its inputs freed before the next is built); unreplayable ones go to summary.fallback.
+    `progress(done, total)` follows the timing loop (op timings done of all of the batch)."""
 
     def built(op) -> Callable[[], Any] | None:
         try:
@@ -112,13 +114,16 @@ def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, bac
         devices = hw.devices_per_node if hw.colocated_profiling else 1
         metrics["colocated_devices"] = devices
         rows = [op[OP_COLUMNS].to_dict() for op in measurable]
-        timings = time_cpu_colocated(rows, calls, devices, hw.threads_per_device, hw.cold_cache_profiling)
+        timings = time_cpu_colocated(rows, calls, devices, hw.threads_per_device, hw.cold_cache_profiling,
+                                     progress=progress)
     else:
         flush = CacheFlush(backend, hw.cold_cache_profiling)
-        for _, op in ops.iterrows():
+        for done, (_, op) in enumerate(ops.iterrows(), 1):
             if (call := built(op)) is not None:
                 timings.append(time_cuda(call, flush=flush))
                 measurable.append(op)
+            if progress:
+                progress(done, len(ops))
     metrics["cold_cache"] = hw.cold_cache_profiling
     return [_row(op, hardware_key, backend, t.median_s, spread=t.spread, min_s=t.min_s, repeats=t.repeats,
                  threads=hw.threads_per_device, kernels=json.dumps(t.kernels),
@@ -154,12 +159,17 @@ def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: Pr
     new_rows: list[dict] = []
     if backend in MEASURED_BACKENDS:
         torch.set_num_threads(hw.threads_per_device)
-        for start in range(0, len(missing), BATCH_SIZE):  # each batch is appended as soon as it is timed
-            rows = _measure_batch(missing.iloc[start:start + BATCH_SIZE], hw, hardware_key, backend, summary)
-            db.append(pd.DataFrame(rows))
-            new_rows += rows
-            if progress:
-                progress(min(start + BATCH_SIZE, len(missing)), len(missing))
+        with tracked(f"timing {len(missing)} op(s) on {hardware_key} ({backend})", len(missing)) as bar:
+            for start in range(0, len(missing), BATCH_SIZE):  # each batch is appended as soon as it is timed
+                batch = missing.iloc[start:start + BATCH_SIZE]
+                n = len(batch)
+                rows = _measure_batch(batch, hw, hardware_key, backend, summary,
+                                      lambda done, total, start=start, n=n: bar(start + n * done / total))
+                db.append(pd.DataFrame(rows))
+                new_rows += rows
+                bar(start + n)
+                if progress:
+                    progress(min(start + BATCH_SIZE, len(missing)), len(missing))
         summary.measured = len(new_rows)
         model_ops = missing[missing["signature"].isin({f["signature"] for f in summary.fallback})]
     else:

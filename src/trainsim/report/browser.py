@@ -2,8 +2,9 @@
 
 A copy of the page gets a small script that runs after the load event and writes, into the DOM, what
 the browser actually rendered: every section, every image with its decoded size (0 x 0 = broken), every
-table with its row count. `chromium --dump-dom` prints the DOM after scripts ran; we parse that. The
-original page stays script-free.
+table with its row count, and every download link as the browser reads it (a gzipped JSON trace is
+decompressed and parsed, and its events counted). `chromium --dump-dom` prints the DOM after scripts
+ran; we parse that. The original page stays script-free.
 """
 
 from __future__ import annotations
@@ -21,13 +22,28 @@ from typing import Any
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 PROBE = """<script>
-window.addEventListener("load", () => {
+async function readDownload(a) {
+  const entry = {id: a.id, name: a.getAttribute("download"), bytes: 0, events: null, error: null};
+  try {
+    let stream = (await fetch(a.href)).body;
+    if (entry.name.endsWith(".gz")) stream = stream.pipeThrough(new DecompressionStream("gzip"));
+    const text = await new Response(stream).text();
+    entry.bytes = text.length;
+    if (/[.]json([.]gz)?$/.test(entry.name)) {
+      const parsed = JSON.parse(text);
+      entry.events = (parsed.traceEvents || parsed).length;
+    }
+  } catch (e) { entry.error = String(e); }
+  return entry;
+}
+window.addEventListener("load", async () => {
   const out = {
     sections: [...document.querySelectorAll("section")].map(s => s.id),
     images: [...document.images].map(i => ({id: i.id, complete: i.complete, width: i.naturalWidth,
                                             height: i.naturalHeight, shown: i.getBoundingClientRect().width})),
     tables: [...document.querySelectorAll("table")].map(t => ({id: t.id, rows: t.tBodies[0] ?
                                                               t.tBodies[0].rows.length : 0})),
+    downloads: await Promise.all([...document.querySelectorAll("a[download]")].map(readDownload)),
     body_height: document.body.scrollHeight,
   };
   const pre = document.createElement("pre");
@@ -85,4 +101,6 @@ def broken_elements(rendered: dict[str, Any], sections: tuple[str, ...]) -> list
     problems += [f"image {img['id'] or '?'} takes no space on the page" for img in rendered["images"]
                  if img["shown"] == 0]
     problems += [f"table {t['id'] or '?'} has no rows" for t in rendered["tables"] if t["rows"] == 0]
+    problems += [f"download {d['id'] or d['name']} unreadable ({d['error'] or 'empty'})"
+                 for d in rendered.get("downloads", []) if d["error"] or d["bytes"] == 0]
     return problems

@@ -99,7 +99,8 @@ def provenance(inputs: dict[str, Path]) -> list[dict[str, Any]]:
     return out
 
 
-def collect(inputs: dict[str, Path], keys: dict[str, str], truth_dir: Path) -> dict[str, Any]:
+def collect(inputs: dict[str, Path], keys: dict[str, str], truth_dir: Path,
+            train_tokens: float = 0.0) -> dict[str, Any]:
     """Everything the page and the metrics need, read from the artifacts named in `inputs`."""
     prov = provenance(inputs)
     compose_dir = inputs["compose"]
@@ -114,6 +115,7 @@ def collect(inputs: dict[str, Path], keys: dict[str, str], truth_dir: Path) -> d
         "end_to_end": end_to_end(float(summary["step_time_s"]), read_ground_truth(truth_dir)),
         "ground_truth_dir": str(truth_dir),
         "breakdown": breakdown(summary), "timeline": pd.read_parquet(compose_dir / "timeline.parquet"),
+        "chrome_trace": compose_dir / "trace.json",
         "cost": {"world_size": summary["world_size"], "trace_s": trace_manifest.get("wall_time_s"),
                  "compose_s": summary.get("simulate_s"), "compose_stage_s": compose_manifest.get("wall_time_s")},
         "provenance": prov,
@@ -121,7 +123,7 @@ def collect(inputs: dict[str, Path], keys: dict[str, str], truth_dir: Path) -> d
     config = data["config"]
     if {"hardware", "model", "parallelism"} <= set(config):
         data["efficiency"] = efficiency(float(summary["step_time_s"]), config["hardware"], config["model"],
-                                        config["parallelism"])
+                                        config["parallelism"], train_tokens=train_tokens)
     if "calibration" in inputs:
         data["comm_summary"], data["comm_by_size"] = comm_errors(inputs["calibration"])
     if "slowdown_model" in inputs:

@@ -1,8 +1,10 @@
-"""What a step costs and how well it uses the hardware: tokens/s, model FLOPs utilisation, dollars.
+"""What a step costs and how well it uses the hardware: tokens/s, model FLOPs utilisation, dollars; and
+what a whole training run of a token budget costs.
 
 MFU counts model FLOPs only (no recomputation), as PaLM (Chowdhery et al. 2022, appendix B) and
 Megatron-LM (Narayanan et al. 2021, eq. 3) define it, so layouts with and without recomputation compare
-on the work the model needs, not the work they chose to do.
+on the work the model needs, not the work they chose to do. HFU adds the recomputed work (what the GPUs
+really ran), as Korthikanti et al. 2022 report it next to MFU.
 
 With precision 'fp8' MFU is still taken against the bf16 dense peak: only the linear layers' GEMMs run in
 FP8 (attention, embedding, output layer and the elementwise work stay bf16), and NeMo and Megatron-LM report
@@ -12,17 +14,18 @@ higher MFU, and MFU can compare bf16 and FP8 layouts; against the FP8 peak it wo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
-def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
-    """Training FLOPs of one step: 3x the forward pass (backward = 2x forward).
+def forward_flops_per_token(model: dict[str, Any]) -> dict[str, float]:
+    """Forward matmul FLOPs per token: the transformer layers, the part of them that is core attention
+    (scores and values), and the output layer (logits).
 
-    Forward per token and layer: 2 x (QKV h (a + 2 a_kv) d + output projection a d h + MLP n h f) matmul
-    FLOPs plus 4 s a d for attention scores and values (a heads of width d, a_kv key/value heads); logits
-    2 h V per token. For GPT (n = 2, f = 4h, a d = h, a_kv = a) this is Narayanan et al. 2021 eq. 3 without
-    recomputation: 72 B s l h^2 (1 + s/6h + V/12lh). In an MoE layer the MLP term counts what a token
-    activates: its top-k experts, the shared expert and the router (2 h E), as MFU of MoE runs is reported.
+    Per layer: 2 x (QKV h (a + 2 a_kv) d + output projection a d h + MLP n h f) plus 4 s a d for attention
+    scores and values (a heads of width d, a_kv key/value heads); logits 2 h V. In an MoE layer the MLP term
+    counts what a token activates: its top-k experts, the shared expert and the router (2 h E), as MFU of
+    MoE runs is reported.
     """
     h, layers, s = model["hidden_size"], model["num_layers"], model["seq_length"]
     heads = model["num_attention_heads"]
@@ -30,37 +33,85 @@ def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
     kv_heads = model.get("num_kv_heads") or heads
     ffn = model.get("ffn_hidden_size") or 4 * h
     mlp_matrices = 3 if model.get("family") == "llama" else 2  # SwiGLU has gate, up and down
-    attention = 2 * (h * (heads + 2 * kv_heads) * d + heads * d * h) + 4 * s * heads * d
+    core_attention = 4 * s * heads * d
+    attention = 2 * (h * (heads + 2 * kv_heads) * d + heads * d * h) + core_attention
     dense_mlp = 2 * mlp_matrices * h * ffn
     experts = model.get("num_experts") or 0
     moe_layers = layers - (model.get("moe_first_dense_layers") or 0) if experts else 0
     moe_mlp = 2 * mlp_matrices * h * (model.get("moe_top_k", 2) * (model.get("moe_ffn_hidden_size") or ffn)
                                       + (model.get("moe_shared_expert_ffn_hidden_size") or 0)) + 2 * h * experts
-    per_token = (layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
-                 + 2 * h * model["vocab_size"])
-    return 3.0 * per_token * tokens_per_step(model, par)
+    return {"layers": layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp,
+            "core_attention": layers * core_attention, "logits": 2 * h * model["vocab_size"]}
+
+
+def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
+    """Training FLOPs of one step: 3x the forward pass (backward = 2x forward).
+
+    For GPT (n = 2, f = 4h, a d = h, a_kv = a) this is Narayanan et al. 2021 eq. 3 without recomputation:
+    72 B s l h^2 (1 + s/6h + V/12lh).
+    """
+    forward = forward_flops_per_token(model)
+    return 3.0 * (forward["layers"] + forward["logits"]) * tokens_per_step(model, par)
+
+
+def hardware_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
+    """What the GPUs compute: the model FLOPs plus the forward work recomputed in the backward pass, all
+    of the layers' with full recomputation (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh), Korthikanti et al.
+    2022), their core attention with selective recomputation; the output layer is never recomputed."""
+    forward = forward_flops_per_token(model)
+    recomputed = {"full": forward["layers"], "selective": forward["core_attention"]}.get(par["recompute"], 0.0)
+    return model_flops_per_step(model, par) + recomputed * tokens_per_step(model, par)
 
 
 def tokens_per_step(model: dict[str, Any], par: dict[str, Any]) -> int:
     return int(par["global_batch_size"]) * int(model["seq_length"])
 
 
-def efficiency(step_time_s: float, hardware: dict[str, Any], model: dict[str, Any],
-               par: dict[str, Any]) -> dict[str, float | None]:
-    """tokens/s, MFU (None without a peak rate for the precision), cost per step and per million tokens
-    (None without hardware.price_per_device_hour)."""
-    world = par["dp"] * par.get("cp", 1) * par["tp"] * par["pp"]
+def world_size(par: dict[str, Any]) -> int:
+    return par["dp"] * par.get("cp", 1) * par["tp"] * par["pp"]
+
+
+def efficiency(step_time_s: float, hardware: dict[str, Any], model: dict[str, Any], par: dict[str, Any],
+               train_tokens: float = 0.0) -> dict[str, float | None]:
+    """The step in the field's numbers: tokens/s (per GPU too), model TFLOP/s per GPU, MFU and HFU (None
+    without a peak rate for the precision), cost per step and per million tokens (None without
+    hardware.price_per_device_hour), and with a token budget the whole run (`training_totals`)."""
+    world = world_size(par)
     tokens = tokens_per_step(model, par)
     precision = "bf16" if par["precision"] == "fp8" else par["precision"]  # see the module docstring
     peak = hardware.get("peak_flops_per_s", {}).get(precision)
     price = hardware.get("price_per_device_hour") or 0.0
     cost = price * world * step_time_s / 3600 if price > 0 else None
-    flops = model_flops_per_step(model, par)
+    flops, hardware_flops = model_flops_per_step(model, par), hardware_flops_per_step(model, par)
     return {
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step_time_s,
+        "tokens_per_s_per_gpu": tokens / step_time_s / world,
         "model_flops_per_step": flops,
+        "model_tflops_per_s_per_gpu": flops / (step_time_s * world) / 1e12,
         "mfu_pct": 100 * flops / (step_time_s * world * peak) if peak else None,
+        "hfu_pct": 100 * hardware_flops / (step_time_s * world * peak) if peak else None,
         "cost_per_step_usd": cost,
         "cost_per_million_tokens_usd": cost / tokens * 1e6 if cost is not None else None,
+        **training_totals(step_time_s, tokens, world, hardware, train_tokens),
     }
+
+
+TRAINING_TOTALS = ("training_tokens", "training_steps", "training_days", "training_gpu_hours", "training_cost_usd",
+                   "training_energy_mwh")
+
+
+def training_totals(step_time_s: float, tokens_per_step: int, world: int, hardware: dict[str, Any],
+                    train_tokens: float) -> dict[str, float | None]:
+    """A run of `train_tokens` at this step: whole steps (the last one full), wall-clock days, GPU-hours,
+    cost at hardware.price_per_device_hour and energy at hardware.power_per_device_w (None where not
+    configured). Steady-state steps only: no start-up, checkpoints, evaluation or failures."""
+    if not train_tokens:
+        return dict.fromkeys(TRAINING_TOTALS)
+    steps = math.ceil(train_tokens / tokens_per_step)
+    seconds = steps * step_time_s
+    gpu_hours = world * seconds / 3600
+    price, power = hardware.get("price_per_device_hour") or 0.0, hardware.get("power_per_device_w") or 0.0
+    return {"training_tokens": float(train_tokens), "training_steps": steps, "training_days": seconds / 86400,
+            "training_gpu_hours": gpu_hours, "training_cost_usd": gpu_hours * price if price > 0 else None,
+            "training_energy_mwh": power * world * seconds / 3.6e9 if power > 0 else None}

@@ -63,22 +63,83 @@ def breakdown_figure(table: pd.DataFrame) -> str:
     return png_data_uri(fig)
 
 
-def timeline_figure(timeline: pd.DataFrame) -> str:
-    """Gantt chart of the replayed nodes: one lane per (rank class, stream), coloured by phase."""
-    lanes = sorted({(int(r.rank_class), str(r.stream)) for r in timeline.itertuples()})
+COMM_COLOURS = {"tp": "#c44e52", "cp": "#8172b3", "pp": "#937860", "dp": "#da8bc3", "ep": "#ccb974",
+                "etp": "#e5ae38", "edp": "#b07aa1", "emp": "#ff9da7", "mp": "#64b5cd", "world": "#4d4d4d"}
+IDLE_COLOUR = "#e3e3e3"
+MAX_TIMELINE_CLASSES = 16
+
+
+def comm_group(stream: str) -> str:
+    """'comm.pp.send' -> 'pp': the process group a communication stream belongs to."""
+    return stream.split(".")[1] if stream.startswith("comm.") else stream
+
+
+def shown_classes(classes: list[int], limit: int = MAX_TIMELINE_CLASSES) -> list[int]:
+    """At most `limit` rank classes, evenly spread from the first to the last (a 32-class step stays readable)."""
+    if len(classes) <= limit:
+        return classes
+    return sorted({classes[round(i * (len(classes) - 1) / (limit - 1))] for i in range(limit)})
+
+
+def timeline_figure(timeline: pd.DataFrame, stages: dict[int, int] | None = None) -> str:
+    """A picture of one step, as the Perfetto / Nsight views show it: per rank class (labelled with its
+    pipeline stage) one lane of compute coloured by phase, with the time it waits (bubbles, idle) in grey,
+    and one lane per process group it communicates in, coloured by group. Where a communication bar sits
+    under a compute bar it overlaps; where it sits under grey, the class waits for it."""
+    stages = stages or {}
+    step_end = float(timeline["end_s"].max())
+    frame = timeline.assign(group=timeline["stream"].astype(str).map(comm_group),
+                            rank_class=timeline["rank_class"].astype(int))
+    every = sorted(frame["rank_class"].unique(), key=lambda c: (stages.get(c, 0), c))
+    classes = shown_classes(every)
+    lanes: list[tuple[int, str]] = []
+    for c in classes:
+        groups = set(frame.loc[frame["rank_class"] == c, "group"]) - {"compute"}
+        lanes += [(c, "compute"), *((c, g) for g in COMM_COLOURS if g in groups)]
     index = {lane: i for i, lane in enumerate(lanes)}
-    fig, ax = plt.subplots(figsize=(8, 0.8 + 0.45 * len(lanes)))
-    for row in timeline.itertuples():
-        colour = COLOURS["comm"] if row.stream != "compute" else COLOURS.get(str(row.phase), "#937860")
-        ax.barh(index[(int(row.rank_class), str(row.stream))], (row.end_s - row.start_s) * 1e3,
-                left=row.start_s * 1e3, color=colour, edgecolor="white", linewidth=0.5)
-    ax.set_yticks(range(len(lanes)), [f"class {c} {s}" for c, s in lanes])
-    ax.invert_yaxis()
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.26 * len(lanes)))
+    used: dict[str, str] = {}
+    for (c, group), part in frame[frame["rank_class"].isin(classes)].groupby(["rank_class", "group"]):
+        y = index[(c, group)]
+        if group == "compute":
+            _idle_spans(ax, part, y, step_end)
+            used["idle / bubble"] = IDLE_COLOUR
+            for phase, rows in part.groupby("phase"):
+                colour = COLOURS.get(str(phase), "#937860")
+                _spans(ax, rows, y, colour)
+                used[str(phase)] = colour
+        else:
+            colour = COMM_COLOURS.get(group, COLOURS["comm"])
+            _spans(ax, part, y, colour)
+            used[f"{group} communication"] = colour
+    ax.set_yticks(range(len(lanes)), [f"stage {stages[c]} · class {c}" if g == "compute" and c in stages
+                                      else f"class {c}" if g == "compute" else g for c, g in lanes], fontsize=7)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlim(0, step_end * 1e3)
     ax.set_xlabel("time in step (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in ("forward", "backward", "optimizer", "comm")]
-    ax.legend(handles, ["forward", "backward", "optimizer", "communication"], fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.25 - 0.05 * len(lanes)), ncol=4)
+    title = f"{len(classes)} of {len(every)} rank classes, evenly spread" if len(classes) < len(every) else None
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for colour in used.values()]
+    ax.legend(handles, list(used), fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              title=title, title_fontsize=8)
     return png_data_uri(fig)
+
+
+def _spans(ax, rows: pd.DataFrame, y: int, colour: str) -> None:
+    """One broken bar per lane and colour (thousands of nodes stay one draw call)."""
+    ax.broken_barh(list(zip(rows["start_s"] * 1e3, (rows["end_s"] - rows["start_s"]) * 1e3, strict=True)),
+                   (y - 0.4, 0.8), facecolors=colour, linewidth=0)
+
+
+def _idle_spans(ax, compute: pd.DataFrame, y: int, step_end: float) -> None:
+    """The gaps of a compute lane between 0 and the step's end: pipeline bubbles, waits, idle after the flush."""
+    gaps, cursor = [], 0.0
+    for start, end in sorted(zip(compute["start_s"], compute["end_s"], strict=True)):
+        if start > cursor:
+            gaps.append((cursor * 1e3, (start - cursor) * 1e3))
+        cursor = max(cursor, end)
+    if step_end > cursor:
+        gaps.append((cursor * 1e3, (step_end - cursor) * 1e3))
+    ax.broken_barh(gaps, (y - 0.4, 0.8), facecolors=IDLE_COLOUR, linewidth=0)
 
 
 def comm_figure(by_size: pd.DataFrame) -> str:
@@ -126,3 +187,12 @@ def cost_figure(cost: dict[str, Any]) -> str:
     ax.set_ylabel("wall time (s)")
     ax.set_title(f"{cost['world_size']} GPU(s)", fontsize=9)
     return png_data_uri(fig)
+
+
+def figure_html(fig, fig_id: str, alt: str, caption: str) -> str:
+    """A figure as an <img> with its one-line caption naming where its numbers come from (predicted by what,
+    measured where): a figure that does not say so cannot be checked by its reader."""
+    from html import escape  # local: this module's imports are not edited by figure additions
+
+    return (f'<figure style="margin:.5em 0 1.2em"><img id="{fig_id}" alt="{escape(alt)}" src="{png_data_uri(fig)}">'
+            f'<figcaption style="font-size:.8em;color:#555">{escape(caption)}</figcaption></figure>')

@@ -6,8 +6,11 @@ so the browser test and readers' links can find them.
 
 from __future__ import annotations
 
+import base64
+import gzip
 import html
 import json
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -15,7 +18,9 @@ import pandas as pd
 from trainsim.report import figures
 
 NOT_MEASURED = "not measured"
-SECTIONS = ("setup", "end-to-end", "breakdown", "communication", "slowdown", "cost", "provenance")
+SECTIONS = ("setup", "end-to-end", "efficiency", "breakdown", "communication", "slowdown", "cost", "provenance")
+MAX_EMBEDDED_TRACE_BYTES = 20 * 2**20
+"""A step trace larger than this (gzipped) is linked by path, not embedded: the page must still open."""
 
 CSS = """
 body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}
@@ -27,14 +32,17 @@ img{max-width:100%;display:block;margin:.5em 0}
 code{font-size:.85em}
 details{font-size:.8em}
 .scroll{overflow-x:auto}
+figure{margin:.5em 0 1.2em}figcaption{font-size:.8em;color:#555}
 """
 
 
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
+    if isinstance(value, float):  # large numbers in full with thousands separators, as a reader writes them
+        return f"{value:,.0f}" if 1e4 <= abs(value) < 1e15 else f"{value:.4g}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 1e4:
+        return f"{value:,}"
     return str(value)
 
 
@@ -51,8 +59,21 @@ def _kv_table(pairs: dict[str, Any], table_id: str) -> str:
     return table_html(pd.DataFrame({"item": list(pairs), "value": [_fmt(v) for v in pairs.values()]}), table_id)
 
 
-def _img(uri: str, fig_id: str, alt: str) -> str:
-    return f'<img id="{fig_id}" alt="{html.escape(alt)}" src="{uri}">'
+def _img(uri: str, fig_id: str, alt: str, caption: str = "") -> str:
+    """An embedded figure; the caption says where its numbers come from."""
+    img = f'<img id="{fig_id}" alt="{html.escape(alt)}" src="{uri}">'
+    if not caption:
+        return img
+    return f'<figure>{img}<figcaption>{html.escape(caption)}</figcaption></figure>'
+
+
+def _predicted_by(data: dict[str, Any]) -> str:
+    """'compute: 93 analytical ops; communication: ...; slowdown: ...' from the compose summary."""
+    summary = data["summary"]
+    backends = ", ".join(f"{n} {k}" for k, n in summary.get("compute_backends", {}).items())
+    models = summary.get("models", {})
+    return (f"compute kernels {backends or 'unknown'}; communication {models.get('comm', 'unknown')}; "
+            f"overlap slowdown {models.get('slowdown', 'none')}")
 
 
 def setup_section(data: dict[str, Any]) -> str:
@@ -75,12 +96,12 @@ def setup_section(data: dict[str, Any]) -> str:
     warnings = "".join(f"<li>{html.escape(w)}</li>" for w in inputs.get("warnings", []))
     return ("<h3>Configuration</h3>" + _kv_table(setup, "setup-table")
             + "<h3>Backends that produced each number</h3>" + _kv_table(backends, "backends-table")
-            + _inputs_used(inputs)
+            + inputs_used(inputs)
             + (f'<ul id="input-warnings" class="missing">{warnings}</ul>' if warnings else "")
             + "<h3>Software versions</h3>" + _kv_table(data["tool_versions"], "versions-table"))
 
 
-def _inputs_used(inputs: dict[str, Any]) -> str:
+def inputs_used(inputs: dict[str, Any]) -> str:
     """What the prediction was made from (timeline/provenance.py): calibration files and their held-out
     error, what the kernel model was fitted on, what the slowdown model was trained on."""
     if not inputs:
@@ -109,22 +130,70 @@ def end_to_end_section(data: dict[str, Any]) -> str:
         row.update({"measured_s": NOT_MEASURED, "predicted / measured": NOT_MEASURED, "error_pct": NOT_MEASURED})
         note = (f'<p class="missing">{NOT_MEASURED} ({html.escape(str(e2e["reason"]))}); ground truth is read from '
                 f'<code>{html.escape(str(data["ground_truth_dir"]))}</code>. No error is reported.</p>')
-    efficiency = data.get("efficiency")
-    if efficiency:
-        note += table_html(pd.DataFrame([efficiency]), "efficiency-table")
+    source = f"measured: {data['ground_truth_dir']}" if e2e["measured"] else "no measurement"
     return (note + table_html(pd.DataFrame([row]), "end-to-end-table")
-            + _img(figures.end_to_end_figure(e2e), "end-to-end-figure", "predicted vs measured step time"))
+            + _img(figures.end_to_end_figure(e2e), "end-to-end-figure", "predicted vs measured step time",
+                   f"predicted by trainsim ({_predicted_by(data)}); {source}"))
+
+
+EFFICIENCY_ROWS = {"tokens_per_s": "tokens per second", "tokens_per_s_per_gpu": "tokens per second per GPU",
+                   "model_tflops_per_s_per_gpu": "model TFLOP/s per GPU", "mfu_pct": "MFU (%)",
+                   "hfu_pct": "HFU (%, with recomputation)", "cost_per_step_usd": "USD per step",
+                   "cost_per_million_tokens_usd": "USD per million tokens"}
+TRAINING_ROWS = {"training_tokens": "tokens", "training_steps": "steps", "training_days": "wall-clock days",
+                 "training_gpu_hours": "GPU-hours", "training_cost_usd": "cost (USD)",
+                 "training_energy_mwh": "energy (MWh, at the GPUs' maximum power)"}
+
+
+def efficiency_section(data: dict[str, Any]) -> str:
+    """The step in the numbers the field compares (MFU as Megatron counts it), and the whole run."""
+    numbers = data.get("efficiency")
+    if not numbers:
+        return "<p class='missing'>the compose artifact carries no config: no efficiency figures</p>"
+    hw = data["config"]["hardware"]
+    step = _kv_table({label: numbers[k] for k, label in EFFICIENCY_ROWS.items()}, "efficiency-table")
+    sources = (f"<p>MFU counts model FLOPs (Narayanan et al. 2021), HFU adds recomputation, both against the "
+               f"{hw.get('name')} peak; cost at {_fmt(hw.get('price_per_device_hour') or None)} USD per GPU-hour "
+               f"and energy at {_fmt(hw.get('power_per_device_w') or None)} W per GPU (hardware config; "
+               "'-' = not configured).</p>")
+    if numbers["training_tokens"] is None:
+        run = ('<p id="training-missing">No token budget: add <code>train.tokens=3e11</code> for the steps, days, '
+               "GPU-hours, cost and energy of a whole training run.</p>")
+    else:
+        run = ("<h3>The whole training run</h3>"
+               + _kv_table({label: numbers[k] for k, label in TRAINING_ROWS.items()}, "training-table")
+               + "<p>Steady-state steps only: no start-up, checkpoints, evaluation or failures.</p>")
+    return step + sources + run
 
 
 def breakdown_section(data: dict[str, Any]) -> str:
+    stages = {int(c["rank_class"]): int(c["pp_rank"]) for c in data["summary"].get("classes", [])
+              if "pp_rank" in c}
     return ("<p>Per rank class, in seconds: solo compute, slowdown added by overlap, communication not hidden "
             "behind compute per group, pipeline bubble, idle after the flush; then the optimizer step's part of "
             "them and the communication time added by inter-node transfers sharing a NIC (not added to the rest)."
             "</p>"
             + table_html(data["breakdown"], "breakdown-table")
-            + _img(figures.breakdown_figure(data["breakdown"]), "breakdown-figure", "step breakdown")
-            + "<h3>Timeline</h3>"
-            + _img(figures.timeline_figure(data["timeline"]), "timeline-figure", "timeline of one step"))
+            + _img(figures.breakdown_figure(data["breakdown"]), "breakdown-figure", "step breakdown",
+                   f"composed by trainsim: {_predicted_by(data)}")
+            + "<h3>One step, per rank class</h3>"
+            + _img(figures.timeline_figure(data["timeline"], stages), "timeline-figure", "timeline of one step",
+                   f"the composed timeline (timeline.parquet of the compose artifact): {_predicted_by(data)}")
+            + trace_download(data.get("chrome_trace")))
+
+
+def trace_download(path: Path | None) -> str:
+    """The step's Chrome / Perfetto trace inside the page (gzip, base64), so the page stays one file."""
+    if path is None or not Path(path).is_file():
+        return "<p class='missing'>no trace.json in the compose artifact</p>"
+    packed = gzip.compress(Path(path).read_bytes(), mtime=0)
+    if len(packed) > MAX_EMBEDDED_TRACE_BYTES:
+        return (f"<p>The step trace ({len(packed) / 2**20:.0f} MiB gzipped) is too large to embed: open "
+                f"<code>{html.escape(str(path))}</code> in https://ui.perfetto.dev.</p>")
+    return (f'<p><a id="trace-download" download="step-trace.json.gz" '
+            f'href="data:application/gzip;base64,{base64.b64encode(packed).decode("ascii")}">Download the step '
+            f"trace</a> ({len(packed) / 1024:.0f} KiB, Chrome trace format, gzipped): open it in "
+            "https://ui.perfetto.dev or chrome://tracing for every node of every rank class.</p>")
 
 
 def communication_section(data: dict[str, Any]) -> str:
@@ -167,10 +236,12 @@ def provenance_section(data: dict[str, Any]) -> str:
 
 def render_page(data: dict[str, Any]) -> str:
     """The whole page; one section per SECTIONS entry, in that order."""
-    builders = {"setup": setup_section, "end-to-end": end_to_end_section, "breakdown": breakdown_section,
+    builders = {"setup": setup_section, "end-to-end": end_to_end_section, "efficiency": efficiency_section,
+                "breakdown": breakdown_section,
                 "communication": communication_section, "slowdown": slowdown_section, "cost": cost_section,
                 "provenance": provenance_section}
-    titles = {"setup": "Setup", "end-to-end": "End-to-end step time", "breakdown": "Step breakdown",
+    titles = {"setup": "Setup", "end-to-end": "End-to-end step time",
+              "efficiency": "Throughput, utilisation and the training run", "breakdown": "Step breakdown",
               "communication": "Communication model", "slowdown": "Slowdown model",
               "cost": "Simulation cost", "provenance": "Provenance"}
     title = "trainsim report: " + " / ".join(data["keys"][k] for k in ("hardware", "model", "parallelism"))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from trainsim.artifacts import atomic_artifact
+from trainsim.config.schema import TrainConfig
 from trainsim.report.collect import collect
 from trainsim.report.html import render_page
 from trainsim.report.metrics import metrics, write_plots
@@ -17,15 +19,18 @@ UPSTREAM = ("trace", "profile", "calibration", "slowdown_model", "compose")
 
 
 def write_report_artifact(keys: dict[str, str], inputs: dict[str, Path], output: Path,
-                          truth_dir: Path) -> dict[str, Any]:
-    """Build the page and metrics from the input artifacts; ground truth is optional (shown as not measured)."""
+                          truth_dir: Path, train: TrainConfig | None = None) -> dict[str, Any]:
+    """Build the page and metrics from the input artifacts; ground truth is optional (shown as not measured),
+    and so is the token budget of the training totals."""
+    train = train or TrainConfig()
     upstream = {name: inputs[name] for name in UPSTREAM if name in inputs}
-    data = collect(upstream, keys, truth_dir)
+    data = collect(upstream, keys, truth_dir, train_tokens=train.tokens)
     result = metrics(data)
     deps = list(upstream.values())
     if (Path(truth_dir) / "manifest.json").is_file():
         deps.append(Path(truth_dir))
-    with atomic_artifact(output, stage="report", config={"keys": keys}, config_keys=keys, inputs=deps) as tmp:
+    config = {"keys": keys, "train": dataclasses.asdict(train)}
+    with atomic_artifact(output, stage="report", config=config, config_keys=keys, inputs=deps) as tmp:
         (tmp / HTML_FILE).write_text(render_page(data))
         (tmp / METRICS_FILE).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         write_plots(data, tmp)

@@ -26,8 +26,9 @@ from trainsim.comm.model import CommModel
 from trainsim.config.compose import Run, stable_hash
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.errors import ArtifactError, ConfigError
+from trainsim.progress import progress
 from trainsim.registry import STAGES
-from trainsim.report.efficiency import efficiency
+from trainsim.report.efficiency import TRAINING_TOTALS, efficiency, training_totals
 from trainsim.search.estimate import estimate_layout
 from trainsim.search.layouts import SearchSpace, enumerate_layouts
 from trainsim.search.slices import SliceCosts, measure_slice_costs, slice_key
@@ -69,10 +70,10 @@ def load_slice_costs(model: ModelConfig, layouts: list[ParallelismConfig], hw: H
     content = stable_hash([node, dataclasses.asdict(model), tracer_code_digest(), SliceCosts.format_digest()])
     directory = Path(cache) / keys["hardware"] / keys["model"] / content
     database = Path(STAGES["profile"].database_path(keys))  # the profile stage's: nothing is timed twice
+    first: dict[str, ParallelismConfig] = {}  # the first layout of each slice key measures it
     for par in layouts:
-        key = slice_key(par)
-        if key in costs:
-            continue
+        first.setdefault(slice_key(par), par)
+    for key, par in progress(first.items(), len(first), f"tracing and profiling {len(first)} slice(s)"):
         path = directory / f"{key}.json"
         if path.is_file():
             try:
@@ -135,14 +136,15 @@ def pareto_front(table: pd.DataFrame, x: str, y: str) -> pd.Series:
 def evaluate_layouts(layouts: list[ParallelismConfig], costs: dict[str, SliceCosts], model: ModelConfig,
                      hw: HardwareConfig, comm: CommModel, jobs: int = 1) -> pd.DataFrame:
     """Screen and estimate every layout, in `jobs` processes (chunks of layouts per process)."""
+    description = f"estimating {len(layouts)} layouts"
     if jobs <= 1 or len(layouts) < 2 * jobs:
         _init_worker(costs, model, hw, comm)
-        rows = [_evaluate(par) for par in layouts]
+        rows = list(progress(map(_evaluate, layouts), len(layouts), description))
     else:
         chunk = max(1, len(layouts) // (4 * jobs))
         with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_init_worker,
                                                     initargs=(costs, model, hw, comm)) as pool:
-            rows = list(pool.map(_evaluate, layouts, chunksize=chunk))
+            rows = list(progress(pool.map(_evaluate, layouts, chunksize=chunk), len(layouts), description))
     return pd.DataFrame(rows)
 
 
@@ -170,6 +172,11 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
     table["pareto"] = False
     if ok.any():
         table.loc[ok, "pareto"] = pareto_front(table[ok], "step_time_s", cost_column(table))
+        if run.train.tokens:  # the whole run at each layout's step: days, GPU-hours, cost, energy
+            plain_hw = dataclasses.asdict(hw)
+            totals = [training_totals(r.step_time_s, r.tokens_per_step, r.world_size, plain_hw, run.train.tokens)
+                      for r in table[ok].itertuples()]
+            table.loc[ok, list(TRAINING_TOTALS)] = pd.DataFrame(totals, index=table.index[ok])
     return SearchResult(table=table, slices_s=slices_s, estimate_s=estimate_s, jobs=jobs,
                         inputs=search_inputs(hw, calibration_dir if calibrated else None, budget))
 
@@ -186,17 +193,22 @@ def layout_overrides(row: pd.Series, num_nodes: int) -> list[str]:
             f"hardware.num_nodes={num_nodes}"]
 
 
+def point_overrides(row: pd.Series, run: Run, budget: int) -> list[str]:
+    """The whole override list of one searched layout: the run's config choices, its other overrides
+    (e.g. model.moe_routing, train.tokens) and the layout's fields."""
+    layout = layout_overrides(row, cluster_for(run.hardware, budget).num_nodes)
+    set_here = {o.split("=")[0] for o in layout} | {"hardware", "model", "parallelism"}
+    base = [f"{group}={run.choices[group]}" for group in ("hardware", "model", "parallelism")]
+    return base + [o for o in run.overrides if o.split("=")[0] not in set_here] + layout
+
+
 def sweep_file_text(result: SearchResult, run: Run, budget: int, top: int) -> str:
     """A sweep file (config/sweep.py format) with the `top` fastest layouts and the Pareto front."""
     ok = result.table[result.table["status"] == STATUS_OK]
     chosen = pd.concat([ok.nsmallest(top, "step_time_s"), ok[ok["pareto"]]]).drop_duplicates("layout")
-    nodes = cluster_for(run.hardware, budget).num_nodes
-    base = [f"{group}={run.choices[group]}" for group in ("hardware", "model", "parallelism")]
     points = []
     for _, row in chosen.iterrows():
-        layout = layout_overrides(row, nodes)
-        set_here = {o.split("=")[0] for o in layout} | {"hardware", "model", "parallelism"}
-        points.append(base + [o for o in run.overrides if o.split("=")[0] not in set_here] + layout)
+        points.append(point_overrides(row, run, budget))
     data = {"name": f"search-{run.keys['model']}-{run.keys['hardware']}-{budget}gpu", "points": points}
     return "# Layouts chosen by `trainsim search`; simulate them fully with\n" \
            f"#   snakemake --cores all --config sweep_file=<this file>\n{yaml.safe_dump(data, sort_keys=False)}"

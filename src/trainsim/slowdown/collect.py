@@ -32,7 +32,6 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from trainsim.comm.sweep import collective_call
@@ -40,6 +39,7 @@ from trainsim.config.schema import SlowdownConfig
 from trainsim.errors import ConfigError, ReplayError
 from trainsim.profile.analytical import op_kind
 from trainsim.profile.replay import build_call
+from trainsim.progress import feed, spawn
 from trainsim.slowdown.dataset import check_instances
 from trainsim.workloads.launch import free_port
 
@@ -224,7 +224,8 @@ def measure_windows(ops: list[ComputeOp], cfg: SlowdownConfig, device: torch.dev
     return rows if rank == 0 else None
 
 
-def _worker(rank: int, world: int, port: int, cfg: SlowdownConfig, threads: int, profile_rows, out: str) -> None:
+def _worker(rank: int, slot, world: int, port: int, cfg: SlowdownConfig, threads: int, profile_rows,
+            out: str) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     torch.set_num_threads(threads)
     cuda = torch.cuda.device_count() >= world
@@ -239,7 +240,7 @@ def _worker(rank: int, world: int, port: int, cfg: SlowdownConfig, threads: int,
         if profile_rows is not None and len(profile_rows):
             extra, skipped = profile_ops(profile_rows, device)
             ops += extra
-        rows = measure_windows(ops, cfg, device)
+        rows = measure_windows(ops, cfg, device, progress=feed(slot) if rank == 0 else None)  # parent's bar
         if rows is not None:
             frame = pd.DataFrame(rows).assign(source=f"measured-{device.type}", channels=np.nan, algorithm="",
                                               protocol="")
@@ -262,7 +263,8 @@ def collect_local(cfg: SlowdownConfig, hardware: str, device_type: str, threads_
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="trainsim-slowdown-") as tmp:
         out = str(Path(tmp) / "instances.parquet")
-        mp.spawn(_worker, nprocs=2, join=True, args=(2, port, cfg, threads_per_device, profile_rows, out))
+        spawn(_worker, 2, (2, port, cfg, threads_per_device, profile_rows, out),
+              f"timing compute under collectives ({device_type}, 2 ranks)")
         raw, skipped = pd.read_parquet(out), pd.read_parquet(out + ".skipped").to_dict("records")
     raw = raw.assign(hardware=hardware, device_type=device_type, kernel_name="", op_kind=raw["op"].map(op_kind))
     valid, invalid_counts, _ = check_instances(raw)

@@ -40,7 +40,9 @@ PROFILE_DATABASE = "artifacts/profiles/{hardware}/kernels.parquet"  # the profil
 
 def _imported(hw: HardwareConfig, hardware_key: str) -> tuple[pd.DataFrame, dict]:
     if not hw.slowdown.import_files:
-        raise ConfigError(f"hardware '{hw.name}': slowdown.source='import' needs slowdown.import_files")
+        raise ConfigError(f"hardware '{hw.name}': slowdown.source='import' needs slowdown.import_files; list the "
+                          "measured CSV files there (hardware.slowdown.import_files=[data/...csv]), or set "
+                          "hardware.slowdown.source=measure on a machine with that device")
     frames, summary = [], {"files": [], "invalid": dict.fromkeys(INVALID_REASONS, 0), "invalid_ids": [],
                            "slowdown_mismatch": 0}
     for index, name in enumerate(hw.slowdown.import_files):

@@ -96,7 +96,8 @@ def select_params(x: pd.DataFrame, targets: pd.DataFrame, y: np.ndarray, w: np.n
         return grid[0]
     if cfg.tuning.inner_folds < 2:
         raise ConfigError(f"hardware.slowdown.model.tuning.inner_folds={cfg.tuning.inner_folds}: "
-                          "the inner cross-validation needs at least 2 folds")
+                          "the inner cross-validation needs at least 2 folds; set "
+                          "hardware.slowdown.model.tuning.inner_folds=2 or more")
     if groups is None:
         order = np.random.default_rng(cfg.random_state + 1).permutation(index)
         inner = np.array_split(order, cfg.tuning.inner_folds)

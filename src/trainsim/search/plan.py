@@ -1,0 +1,152 @@
+"""`trainsim plan`: how many days and dollars to train a model on N GPUs, with which layout, and where the
+time goes, in one command and one page.
+
+A plan is a layout search (every layout on the budget, estimated), the chosen layout (the fastest that fits,
+or the cheapest) composed in full by the timeline engine with every missing input built first, and one
+self-contained page: the answer (layout, step, MFU, days, GPU-hours, dollars, energy), the step's picture
+and breakdown, the memory per rank class, and the alternatives the search saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from trainsim.api import Prediction, predict
+from trainsim.artifacts import atomic_artifact
+from trainsim.config.compose import Run, compose_run
+from trainsim.errors import ConfigError
+from trainsim.report.collect import breakdown
+from trainsim.report.html import breakdown_section, efficiency_section, html_page, inputs_used, table_html
+from trainsim.search.layouts import SearchSpace
+from trainsim.search.output import chosen_layouts, search_sections
+from trainsim.search.run import STATUS_OK, SearchResult, point_overrides, search_layouts
+
+CHOICES = {"time": "fastest", "cost": "cheapest"}
+SECTIONS = ("answer", "time", "memory", "alternatives", "inputs")
+ANSWER_FILE, PAGE_FILE = "plan.json", "plan.html"
+
+
+@dataclass
+class Plan:
+    run: Run
+    """The config the search started from (model, hardware, batch, precision, train.tokens)."""
+    budget: int
+    by: str
+    """'time' (the fastest layout that fits) or 'cost' (the cheapest per token)."""
+    search: SearchResult
+    overrides: list[str]
+    """The chosen layout as Hydra overrides: `trainsim compose <these>` reproduces the prediction."""
+    chosen_run: Run
+    """The chosen layout's config."""
+    prediction: Prediction
+    """The chosen layout composed in full (the answer's numbers come from here, not from the estimate)."""
+
+    @property
+    def chosen(self) -> pd.Series:
+        return chosen_layouts(self.search.table)[CHOICES[self.by]]
+
+
+def make_plan(run: Run, budget: int, space: SearchSpace, *, by: str = "time", jobs: int = 1,
+              calibration_dir: Path | None = None) -> Plan:
+    """Search the layouts of `run` on `budget` GPUs, choose one by `by`, compose it in full."""
+    if by not in CHOICES:
+        raise ConfigError(f"plan --by {by!r}: accepted 'time' (the fastest layout) or 'cost' (the cheapest)")
+    result = search_layouts(run, budget, space, jobs=jobs, calibration_dir=calibration_dir)
+    if not (result.table["status"] == STATUS_OK).any():
+        raise ConfigError(f"no layout of {run.model.name} fits in memory on {budget} x {run.hardware.name}: "
+                          "try more GPUs, --recompute full, --zero-stages 1 3, or a smaller micro-batch")
+    row = chosen_layouts(result.table)[CHOICES[by]]
+    # the full compose needs no node count (it spans the ranks the layout has); keeping the configured one
+    # keeps the hardware's artifact key, so its calibration and slowdown model are reused, not rebuilt
+    overrides = [o for o in point_overrides(row, run, budget) if not o.startswith("hardware.num_nodes=")]
+    return Plan(run=run, budget=budget, by=by, search=result, overrides=overrides,
+                chosen_run=compose_run(overrides, check="layout"), prediction=predict(*overrides))
+
+
+def page_data(plan: Plan) -> dict:
+    """What the report page's sections read (report/html.py), from the composed prediction."""
+    p = plan.prediction
+    config = {group: plan.chosen_run.group(group) for group in ("hardware", "model", "parallelism")}
+    return {"summary": p.summary, "config": config, "efficiency": p.efficiency, "breakdown": breakdown(p.summary),
+            "timeline": pd.read_parquet(p.artifact_dir / "timeline.parquet"),
+            "chrome_trace": p.artifact_dir / "trace.json"}
+
+
+def answer(plan: Plan) -> dict:
+    """The plan's numbers (plan.json): the chosen layout, its composed step and the whole run."""
+    p, row = plan.prediction, plan.chosen
+    return {"model": plan.run.model.name, "hardware": plan.run.hardware.name, "budget_gpus": plan.budget,
+            "chosen_by": plan.by, "layout": row["layout"], "world_size": int(row["world_size"]),
+            "overrides": plan.overrides, "step_time_s": p.step_time_s,
+            "estimated_step_time_s": float(row["step_time_s"]), "oom": p.oom, **p.efficiency,
+            "warnings": p.warnings}
+
+
+def answer_html(plan: Plan, data: dict) -> str:
+    a = answer(plan)
+    lead = (f"<p id='answer-line'><b>{html.escape(a['layout'])}</b> on {a['world_size']:,} of {plan.budget:,} "
+            f"{html.escape(a['hardware'])} GPUs ({CHOICES[plan.by]} layout that fits): "
+            f"{a['step_time_s']:.4g} s per step")
+    if a["training_days"] is not None:
+        lead += f", {a['training_days']:,.1f} days"
+        if a["training_cost_usd"] is not None:
+            lead += f" and {a['training_cost_usd']:,.0f} USD"
+        lead += f" for {a['training_tokens']:.3g} tokens"
+    lead += ".</p>"
+    if a["oom"]:
+        lead += "<p class='missing'>The full trace of this layout needs more memory than the GPU has (the search's " \
+                "estimate said it fits): see the memory section.</p>"
+    reproduce = f"<p>Reproduce the step: <code>trainsim compose {html.escape(' '.join(plan.overrides))}</code>; " \
+                f"the search estimated {a['estimated_step_time_s']:.4g} s, the full composition gives " \
+                f"{a['step_time_s']:.4g} s.</p>"
+    return lead + efficiency_section(data) + reproduce
+
+
+def memory_html(plan: Plan) -> str:
+    gib = plan.prediction.memory.copy()
+    for column in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "peak_activation_bytes",
+                   "peak_bytes", "capacity_bytes"):
+        gib[column.replace("_bytes", "_gib")] = gib.pop(column) / 2**30
+    return "<p>Per rank class of the full trace, in GiB.</p>" + table_html(gib, "memory-table")
+
+
+def render_plan_page(plan: Plan) -> str:
+    data = page_data(plan)
+    alternatives = "".join(f"<h3>{title}</h3>{body}" for sid, title, body in
+                           search_sections(plan.run, plan.budget, plan.search) if sid in ("grid", "pareto", "best"))
+    warnings = "".join(f"<li>{html.escape(w)}</li>" for w in plan.prediction.warnings)
+    sections = {
+        "answer": answer_html(plan, data),
+        "time": breakdown_section(data),
+        "memory": memory_html(plan),
+        "alternatives": alternatives,
+        "inputs": inputs_used(plan.prediction.inputs)
+                  + (f'<ul id="input-warnings" class="missing">{warnings}</ul>' if warnings else ""),
+    }
+    titles = {"answer": "The answer", "time": "Where the time goes", "memory": "Memory per GPU",
+              "alternatives": "The layouts it was chosen from", "inputs": "What the prediction used"}
+    tokens = f", {plan.run.train.tokens:.3g} tokens" if plan.run.train.tokens else ""
+    return html_page(f"trainsim plan: {plan.run.model.name} on {plan.budget} x {plan.run.hardware.name}{tokens}",
+                     [(k, titles[k], sections[k]) for k in SECTIONS])
+
+
+def plan_dir(run: Run, budget: int) -> Path:
+    return Path("artifacts/plans") / run.keys["hardware"] / run.keys["model"] / f"{budget}gpu"
+
+
+def write_plan_artifact(plan: Plan, output: Path) -> None:
+    """plan.html, plan.json and the searched layouts (layouts.csv), published atomically."""
+    config = {"hardware": plan.run.group("hardware"), "model": plan.run.group("model"),
+              "parallelism": plan.run.group("parallelism"), "train": dataclasses.asdict(plan.run.train),
+              "budget": plan.budget, "by": plan.by}
+    with atomic_artifact(output, stage="plan", config=config,
+                         config_keys={**plan.run.keys, "budget": str(plan.budget)}) as tmp:
+        (tmp / PAGE_FILE).write_text(render_plan_page(plan))
+        (tmp / ANSWER_FILE).write_text(json.dumps(answer(plan), indent=2, default=str) + "\n")
+        plan.search.table.to_csv(tmp / "layouts.csv", index=False)
