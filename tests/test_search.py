@@ -294,7 +294,7 @@ def _layout_table() -> pd.DataFrame:
 
 
 def test_grid_cells_hold_the_fastest_layout_that_fits():
-    from trainsim.search.output import grid_cells
+    from trainsim.report.layout_grid import grid_cells
 
     table = _layout_table()
     cells = grid_cells(table).set_index(["row", "dp"])

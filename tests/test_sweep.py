@@ -128,6 +128,12 @@ def test_a_sweep_with_an_invalid_point_runs_the_rest_and_summarises(tmp_path, wo
         rendered = render_report(summary / "summary.html")
         assert broken_elements(rendered, SECTIONS) == []
         assert {t["id"]: t["rows"] for t in rendered["tables"]}["points-table"] == 3
+        # dp2 and pp2 of one model on one hardware: two cells of the layout grid, each at its point's values
+        assert {"step-time-heatmap", "memory-heatmap"} <= {img["id"] for img in rendered["images"]}
+    from trainsim.report.layout_grid import grid_cells
+
+    cells = grid_cells(table.iloc[:2].assign(layout=table["point"].iloc[:2]))
+    assert sorted(cells["dp"]) == [1, 2] and cells["step_time_s"].tolist() == table["step_time_s"].iloc[:2].tolist()
 
 
 def test_what_if_scales_links_and_kernels():

@@ -318,7 +318,8 @@ def _cmd_search(args, console: Console) -> int:
     ok = table[table["status"] == STATUS_OK]
     view = Table(title=f"{len(table)} layouts ({len(ok)} fit in memory); fastest {min(args.top, len(ok))} "
                        f"and the Pareto front (time vs {cost_column(table)})")
-    columns = ("layout", "step_time_s", "tokens_per_s", "mfu_pct", "peak_memory_gib", cost_column(table))
+    columns = ("layout", "step_time_s", "tokens_per_s", "mfu_pct", "peak_memory_gib", cost_column(table),
+               *(c for c in ("training_days", "training_cost_usd") if ok[c].notna().any()))  # with train.tokens
     for column in columns:
         view.add_column(column, justify="right")
     shown = pd.concat([ok.nsmallest(args.top, "step_time_s"), ok[ok["pareto"]]]).drop_duplicates("layout")

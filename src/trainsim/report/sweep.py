@@ -29,10 +29,11 @@ from trainsim.report.accuracy_figures import accuracy_html, accuracy_points  # n
 from trainsim.report.efficiency import efficiency  # noqa: E402
 from trainsim.report.figures import COLOURS, figure_html  # noqa: E402
 from trainsim.report.html import NOT_MEASURED, html_page, table_html  # noqa: E402
+from trainsim.report.layout_grid import grid_cells, memory_heatmap, step_time_heatmap  # noqa: E402
 
 TABLE_FILE, CSV_FILE, HTML_FILE = "summary.parquet", "summary.csv", "summary.html"
 STATUS_OK, STATUS_OOM, STATUS_INVALID = "ok", "oom", "invalid"
-SECTIONS = ("points", "what-if", "end-to-end", "cost")
+SECTIONS = ("points", "grid", "what-if", "end-to-end", "cost")
 
 
 def point_row(keys: dict[str, str], root: Path = Path(".")) -> dict[str, Any]:
@@ -52,7 +53,8 @@ def point_row(keys: dict[str, str], root: Path = Path(".")) -> dict[str, Any]:
     row: dict[str, Any] = {
         **keys, "status": STATUS_OOM if summary["oom"] else STATUS_OK, "reason": None,
         "world_size": summary["world_size"], "num_nodes": hw["num_nodes"], "dp": par["dp"], "tp": par["tp"],
-        "pp": par["pp"], "micro_batch_size": par["micro_batch_size"], "num_microbatches": summary["num_microbatches"],
+        "cp": par.get("cp", 1), "pp": par["pp"], "micro_batch_size": par["micro_batch_size"],
+        "num_microbatches": summary["num_microbatches"],
         "schedule": par["schedule"], "recompute": par["recompute"], "step_time_s": summary["step_time_s"],
         **efficiency(summary["step_time_s"], hw, model, par, train_tokens=train_tokens),
         "peak_memory_gib": max(peaks) / 2**30 if peaks else None,
@@ -167,11 +169,28 @@ def _cost_figure(table: pd.DataFrame):
     return fig
 
 
+def grid_html(valid: pd.DataFrame) -> str:
+    """The search page's heatmaps over the sweep's layouts, when its points share hardware and model and span
+    more than one (tp, cp, pp, dp) cell; else why not."""
+    if valid.empty or valid[["hardware", "model"]].drop_duplicates().shape[0] > 1:
+        return "<p>The points differ in hardware or model (or none is valid): no grid of layouts to draw.</p>"
+    cells = grid_cells(valid.assign(layout=valid["point"]))
+    if len(cells) < 2:
+        return "<p>Every point has the same tp, cp, pp and dp: no grid of layouts to draw.</p>"
+    capacity = valid["memory_capacity_gib"].iloc[0]
+    source = f"{PREDICTED}; each cell the fastest point that fits at that tp, cp, pp and dp"
+    return (figure_html(step_time_heatmap(cells), "step-time-heatmap", "step time per tp/pp and dp cell", source)
+            + figure_html(memory_heatmap(cells, capacity if pd.notna(capacity) else None), "memory-heatmap",
+                          "peak memory per tp/pp and dp cell against capacity", f"{source}; peak per GPU"))
+
+
 def render_summary_page(name: str, table: pd.DataFrame) -> str:
-    shown = [c for c in ("point", "status", "reason", "world_size", "dp", "tp", "pp", "micro_batch_size",
-                         "schedule", "recompute", "step_time_s", "tokens_per_s", "mfu_pct", "peak_memory_gib",
-                         "oom", "cost_per_step_usd", "cost_per_million_tokens_usd", "step_vs_first_pct",
-                         "measured_step_s", "error_pct") if c in table]
+    shown = [c for c in ("point", "status", "reason", "world_size", "dp", "tp", "cp", "pp", "micro_batch_size",
+                         "schedule", "recompute", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu_pct",
+                         "hfu_pct", "peak_memory_gib", "oom", "cost_per_step_usd", "cost_per_million_tokens_usd",
+                         "training_days", "training_gpu_hours", "training_cost_usd", "training_energy_mwh",
+                         "step_vs_first_pct", "measured_step_s", "error_pct")
+             if c in table and table[c].notna().any()]  # training totals only with a token budget
     invalid = int((table["status"] == STATUS_INVALID).sum())
     valid = table[table["status"] != STATUS_INVALID]
     e2e = valid[[c for c in ("point", "step_time_s", "measured_step_s", "error_pct") if c in table]].copy()
@@ -181,6 +200,7 @@ def render_summary_page(name: str, table: pd.DataFrame) -> str:
     cost_cols = [c for c in ("point", "world_size", "trace_s", "compose_s") if c in table]
     lines = what_if_lines(table)
     sections = {
+        "grid": grid_html(valid),
         "what-if": ("<p>Each point against the first (the baseline when the sweep varies hardware.what_if, "
                     "num_nodes or any other knob):</p><ul id='what-if-list'>"
                     + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
@@ -194,7 +214,8 @@ def render_summary_page(name: str, table: pd.DataFrame) -> str:
                 + figure_html(_cost_figure(table), "cost-figure", "simulation cost by GPU count",
                               "wall time of each point's trace stage (its manifest) and compose (its summary.json)"),
     }
-    titles = {"points": "Points", "what-if": "What if", "end-to-end": "Predicted vs measured",
+    titles = {"points": "Points", "grid": "Step time and memory over the layouts", "what-if": "What if",
+              "end-to-end": "Predicted vs measured",
               "cost": "Simulation cost by GPU count"}
     return html_page(f"trainsim sweep {name}", [(k, titles[k], sections[k]) for k in SECTIONS])
 
