@@ -71,6 +71,10 @@ def test_page_renders_whole_in_chromium(a100_project, tmp_path):
     assert [(d["id"], d["events"]) for d in rendered["downloads"]] == [("trace-download", len(trace["traceEvents"]))]
     assert tables["efficiency-table"] == 7 and "training-table" not in tables  # no token budget: no totals
     assert 'id="training-missing"' in page.read_text()
+    text = page.read_text()  # every figure names what its numbers were made from
+    assert text.count("<figcaption>") == len(rendered["images"])
+    assert "NCCL model calibrated on a100-2gpu-nvlink_allreduce_vtrain-lut.csv" in text
+    assert "overlap slowdown trained on echo_gpt2" in text
 
 
 @pytest.mark.slow

@@ -67,13 +67,24 @@ def _img(uri: str, fig_id: str, alt: str, caption: str = "") -> str:
     return f'<figure>{img}<figcaption>{html.escape(caption)}</figcaption></figure>'
 
 
-def _predicted_by(data: dict[str, Any]) -> str:
-    """'compute: 93 analytical ops; communication: ...; slowdown: ...' from the compose summary."""
+def _made_from(data: dict[str, Any]) -> dict[str, str]:
+    """What the composed numbers were made from, for figure captions: the kernel backends and what the kernel
+    model was fitted on, the calibration files, the slowdown model's training data."""
     summary = data["summary"]
-    backends = ", ".join(f"{n} {k}" for k, n in summary.get("compute_backends", {}).items())
-    models = summary.get("models", {})
-    return (f"compute kernels {backends or 'unknown'}; communication {models.get('comm', 'unknown')}; "
-            f"overlap slowdown {models.get('slowdown', 'none')}")
+    inputs = summary.get("inputs", {})
+    kernels, cal, slowdown = inputs.get("kernels", {}), inputs.get("calibration", {}), inputs.get("slowdown", {})
+    backends = ", ".join(f"{n} {k}" for k, n in summary.get("compute_backends", {}).items()) or "unknown"
+    fitted = f" (kernel model: {kernels['kernel_model'].split(':')[0]})" if "kernel_model" in kernels else ""
+    sources = cal.get("sources", [])
+    collectives = (f"NCCL model calibrated on {', '.join(Path(f).name for f in sources)}" if sources
+                   else "collectives from datasheet rates")
+    overlap = (f"overlap slowdown trained on {', '.join(Path(f).name for f in slowdown.get('files', []))}"
+               if slowdown.get("modelled") else "no overlap slowdown model")
+    return {"kernels": f"compute kernels {backends}{fitted}", "collectives": collectives, "overlap": overlap}
+
+
+def _predicted_by(data: dict[str, Any]) -> str:
+    return "; ".join(_made_from(data).values())
 
 
 def setup_section(data: dict[str, Any]) -> str:
@@ -202,7 +213,9 @@ def communication_section(data: dict[str, Any]) -> str:
     return ("<p>Held-out mean absolute percentage error of the fitted NCCL model and the alpha-beta baseline, "
             "for messages of at least 1 MiB (large) and below (small).</p>"
             + table_html(data["comm_summary"], "comm-table")
-            + _img(figures.comm_figure(data["comm_by_size"]), "comm-figure", "communication error by size"))
+            + _img(figures.comm_figure(data["comm_by_size"]), "comm-figure", "communication error by size",
+                   "held-out points of the calibration's own measurements (its fit.json): "
+                   + _made_from(data)["collectives"]))
 
 
 def slowdown_section(data: dict[str, Any]) -> str:
@@ -213,16 +226,20 @@ def slowdown_section(data: dict[str, Any]) -> str:
             for split, block in slow["metrics"].items() for who, values in block.items()]
     holdout = slow["metrics"].get("holdout") or next(iter(slow["metrics"].values()))
     return (table_html(pd.DataFrame(rows), "slowdown-table")
-            + _img(figures.slowdown_accuracy_figure(holdout), "slowdown-figure", "slowdown accuracy")
+            + _img(figures.slowdown_accuracy_figure(holdout), "slowdown-figure", "slowdown accuracy",
+                   "hold-out kernels of the slowdown model's data (its metrics.json): "
+                   + _made_from(data)["overlap"])
             + "<h3>Feature importances</h3>" + table_html(slow["importances"].head(12), "importance-table")
-            + _img(figures.importance_figure(slow["importances"]), "importance-figure", "feature importances"))
+            + _img(figures.importance_figure(slow["importances"]), "importance-figure", "feature importances",
+                   "XGBoost gain of the slowdown model (its metrics.json)"))
 
 
 def cost_section(data: dict[str, Any]) -> str:
     cost = data["cost"]
     frame = pd.DataFrame([{"GPUs": cost["world_size"], "trace_s": cost["trace_s"], "compose_s": cost["compose_s"],
                            "compose_stage_s": cost["compose_stage_s"]}])
-    return table_html(frame, "cost-table") + _img(figures.cost_figure(cost), "cost-figure", "simulation cost")
+    return table_html(frame, "cost-table") + _img(figures.cost_figure(cost), "cost-figure", "simulation cost",
+                                                  "wall time in this point's trace manifest and compose summary.json")
 
 
 def provenance_section(data: dict[str, Any]) -> str:
