@@ -447,3 +447,15 @@ def test_fast_path_adds_the_noise_wait_before_each_tensor_parallel_collective():
     # 4 collectives after 0.5 s of compute each
     assert _collective_seconds({"all_reduce:1024": 3, "all_gather:64": 1}, Comm(), 2, 1, 2.0) == \
         pytest.approx(4e-3 + 4 * 0.05)
+
+
+def test_plan_says_what_to_change_when_no_layout_fits(tmp_path, monkeypatch):
+    from trainsim.search.plan import make_plan
+
+    monkeypatch.chdir(tmp_path)
+    run = compose_run(["hardware=a100-80g-dgx", "model=gpt-175b", "parallelism=pp16-tp8-dp8"], check="layout")
+    space = SearchSpace(micro_batch_sizes=(1,), schedules=("1f1b",), recompute=("full",))
+    with pytest.raises(ConfigError, match=r"none of the \d+ layouts of gpt-175b fits in memory on 8 x a100-80g-dgx "
+                                          r"\(least peak \d+ GiB per GPU\); try more GPUs than --gpus 8, "
+                                          r"--zero-stages 0 1 3$"):
+        make_plan(run, 8, space)

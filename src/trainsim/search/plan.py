@@ -59,8 +59,13 @@ def make_plan(run: Run, budget: int, space: SearchSpace, *, by: str = "time", jo
         raise ConfigError(f"plan --by {by!r}: accepted 'time' (the fastest layout) or 'cost' (the cheapest)")
     result = search_layouts(run, budget, space, jobs=jobs, calibration_dir=calibration_dir)
     if not (result.table["status"] == STATUS_OK).any():
-        raise ConfigError(f"no layout of {run.model.name} fits in memory on {budget} x {run.hardware.name}: "
-                          "try more GPUs, --recompute full, --zero-stages 1 3, or a smaller micro-batch")
+        tries = [f"more GPUs than --gpus {budget}"]
+        tries += ["--recompute full"] * ("full" not in space.recompute)
+        tries += ["--zero-stages 0 1 3"] * (not {1, 3} <= set(space.zero_stages))
+        tries += ["--micro-batch-sizes 1"] * (1 not in space.micro_batch_sizes)
+        raise ConfigError(f"none of the {len(result.table)} layouts of {run.model.name} fits in memory on {budget} x "
+                          f"{run.hardware.name} (least peak {result.table['peak_memory_gib'].min():.0f} GiB per GPU); "
+                          f"try {', '.join(tries)}")
     row = chosen_layouts(result.table)[CHOICES[by]]
     # the full compose needs no node count (it spans the ranks the layout has); keeping the configured one
     # keeps the hardware's artifact key, so its calibration and slowdown model are reused, not rebuilt
