@@ -208,6 +208,8 @@ def _inputs_lines(inputs: dict) -> list[str]:
 
 def _efficiency_lines(figures: dict) -> list[str]:
     """The step, then the whole run, in the numbers the field compares (report/efficiency.py)."""
+    from trainsim.report.efficiency import token_count
+
     def money(usd):
         return f"${usd / 1e6:,.2f} M" if usd >= 1e6 else f"${usd:,.2f}" if usd >= 1 else f"${usd:.3g}"
 
@@ -227,10 +229,7 @@ def _efficiency_lines(figures: dict) -> list[str]:
         run.append(money(figures["training_cost_usd"]))
     if figures["training_energy_mwh"] is not None:
         run.append(f"{figures['training_energy_mwh']:,.0f} MWh at the GPUs' maximum power")
-    tokens = figures["training_tokens"]
-    scale = next(((d, u) for d, u in ((1e12, " trillion"), (1e9, " billion"), (1e6, " million")) if tokens >= d),
-                 (1, ""))
-    return lines + [f"training on {tokens / scale[0]:,.4g}{scale[1]} tokens: " + ", ".join(run)]
+    return lines + [f"training on {token_count(figures['training_tokens'])} tokens: " + ", ".join(run)]
 
 
 def _cmd_compose(args, console: Console) -> int:

@@ -115,3 +115,11 @@ def training_totals(step_time_s: float, tokens_per_step: int, world: int, hardwa
     return {"training_tokens": float(train_tokens), "training_steps": steps, "training_days": seconds / 86400,
             "training_gpu_hours": gpu_hours, "training_cost_usd": gpu_hours * price if price > 0 else None,
             "training_energy_mwh": power * world * seconds / 3.6e9 if power > 0 else None}
+
+
+def token_count(tokens: float) -> str:
+    """'300 billion', '1 trillion', '15.6 million': a token budget as people say it."""
+    for scale, unit in ((1e12, " trillion"), (1e9, " billion"), (1e6, " million")):
+        if tokens >= scale:
+            return f"{tokens / scale:,.4g}{unit}"
+    return f"{tokens:,.0f}"

@@ -22,6 +22,7 @@ from trainsim.artifacts import atomic_artifact
 from trainsim.config.compose import Run, compose_run
 from trainsim.errors import ConfigError
 from trainsim.report.collect import breakdown
+from trainsim.report.efficiency import token_count
 from trainsim.report.html import breakdown_section, efficiency_section, html_page, inputs_used, table_html
 from trainsim.search.layouts import SearchSpace
 from trainsim.search.output import chosen_layouts, search_sections
@@ -102,7 +103,7 @@ def answer_html(plan: Plan, data: dict) -> str:
         lead += f", {a['training_days']:,.1f} days"
         if a["training_cost_usd"] is not None:
             lead += f" and {a['training_cost_usd']:,.0f} USD"
-        lead += f" for {a['training_tokens']:.3g} tokens"
+        lead += f" for {token_count(a['training_tokens'])} tokens"
     lead += ".</p>"
     if a["oom"]:
         lead += "<p class='missing'>The full trace of this layout needs more memory than the GPU has (the search's " \
@@ -136,7 +137,7 @@ def render_plan_page(plan: Plan) -> str:
     }
     titles = {"answer": "The answer", "time": "Where the time goes", "memory": "Memory per GPU",
               "alternatives": "The layouts it was chosen from", "inputs": "What the prediction used"}
-    tokens = f", {plan.run.train.tokens:.3g} tokens" if plan.run.train.tokens else ""
+    tokens = f", {token_count(plan.run.train.tokens)} tokens" if plan.run.train.tokens else ""
     return html_page(f"trainsim plan: {plan.run.model.name} on {plan.budget} x {plan.run.hardware.name}{tokens}",
                      [(k, titles[k], sections[k]) for k in SECTIONS])
 
