@@ -196,6 +196,8 @@ def test_plan_answers_days_and_dollars_in_one_page(a100_project, monkeypatch, ca
     assert {"breakdown-figure", "timeline-figure", "step-time-heatmap", "memory-heatmap", "pareto-figure"} <= {
         img["id"] for img in rendered["images"]}
     assert rendered["downloads"][0]["events"] > 0
-    assert main([*args[:-1], "--by", "cost"]) == 0
+    assert main([*args[:-1], "--within-days", "30"]) == 2  # a deadline needs train.tokens: an error, no plan
+    assert "needs the run's token budget" in capsys.readouterr().err
+    assert main([*args, "--by", "cost", "--within-days", "1e6"]) == 0
     cheapest = json.loads((out / "plan.json").read_text())
     assert cheapest["layout"] == fitting.loc[fitting["cost_per_million_tokens_usd"].idxmin(), "layout"]

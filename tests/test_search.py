@@ -459,3 +459,23 @@ def test_plan_says_what_to_change_when_no_layout_fits(tmp_path, monkeypatch):
                                           r"\(least peak \d+ GiB per GPU\); try more GPUs than --gpus 8, "
                                           r"--zero-stages 0 1 3$"):
         make_plan(run, 8, space)
+
+
+def test_plan_takes_the_cheapest_layout_that_meets_the_deadline():
+    from trainsim.search.plan import choose
+
+    table = _layout_table()
+    ok = table["status"] == STATUS_OK
+    table.loc[ok, "training_days"] = table.loc[ok, "step_time_s"] * 10.0  # days grow with the step
+    fastest, cheapest = choose(table, "time"), choose(table, "cost")
+    assert fastest["step_time_s"] == table.loc[ok, "step_time_s"].min()
+    assert cheapest["cost_per_million_tokens_usd"] == table.loc[ok, "cost_per_million_tokens_usd"].min()
+    deadline = (fastest["training_days"] + cheapest["training_days"]) / 2  # the cheapest is too slow for it
+    assert cheapest["training_days"] > deadline
+    chosen = choose(table, "cost", deadline)
+    meets = table[ok & (table["training_days"] <= deadline)]
+    assert chosen["layout"] == meets.loc[meets["cost_per_million_tokens_usd"].idxmin(), "layout"]
+    assert choose(table, "time", deadline)["layout"] == fastest["layout"]
+    assert fastest["training_days"] > 0.5
+    with pytest.raises(ConfigError, match=rf"trains within 0.5 days: the fastest, {fastest['layout']}, takes "):
+        choose(table, "cost", 0.5)

@@ -285,13 +285,14 @@ def _cmd_plan(args, console: Console) -> int:
     run, space, calibration = _search_setup(args, console)
     with status(f"searching the layouts of {run.model.name} on {args.gpus} x {run.hardware.name}, then "
                 "composing the chosen one in full (missing inputs built first)"):
-        plan = make_plan(run, args.gpus, space, by=args.by, jobs=args.jobs or os.cpu_count() or 1,
-                         calibration_dir=calibration)
+        plan = make_plan(run, args.gpus, space, by=args.by, within_days=args.within_days,
+                         jobs=args.jobs or os.cpu_count() or 1, calibration_dir=calibration)
     output = Path(args.output) if args.output else plan_dir(run, args.gpus)
     write_plan_artifact(plan, output)
     a = answer(plan)
-    console.print(f"{a['layout']} on {a['world_size']} GPUs ({'fastest' if args.by == 'time' else 'cheapest'} of "
-                  f"{len(plan.search.table)} layouts): {a['step_time_s']:.4f} s per step"
+    deadline = f" within {args.within_days:g} days" if args.within_days else ""
+    console.print(f"{a['layout']} on {a['world_size']} GPUs ({'fastest' if args.by == 'time' else 'cheapest'}"
+                  f"{deadline} of {len(plan.search.table)} layouts): {a['step_time_s']:.4f} s per step"
                   + (" [red](OOM in the full trace)[/red]" if a["oom"] else ""), highlight=False)
     for line in [*_efficiency_lines(plan.prediction.efficiency), *_inputs_lines(plan.prediction.inputs)]:
         console.print(line, highlight=False)
@@ -391,8 +392,8 @@ EXAMPLES = {
                "--ep-sizes 1 2 4 8"),
     "plan": ("trainsim plan model=gpt-175b hardware=a100-80g-dgx parallelism=pp16-tp8-dp8 --gpus 1024 "
              "train.tokens=3e11",
-             "trainsim plan model=llama3-70b hardware=h100-sxm-dgx parallelism=tp8-sp-pp8-dp4 --gpus 512 "
-             "train.tokens=15e12 --by cost"),
+             "trainsim plan model=llama3-70b hardware=h100-sxm-dgx parallelism=tp8-sp-pp8-dp4 --gpus 4096 "
+             "train.tokens=15e12 --by cost --within-days 90"),
     "dvc-yaml": ("trainsim dvc-yaml > dvc.yaml", "trainsim dvc-yaml --check"),
 }
 """Real command lines each verb's --help ends with (tests/test_cli.py wants some for every verb)."""
@@ -459,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_search_arguments(p)
     p.add_argument("--by", choices=("time", "cost"), default="time",
                    help="choose the fastest layout that fits (default) or the cheapest per token")
+    p.add_argument("--within-days", type=float, default=0.0, metavar="DAYS",
+                   help="only layouts that train train.tokens within DAYS (with --by cost: how many GPUs, and "
+                        "which layout, to finish in time at the least cost)")
     p.add_argument("--output", help="artifact directory (default artifacts/plans/{hardware}/{model}/{gpus}gpu)")
     p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")

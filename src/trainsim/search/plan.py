@@ -41,23 +41,30 @@ class Plan:
     by: str
     """'time' (the fastest layout that fits) or 'cost' (the cheapest per token)."""
     search: SearchResult
+    chosen: pd.Series
+    """The search's row of the chosen layout."""
     overrides: list[str]
     """The chosen layout as Hydra overrides: `trainsim compose <these>` reproduces the prediction."""
     chosen_run: Run
     """The chosen layout's config."""
     prediction: Prediction
     """The chosen layout composed in full (the answer's numbers come from here, not from the estimate)."""
-
-    @property
-    def chosen(self) -> pd.Series:
-        return chosen_layouts(self.search.table)[CHOICES[self.by]]
+    within_days: float = 0.0
+    """The deadline the choice was held to (0: none)."""
 
 
-def make_plan(run: Run, budget: int, space: SearchSpace, *, by: str = "time", jobs: int = 1,
-              calibration_dir: Path | None = None) -> Plan:
-    """Search the layouts of `run` on `budget` GPUs, choose one by `by`, compose it in full."""
+def make_plan(run: Run, budget: int, space: SearchSpace, *, by: str = "time", within_days: float = 0.0,
+              jobs: int = 1, calibration_dir: Path | None = None) -> Plan:
+    """Search the layouts of `run` on `budget` GPUs (and its halvings), choose one by `by` among those that
+    train `train.tokens` within `within_days` (0: no deadline), compose it in full.
+
+    `by='cost', within_days=D` answers "how many GPUs, and which layout, to train this in D days at the least
+    cost": a smaller world that meets the deadline costs fewer GPU-hours when it runs as efficiently."""
     if by not in CHOICES:
         raise ConfigError(f"plan --by {by!r}: accepted 'time' (the fastest layout) or 'cost' (the cheapest)")
+    if within_days and not run.train.tokens:
+        raise ConfigError(f"plan --within-days {within_days:g} needs the run's token budget: add train.tokens=... "
+                          "(e.g. train.tokens=3e11)")
     result = search_layouts(run, budget, space, jobs=jobs, calibration_dir=calibration_dir)
     if not (result.table["status"] == STATUS_OK).any():
         tries = [f"more GPUs than --gpus {budget}"]
@@ -67,12 +74,26 @@ def make_plan(run: Run, budget: int, space: SearchSpace, *, by: str = "time", jo
         raise ConfigError(f"none of the {len(result.table)} layouts of {run.model.name} fits in memory on {budget} x "
                           f"{run.hardware.name} (least peak {result.table['peak_memory_gib'].min():.0f} GiB per GPU); "
                           f"try {', '.join(tries)}")
-    row = chosen_layouts(result.table)[CHOICES[by]]
+    row = choose(result.table, by, within_days)
     # the full compose needs no node count (it spans the ranks the layout has); keeping the configured one
     # keeps the hardware's artifact key, so its calibration and slowdown model are reused, not rebuilt
     overrides = [o for o in point_overrides(row, run, budget) if not o.startswith("hardware.num_nodes=")]
-    return Plan(run=run, budget=budget, by=by, search=result, overrides=overrides,
-                chosen_run=compose_run(overrides, check="layout"), prediction=predict(*overrides))
+    return Plan(run=run, budget=budget, by=by, search=result, chosen=row, overrides=overrides,
+                chosen_run=compose_run(overrides, check="layout"), prediction=predict(*overrides),
+                within_days=within_days)
+
+
+def choose(table: pd.DataFrame, by: str, within_days: float = 0.0) -> pd.Series:
+    """The searched layout a plan takes: the fastest or the cheapest that fits, among those whose
+    training_days meet the deadline when there is one."""
+    fits = table[table["status"] == STATUS_OK]
+    meets = fits[fits["training_days"] <= within_days] if within_days else fits
+    if meets.empty:
+        fastest = fits.loc[fits["step_time_s"].idxmin()]
+        raise ConfigError(f"no layout on up to {fits['world_size'].max()} GPUs trains within {within_days:g} days: "
+                          f"the fastest, {fastest['layout']}, takes {fastest['training_days']:.1f} days; raise "
+                          "--gpus or --within-days")
+    return chosen_layouts(meets)[CHOICES[by]]
 
 
 def page_data(plan: Plan) -> dict:
@@ -88,7 +109,8 @@ def answer(plan: Plan) -> dict:
     """The plan's numbers (plan.json): the chosen layout, its composed step and the whole run."""
     p, row = plan.prediction, plan.chosen
     return {"model": plan.run.model.name, "hardware": plan.run.hardware.name, "budget_gpus": plan.budget,
-            "chosen_by": plan.by, "layout": row["layout"], "world_size": int(row["world_size"]),
+            "chosen_by": plan.by, "within_days": plan.within_days or None, "layout": row["layout"],
+            "world_size": int(row["world_size"]),
             "overrides": plan.overrides, "step_time_s": p.step_time_s,
             "estimated_step_time_s": float(row["step_time_s"]), "oom": p.oom, **p.efficiency,
             "warnings": p.warnings}
@@ -97,7 +119,8 @@ def answer(plan: Plan) -> dict:
 def answer_html(plan: Plan, data: dict) -> str:
     a = answer(plan)
     lead = (f"<p id='answer-line'><b>{html.escape(a['layout'])}</b> on {a['world_size']:,} of {plan.budget:,} "
-            f"{html.escape(a['hardware'])} GPUs ({CHOICES[plan.by]} layout that fits): "
+            f"{html.escape(a['hardware'])} GPUs ({CHOICES[plan.by]} layout that fits"
+            + (f" and trains within {plan.within_days:g} days" if plan.within_days else "") + "): "
             f"{a['step_time_s']:.4g} s per step")
     if a["training_days"] is not None:
         lead += f", {a['training_days']:,.1f} days"
