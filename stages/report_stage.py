@@ -15,20 +15,19 @@ from rich.console import Console
 from trainsim.errors import ArtifactError, ConfigError
 from trainsim.registry import STAGES
 from trainsim.report.stage import write_report_artifact
-from trainsim.stage_cli import resolve_groups, resolve_setting, stage_inputs, stage_parser
+from trainsim.stage_cli import resolve_groups, stage_inputs, stage_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = stage_parser(__doc__).parse_args(argv)
     console = Console(stderr=True)
     try:
-        _, keys = resolve_groups(args, ("hardware", "model", "parallelism"))
-        train = resolve_setting(args, "train")
+        config, keys = resolve_groups(args, ("hardware", "model", "parallelism"), STAGES["report"].settings)
         inputs = stage_inputs(args)
         if "compose" not in inputs:
             raise ConfigError("--input compose=DIR is required")
         truth = inputs.get("ground_truth", Path(STAGES["ground_truth"].path(keys)))
-        result = write_report_artifact(keys, inputs, args.output, truth, train=train)
+        result = write_report_artifact(keys, inputs, args.output, truth, train=config["train"])
     except (ConfigError, ArtifactError) as exc:
         console.print(f"[red]report failed:[/red] {exc}")
         return 2

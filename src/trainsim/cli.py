@@ -258,7 +258,7 @@ def _cmd_compose(args, console: Console) -> int:
     return 0
 
 
-def _search_setup(args, console: Console):
+def _search_setup(args):
     """The run, the search space of the command line, and the hardware's calibration (built when missing
     unless --quick)."""
     from trainsim.config import compose_run
@@ -280,9 +280,9 @@ def _search_setup(args, console: Console):
 
 
 def _cmd_plan(args, console: Console) -> int:
-    from trainsim.search.plan import PAGE_FILE, answer, make_plan, plan_dir, write_plan_artifact
+    from trainsim.search.plan import CHOICES, PAGE_FILE, answer, make_plan, plan_dir, write_plan_artifact
 
-    run, space, calibration = _search_setup(args, console)
+    run, space, calibration = _search_setup(args)
     with status(f"searching the layouts of {run.model.name} on {args.gpus} x {run.hardware.name}, then "
                 "composing the chosen one in full (missing inputs built first)"):
         plan = make_plan(run, args.gpus, space, by=args.by, within_days=args.within_days,
@@ -291,7 +291,7 @@ def _cmd_plan(args, console: Console) -> int:
     write_plan_artifact(plan, output)
     a = answer(plan)
     deadline = f" within {args.within_days:g} days" if args.within_days else ""
-    console.print(f"{a['layout']} on {a['world_size']} GPUs ({'fastest' if args.by == 'time' else 'cheapest'}"
+    console.print(f"{a['layout']} on {a['world_size']} GPUs ({CHOICES[args.by]}"
                   f"{deadline} of {len(plan.search.table)} layouts): {a['step_time_s']:.4f} s per step"
                   + (" [red](OOM in the full trace)[/red]" if a["oom"] else ""), highlight=False)
     for line in [*_efficiency_lines(plan.prediction.efficiency), *_inputs_lines(plan.prediction.inputs)]:
@@ -308,7 +308,7 @@ def _cmd_search(args, console: Console) -> int:
     from trainsim.search.output import search_dir, write_search_artifact
     from trainsim.search.run import STATUS_OK, cost_column, search_layouts
 
-    run, space, calibration = _search_setup(args, console)
+    run, space, calibration = _search_setup(args)
     with status(f"searching layouts of {run.model.name} on {args.gpus} x {run.hardware.name}"):
         result = search_layouts(run, args.gpus, space, jobs=args.jobs or os.cpu_count() or 1,
                                 calibration_dir=calibration)

@@ -39,17 +39,20 @@ def stage_inputs(args: argparse.Namespace) -> dict[str, Path]:
     return inputs
 
 
-def resolve_groups(args: argparse.Namespace, groups: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Typed config of `groups` and their artifact keys, validated as far as those groups allow."""
+def resolve_groups(args: argparse.Namespace, groups: tuple[str, ...],
+                   settings: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, str]]:
+    """Typed config of `groups` and their artifact keys, validated as far as those groups allow; with the
+    root config nodes `settings` names (registry.Stage.settings) typed beside them, keying nothing."""
     if args.config_json:
         plain = json.loads(args.config_json)
         typed = {group: group_from_plain(group, plain[group]) for group in groups}
+        typed |= {name: type(RUN_FIELDS[name].default_factory())(**plain.get(name, {})) for name in settings}
         keys = plain["keys"]
         if "hardware" in typed:
             typed["hardware"] = detect_local_devices(typed["hardware"])
     else:
         run = compose_run(args.overrides, check="layout")
-        typed = {group: getattr(run, group) for group in groups}
+        typed = {name: getattr(run, name) for name in (*groups, *settings)}
         keys = {group: run.key(group) for group in groups}
     if "model" in typed and "parallelism" in typed:
         validate_layout(typed["model"], typed["parallelism"])
@@ -57,11 +60,3 @@ def resolve_groups(args: argparse.Namespace, groups: tuple[str, ...]) -> tuple[d
         validate_hardware(typed["hardware"])
     return typed, keys
 
-
-def resolve_setting(args: argparse.Namespace, name: str) -> Any:
-    """A root config node that keys no artifact (registry.Stage.settings), typed: from --config-json (its
-    defaults where Snakemake passed none), else composed from the overrides."""
-    if args.config_json:
-        schema = type(RUN_FIELDS[name].default_factory())
-        return schema(**json.loads(args.config_json).get(name, {}))
-    return getattr(compose_run(args.overrides, check="layout"), name)

@@ -7,6 +7,7 @@ the Agg backend needs no display, so the stage runs on a headless CI machine.
 from __future__ import annotations
 
 import base64
+import html
 import io
 from typing import Any
 
@@ -189,10 +190,10 @@ def cost_figure(cost: dict[str, Any]) -> str:
     return png_data_uri(fig)
 
 
-def figure_html(fig, fig_id: str, alt: str, caption: str) -> str:
-    """A figure as an <img> with its one-line caption naming where its numbers come from (predicted by what,
-    measured where): a figure that does not say so cannot be checked by its reader."""
-    from html import escape  # local: this module's imports are not edited by figure additions
-
-    return (f'<figure style="margin:.5em 0 1.2em"><img id="{fig_id}" alt="{escape(alt)}" src="{png_data_uri(fig)}">'
-            f'<figcaption style="font-size:.8em;color:#555">{escape(caption)}</figcaption></figure>')
+def figure_html(figure, fig_id: str, alt: str, caption: str) -> str:
+    """A figure (a matplotlib figure, or the data URI of one) as an <img> with its one-line caption naming
+    where its numbers come from (predicted by what, measured where): a figure that does not say so cannot be
+    checked by its reader. The page's CSS (report/html.py) styles the caption."""
+    src = figure if isinstance(figure, str) else png_data_uri(figure)
+    return (f'<figure><img id="{fig_id}" alt="{html.escape(alt)}" src="{src}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")

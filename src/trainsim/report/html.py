@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from trainsim.report import figures
+from trainsim.report.figures import figure_html
 
 NOT_MEASURED = "not measured"
 SECTIONS = ("setup", "end-to-end", "efficiency", "breakdown", "communication", "slowdown", "cost", "provenance")
@@ -57,14 +58,6 @@ def table_html(frame: pd.DataFrame, table_id: str) -> str:
 
 def _kv_table(pairs: dict[str, Any], table_id: str) -> str:
     return table_html(pd.DataFrame({"item": list(pairs), "value": [_fmt(v) for v in pairs.values()]}), table_id)
-
-
-def _img(uri: str, fig_id: str, alt: str, caption: str = "") -> str:
-    """An embedded figure; the caption says where its numbers come from."""
-    img = f'<img id="{fig_id}" alt="{html.escape(alt)}" src="{uri}">'
-    if not caption:
-        return img
-    return f'<figure>{img}<figcaption>{html.escape(caption)}</figcaption></figure>'
 
 
 def _made_from(data: dict[str, Any]) -> dict[str, str]:
@@ -143,8 +136,8 @@ def end_to_end_section(data: dict[str, Any]) -> str:
                 f'<code>{html.escape(str(data["ground_truth_dir"]))}</code>. No error is reported.</p>')
     source = f"measured: {data['ground_truth_dir']}" if e2e["measured"] else "no measurement"
     return (note + table_html(pd.DataFrame([row]), "end-to-end-table")
-            + _img(figures.end_to_end_figure(e2e), "end-to-end-figure", "predicted vs measured step time",
-                   f"predicted by trainsim ({_predicted_by(data)}); {source}"))
+            + figure_html(figures.end_to_end_figure(e2e), "end-to-end-figure", "predicted vs measured step time",
+                          f"predicted by trainsim ({_predicted_by(data)}); {source}"))
 
 
 EFFICIENCY_ROWS = {"tokens_per_s": "tokens per second", "tokens_per_s_per_gpu": "tokens per second per GPU",
@@ -185,11 +178,11 @@ def breakdown_section(data: dict[str, Any]) -> str:
             "them and the communication time added by inter-node transfers sharing a NIC (not added to the rest)."
             "</p>"
             + table_html(data["breakdown"], "breakdown-table")
-            + _img(figures.breakdown_figure(data["breakdown"]), "breakdown-figure", "step breakdown",
-                   f"composed by trainsim: {_predicted_by(data)}")
+            + figure_html(figures.breakdown_figure(data["breakdown"]), "breakdown-figure", "step breakdown",
+                          f"composed by trainsim: {_predicted_by(data)}")
             + "<h3>One step, per rank class</h3>"
-            + _img(figures.timeline_figure(data["timeline"], stages), "timeline-figure", "timeline of one step",
-                   f"the composed timeline (timeline.parquet of the compose artifact): {_predicted_by(data)}")
+            + figure_html(figures.timeline_figure(data["timeline"], stages), "timeline-figure", "timeline of one step",
+                          f"the composed timeline (timeline.parquet of the compose artifact): {_predicted_by(data)}")
             + trace_download(data.get("chrome_trace")))
 
 
@@ -213,9 +206,9 @@ def communication_section(data: dict[str, Any]) -> str:
     return ("<p>Held-out mean absolute percentage error of the fitted NCCL model and the alpha-beta baseline, "
             "for messages of at least 1 MiB (large) and below (small).</p>"
             + table_html(data["comm_summary"], "comm-table")
-            + _img(figures.comm_figure(data["comm_by_size"]), "comm-figure", "communication error by size",
-                   "held-out points of the calibration's own measurements (its fit.json): "
-                   + _made_from(data)["collectives"]))
+            + figure_html(figures.comm_figure(data["comm_by_size"]), "comm-figure", "communication error by size",
+                          "held-out points of the calibration's own measurements (its fit.json): "
+                          + _made_from(data)["collectives"]))
 
 
 def slowdown_section(data: dict[str, Any]) -> str:
@@ -226,20 +219,21 @@ def slowdown_section(data: dict[str, Any]) -> str:
             for split, block in slow["metrics"].items() for who, values in block.items()]
     holdout = slow["metrics"].get("holdout") or next(iter(slow["metrics"].values()))
     return (table_html(pd.DataFrame(rows), "slowdown-table")
-            + _img(figures.slowdown_accuracy_figure(holdout), "slowdown-figure", "slowdown accuracy",
-                   "hold-out kernels of the slowdown model's data (its metrics.json): "
-                   + _made_from(data)["overlap"])
+            + figure_html(figures.slowdown_accuracy_figure(holdout), "slowdown-figure", "slowdown accuracy",
+                          "hold-out kernels of the slowdown model's data (its metrics.json): "
+                          + _made_from(data)["overlap"])
             + "<h3>Feature importances</h3>" + table_html(slow["importances"].head(12), "importance-table")
-            + _img(figures.importance_figure(slow["importances"]), "importance-figure", "feature importances",
-                   "XGBoost gain of the slowdown model (its metrics.json)"))
+            + figure_html(figures.importance_figure(slow["importances"]), "importance-figure", "feature importances",
+                          "XGBoost gain of the slowdown model (its metrics.json)"))
 
 
 def cost_section(data: dict[str, Any]) -> str:
     cost = data["cost"]
     frame = pd.DataFrame([{"GPUs": cost["world_size"], "trace_s": cost["trace_s"], "compose_s": cost["compose_s"],
                            "compose_stage_s": cost["compose_stage_s"]}])
-    return table_html(frame, "cost-table") + _img(figures.cost_figure(cost), "cost-figure", "simulation cost",
-                                                  "wall time in this point's trace manifest and compose summary.json")
+    return table_html(frame, "cost-table") + figure_html(
+        figures.cost_figure(cost), "cost-figure", "simulation cost",
+        "wall time in this point's trace manifest and compose summary.json")
 
 
 def provenance_section(data: dict[str, Any]) -> str:
