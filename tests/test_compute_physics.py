@@ -44,6 +44,40 @@ def test_wave_quantisation_and_alignment():
     assert gemm_shape_efficiency(1, 4096, 4100, 4096, 0, "fp16") == pytest.approx(MISALIGNED_EFFICIENCY)
 
 
+def _mm_row(m: int, n: int, k: int, **notes: int) -> dict:
+    encoded = {"args": [{"$t": 0}, {"$t": 1}], "kwargs": {}, **notes}
+    return {"op": "aten::mm", "flops": 2 * m * n * k, "bytes_moved": 2 * (m * k + k * n + m * n),
+            "input_shapes": json.dumps([[m, k], [k, n]]), "input_dtypes": "bf16,bf16",
+            "op_args": json.dumps(encoded)}
+
+
+def test_blocks_of_a_split_gemm_share_waves_like_the_whole_gemm():
+    # Transformer Engine's comm-GEMM overlap: 8 token blocks of [512, 7168] x [7168, 3584] on H100 (132 SMs).
+    # One block alone is 56 output tiles of 128 x 256 (0.42 of a wave); issued on several streams the blocks
+    # fill each other's waves, so together they run like the [4096, 7168] x [7168, 3584] GEMM
+    hw = compose_run(["hardware=h100-sxm-dgx"]).hardware
+    rates = rates_for(hw, "bf16")
+    alone, block, whole, beside_comm = predict_ops(rates, pd.DataFrame([
+        _mm_row(512, 3584, 7168), _mm_row(512, 3584, 7168, chunks=8), _mm_row(4096, 3584, 7168),
+        _mm_row(512, 3584, 7168, chunks=8, comm_sms=16)]))
+    launch = rates.launch_overhead_s
+    assert block - launch == pytest.approx((whole - launch) / 8, rel=0.01)
+    assert alone > 1.1 * block  # priced alone the block's partial wave costs more than 10 %
+    assert gemm_shape_efficiency(1, 512, 3584, 7168, 132) < 0.85 < gemm_shape_efficiency(1, 4096, 3584, 7168, 132)
+    # a reduce-scatter's communication kernels hold 16 SMs: the blocks run on the other 116
+    assert beside_comm - launch == pytest.approx(
+        (block - launch) * 132 / 116 * gemm_shape_efficiency(1, 4096, 3584, 7168, 132)
+        / gemm_shape_efficiency(1, 4096, 3584, 7168, 116), rel=0.01)
+    assert beside_comm > block
+    # the additions the communication kernels do cost the compute stream nothing
+    add = {"op": "aten::add_.Tensor", "flops": 512 * 3584, "bytes_moved": 3 * 2 * 512 * 3584,
+           "input_shapes": json.dumps([[512, 3584]] * 2), "input_dtypes": "bf16,bf16"}
+    on_stream, in_comm = predict_ops(rates, pd.DataFrame([
+        {**add, "op_args": json.dumps({"args": [{"$t": 0}, {"$t": 1}], "kwargs": {}})},
+        {**add, "op_args": json.dumps({"args": [{"$t": 0}, {"$t": 1}], "kwargs": {}, "comm_kernel": 1})}]))
+    assert on_stream > 0 and in_comm == 0
+
+
 def _sdpa_row(causal: bool, backward: bool) -> dict:
     b, h, s, d = 1, 16, 8192, 128
     forward = 4 * b * h * s * s * d

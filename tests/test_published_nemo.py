@@ -61,6 +61,16 @@ def test_every_runnable_row_maps_to_a_valid_fp8_run(rows):
         assert par.schedule == ("interleaved-1f1b" if row["vp"] > 1 else "1f1b")
         assert model.attention == "fused" and par.recompute == "none"
         assert model.dropout == (0.1 if row["model"].startswith("GPT3") else 0.0)
+        # Megatron-Core DDP's default bucket: max(40M, 1M x dp) parameters of bf16 gradients (cp reduces with dp)
+        assert par.dp_bucket_size_bytes == 2 * max(40_000_000, 1_000_000 * par.dp * par.cp)
+
+
+def test_megatron_core_tables_use_its_gradient_buckets_and_2021_pytorchs():
+    for name, bucket in (("mcore2024_h100", 2 * 48_000_000), ("megatron2021_a100", 25 * 2**20)):
+        table = TABLES[name]
+        run = compose_run([f"hardware={table.hardware}", "model=gpt-small", "parallelism=single"])
+        row = read_table(name).iloc[3]
+        assert row_configs(table, row, run.model, run.parallelism)[1].dp_bucket_size_bytes == bucket
 
 
 def test_every_architecture_names_its_source():

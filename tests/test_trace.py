@@ -53,6 +53,27 @@ def test_tp_collectives_follow_megatron():
     assert set(comm["group_kind"]) == {"tp"}
 
 
+def test_overlapped_tensor_parallel_gemms_are_recorded_as_blocks_of_one_gemm():
+    import json
+
+    run, result = _trace("parallelism=tp2", "parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true")
+    graph = result.graph.to_pandas()
+    notes = graph["op_args"].map(lambda a: {k: v for k, v in json.loads(a).items() if k not in ("args", "kwargs")})
+    mm = graph["op"].str.startswith("aten::mm") & (graph["phase"] != "optimizer")
+    chunks = notes[mm].map(lambda n: n.get("chunks", 1))
+    layers = run.model.num_layers
+    # 4 linears per layer, each split into tp blocks in forward and in its backward input gradient; the weight
+    # gradients (and the unsplit output layer) are whole GEMMs
+    assert (chunks[chunks > 1] == 2).all()
+    assert (chunks > 1).sum() == 4 * layers * 2 * 2
+    assert (chunks == 1).sum() >= 4 * layers
+    # half of the split GEMMs feed a reduce-scatter, whose communication kernels hold SMs and do its additions
+    assert (notes[mm].map(lambda n: n.get("comm_sms", 0)) == 16).sum() == 4 * layers * 2
+    adds = notes[notes.map(lambda n: "comm_kernel" in n)]
+    assert (graph.loc[adds.index, "op"] == "aten::add_.Tensor").all() and len(adds) == 4 * layers * (2 - 1)
+    assert notes[graph["kind"] != "compute"].map(len).eq(0).all()
+
+
 def test_pp_stages_exchange_activations_and_gradients():
     run, result = _trace("parallelism=pp2")
     comm = _comm(result.graph.to_pandas())

@@ -13,7 +13,9 @@ GEMM's shape costs on a device with `sm_count` SMs: output tiles are spread over
 last, partly filled wave runs at the speed of a full one (wave quantisation); a dimension that is not a
 multiple of 16 bytes forbids the vectorised loads the fast kernels use (alignment). Flash attention's
 efficiency per pass comes from FlashAttention-2/3 measurements (data/kernels), as its own class: it does
-not reach GEMM rates (softmax and masking between its two matmuls). e_k is the efficiency of the op's
+not reach GEMM rates (softmax and masking between its two matmuls). GEMMs split to overlap tensor-parallel
+communication are priced as Transformer Engine runs them (`overlap_notes`: blocks sharing waves, SMs held by
+the communication kernels, reductions done there). e_k is the efficiency of the op's
 kind (normalisation, softmax/loss, optimizer, ...; 1 for elementwise): kernels of one kind share an
 access pattern. Parameters live in `hardware.kernel_model`; `fit_rates` estimates them from measured
 rows (least squares on log time).
@@ -194,8 +196,36 @@ def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: i
             continue
         dims = gemm_dims(op, shapes)
         if dims is not None and min(dims) > 0:
-            out[i] = gemm_shape_efficiency(*dims, sm_count, dtype)
+            batch, m, n, k = dims
+            notes = overlap_notes(arg)
+            whole = m * max(notes.get("chunks", 1), 1)  # the rows of the whole GEMM whose waves a block shares
+            if sm_count > 0:
+                sms = max(sm_count - notes.get("comm_sms", 0), 1)  # the SMs communication kernels leave it
+                out[i] = sms / sm_count * gemm_shape_efficiency(batch, whole, n, k, sms, dtype)
+            else:
+                out[i] = gemm_shape_efficiency(batch, whole, n, k, 0, dtype)
     return out
+
+
+def overlap_notes(args: str) -> dict[str, int]:
+    """How the op overlaps communication (observer.overlap_notes, in its op_args), the way Transformer Engine's
+    comm-GEMM overlap runs it:
+
+    chunks     the GEMM is one of this many token blocks of one GEMM. TE issues the blocks round-robin on up to
+               three compute streams (NVTE_COMM_OVERLAP_MAX_STREAMS; each waits only for its own block's
+               arrival), so the next block's tiles fill the SMs the current one's last wave leaves idle: the blocks
+               share waves as the whole GEMM's tiles would (shape efficiency of chunks x the rows).
+    comm_sms   a communication kernel holds this many SMs meanwhile (the GEMM runs on the others).
+    comm_kernel the op is that communication kernel's own work (a reduce-scatter's additions): no time of its own
+               on the compute stream, its cost is the SMs the GEMMs go without.
+    {} for an op that does not overlap communication."""
+    if not args or ('"chunks"' not in args and '"comm_' not in args):
+        return {}
+    try:
+        parsed = json.loads(args)
+        return {k: int(parsed[k]) for k in ("chunks", "comm_sms", "comm_kernel") if k in parsed}
+    except (TypeError, ValueError, AttributeError):
+        return {}
 
 
 def _attention_factor(rows: pd.DataFrame, kinds: np.ndarray) -> np.ndarray:
@@ -327,7 +357,10 @@ def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -
     kinds = _kinds(rows)
     shape = _shape_efficiency(rows, kinds, [dtype] * len(rows), rates.sm_count)
     grouped = rows["op"].astype(str).str.startswith(GROUPED_GEMM_OPS).to_numpy()
-    return predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, _attention_rows(rows, kinds), grouped)
+    time = predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, _attention_rows(rows, kinds), grouped)
+    if "op_args" in rows:
+        time[[bool(overlap_notes(a).get("comm_kernel")) for a in rows["op_args"]]] = 0.0
+    return time
 
 
 def _kinds(rows: pd.DataFrame) -> np.ndarray:

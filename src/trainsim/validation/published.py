@@ -87,6 +87,8 @@ class Table:
     """model name -> architecture where the csv has no architecture columns (layers, hidden, attn_heads); with
     it, seq (None), micro batch, context parallelism and virtual stages come from the csv's seq_len, micro_batch,
     cp and vp columns"""
+    megatron_core_buckets: bool = False
+    """gradient buckets of Megatron-Core's DDP (megatron_core_bucket_bytes) in place of PyTorch DDP's 25 MiB"""
     flash_attention: str | None = None
     """the flash-attention kernel of that framework release where it differs from the hardware config's
     (FlashAttention-3 on H100): 'Fav2' = FlashAttention-2's causal H100 measurement (FLASH_ATTENTION_RATES);
@@ -126,11 +128,12 @@ TABLES = {
     "megatron2021_a100": Table("megatron2021_a100", "published/megatron-lm_readme_2021_a100_selene_weak_scaling.csv",
                                "a100-80g-selene", "fp16", "full", 2048, 51200, "unfused", 4, False, False, 96.0, 16.0),
     "mcore2024_h100": Table("mcore2024_h100", "published/megatron-lm_readme_2024_h100_core_r0.8.csv",
-                            "h100-sxm-dgx", "bf16", "none", 4096, 131072, "fused", 1024, True, True, 72.0, 12.0),
+                            "h100-sxm-dgx", "bf16", "none", 4096, 131072, "fused", 1024, True, True, 72.0, 12.0,
+                            megatron_core_buckets=True),
     "nemo2407_h100_fp8": Table("nemo2407_h100_fp8", "published/nemo_24.07_dgx-h100_fp8_pretrain.csv",
                                "h100-sxm-dgx", "fp8", "none", None, None, "fused", None, True, True, None, None,
                                step_time_column="derived_step_time_s", architectures=NEMO_ARCHITECTURES,
-                               flash_attention="Fav2"),
+                               flash_attention="Fav2", megatron_core_buckets=True),
 }
 
 DROPOUT = 0.1
@@ -146,8 +149,11 @@ ASSUMPTIONS = {
                          "and for the NeMo 24.07 rows with tp > 1, with tp_comm_overlap (NeMo's recipes; the "
                          "24.07 launcher's gpt3/175b and nemotron_340b yamls leave ub_tp_comm_overlap off, the "
                          "others set it: applied to every tp > 1 row alike)",
-    "dp_bucket": "gradients all-reduced in 25 MiB buckets overlapped with backward (Megatron DDP with overlap); "
-                 "with the distributed optimizer reduce-scattered in the same buckets",
+    "dp_bucket": "gradients reduced in buckets overlapped with backward: 25 MiB in 2021 (Megatron DDP with "
+                 "overlap); Megatron-Core r0.8 and NeMo 24.07 (Megatron-Core's DDP): its default of max(40M, 1M x "
+                 "data-parallel size) parameters per bucket (DistributedDataParallelConfig.bucket_size: larger DP "
+                 "sizes need larger buckets so that collectives are not latency-bound), 96 MB of bf16 gradients at "
+                 "dp 48; with the distributed optimizer reduce-scattered in the same buckets",
     "grad_dtype": "gradients reduced in the weights' dtype (parallelism.grad_reduce_in_fp32 false). Megatron-LM "
                   "forces fp32 for bf16, but at fp32 the 2024 pp=1 rows cannot reach their measured times (32B tp8: "
                   "16 GB per GPU reduce-scattered through one 50 GB/s NIC after the last micro-batch); the sources "
@@ -229,6 +235,12 @@ def virtual_stages(layers: int, pp: int, most: int = 4) -> int:
     return max(v for v in range(1, most + 1) if per_stage % v == 0)
 
 
+def megatron_core_bucket_bytes(dp: int, grad_bytes: int) -> int:
+    """Megatron-Core DDP's default gradient bucket: max(40M, 1M x dp) parameters (dp counts the context-parallel
+    ranks, which reduce gradients with it), each `grad_bytes` long."""
+    return max(40_000_000, 1_000_000 * dp) * grad_bytes
+
+
 def row_configs(table: Table, row, base_model: ModelConfig, base_par: ParallelismConfig
                 ) -> tuple[ModelConfig, ParallelismConfig]:
     """The model and layout of one row of read_table (not for rows with a skip_reason)."""
@@ -252,6 +264,9 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
                               zero_stage=int(table.distributed_optimizer),
                               overlap_param_gather=table.distributed_optimizer,
                               schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
+    if table.megatron_core_buckets:
+        grad_bytes = 4 if par.grad_reduce_in_fp32 or table.precision == "fp32" else 2
+        par = dataclasses.replace(par, dp_bucket_size_bytes=megatron_core_bucket_bytes(par.dp * par.cp, grad_bytes))
     return model, par
 
 

@@ -53,6 +53,14 @@ class StepObserver:
         the one inside stands in for, where the backend cannot run it as such (collectives.all_gather_uneven)."""
         yield
 
+    @contextlib.contextmanager
+    def overlap_notes(self, **notes: int) -> Iterator[None]:
+        """How the framework runs the kernels issued here to overlap its communication (Transformer Engine's
+        comm-GEMM overlap), for the kernel model: `chunks`, the GEMM is one of that many token blocks of one GEMM,
+        issued so that consecutive blocks run at once; `comm_sms`, a communication kernel holds that many SMs
+        meanwhile; `comm_kernel`, the op is that communication kernel's own work (a reduction it does on its SMs)."""
+        yield
+
 
 class StepTimer(StepObserver):
     """Wall time per phase, and the part of it spent in communication calls (ground truth on CPU)."""

@@ -133,6 +133,11 @@ def wait_all(works: list, group_kind: str = "tp") -> None:
             work.wait()
 
 
+REDUCE_SCATTER_COMM_SMS = 16
+"""SMs Transformer Engine's reduce-scatter overlap gives its communication kernels, which do the reduction there
+(TE's default `num_sm` for the "pipeline" and "bulk" methods; the GEMMs meanwhile run on the other SMs)."""
+
+
 def ring_all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group, tp: int, mm=None,
                            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(all-gather(x) @ weight^T, all-gather(x)) with the gather overlapped: tp steps, each multiplying the
@@ -153,7 +158,8 @@ def ring_all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group, tp: int
             incoming = (me - step - 1) % tp
             works = ring_exchange(gathered[block * t:(block + 1) * t], gathered[incoming * t:(incoming + 1) * t],
                                    group, tp)
-        mm(gathered[block * t:(block + 1) * t], out[block * t:(block + 1) * t])
+        with observer().overlap_notes(chunks=tp):
+            mm(gathered[block * t:(block + 1) * t], out[block * t:(block + 1) * t])
         wait_all(works)
     return out, gathered
 
@@ -162,7 +168,8 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
     """reduce-scatter(x @ weight^T) over tokens with the reduction overlapped: at each of tp steps a rank
     multiplies one token block, adds the partial sum the previous rank passed on and sends it on; after
     the last step it holds the full sum of its own block. x: [tp t, k] -> [t, n]. mm(block): the block
-    GEMM (default torch.mm with weight^T)."""
+    GEMM (default torch.mm with weight^T). As Transformer Engine does, the additions are the communication
+    kernels' work, on REDUCE_SCATTER_COMM_SMS SMs the GEMMs meanwhile go without."""
     me, t = dist.get_rank(group), x.shape[0] // tp
     if mm is None:
         def mm(block):
@@ -170,11 +177,13 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
     incoming: tuple[torch.Tensor, list] | None = None  # the partial sum on its way from the previous rank
     for step in range(tp):
         block = (me - 1 - step) % tp  # the last step is this rank's own block
-        product = mm(x[block * t:(block + 1) * t])
+        with observer().overlap_notes(chunks=tp, comm_sms=REDUCE_SCATTER_COMM_SMS):
+            product = mm(x[block * t:(block + 1) * t])
         if incoming is not None:
             received, works = incoming
             wait_all(works)
-            product.add_(received)
+            with observer().overlap_notes(comm_kernel=1):
+                product.add_(received)
         if step < tp - 1:
             received = torch.empty_like(product)
             incoming = received, ring_exchange(product, received, group, tp)
