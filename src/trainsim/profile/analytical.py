@@ -180,12 +180,13 @@ def grouped_gemm_efficiency(groups: list[tuple[int, int, int]], sm_count: int, d
     return alignment * best
 
 
-def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: int) -> np.ndarray:
+def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: int, args: list[str],
+                      notes: list[dict[str, int]]) -> np.ndarray:
     out = np.ones(len(rows))
     if "input_shapes" not in rows:
         return out
-    args = rows["op_args"] if "op_args" in rows else [""] * len(rows)
-    for i, (op, shapes, kind, dtype, arg) in enumerate(zip(rows["op"], rows["input_shapes"], kinds, dtypes, args)):
+    for i, (op, shapes, kind, dtype, arg, note) in enumerate(zip(rows["op"], rows["input_shapes"], kinds, dtypes,
+                                                                 args, notes)):
         if kind != "matmul":
             continue
         shapes = json.loads(shapes) if isinstance(shapes, str) else shapes
@@ -197,10 +198,9 @@ def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: i
         dims = gemm_dims(op, shapes)
         if dims is not None and min(dims) > 0:
             batch, m, n, k = dims
-            notes = overlap_notes(arg)
-            whole = m * max(notes.get("chunks", 1), 1)  # the rows of the whole GEMM whose waves a block shares
+            whole = m * max(note.get("chunks", 1), 1)  # the rows of the whole GEMM whose waves a block shares
             if sm_count > 0:
-                sms = max(sm_count - notes.get("comm_sms", 0), 1)  # the SMs communication kernels leave it
+                sms = max(sm_count - note.get("comm_sms", 0), 1)  # the SMs communication kernels leave it
                 out[i] = sms / sm_count * gemm_shape_efficiency(batch, whole, n, k, sms, dtype)
             else:
                 out[i] = gemm_shape_efficiency(batch, whole, n, k, 0, dtype)
@@ -355,11 +355,12 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray) -> tuple[np.ndarray, 
 def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -> np.ndarray:
     """Seconds per op row (op, flops, bytes_moved, and input_shapes / op_args where known) at `rates`."""
     kinds = _kinds(rows)
-    shape = _shape_efficiency(rows, kinds, [dtype] * len(rows), rates.sm_count)
+    args = rows["op_args"].tolist() if "op_args" in rows else [""] * len(rows)
+    notes = [overlap_notes(a) for a in args]
+    shape = _shape_efficiency(rows, kinds, [dtype] * len(rows), rates.sm_count, args, notes)
     grouped = rows["op"].astype(str).str.startswith(GROUPED_GEMM_OPS).to_numpy()
     time = predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, _attention_rows(rows, kinds), grouped)
-    if "op_args" in rows:
-        time[[bool(overlap_notes(a).get("comm_kernel")) for a in rows["op_args"]]] = 0.0
+    time[[bool(n.get("comm_kernel")) for n in notes]] = 0.0
     return time
 
 

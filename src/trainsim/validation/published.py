@@ -265,7 +265,9 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
                               overlap_param_gather=table.distributed_optimizer,
                               schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
     if table.megatron_core_buckets:
-        grad_bytes = 4 if par.grad_reduce_in_fp32 or table.precision == "fp32" else 2
+        from trainsim.workloads.model import DTYPES
+
+        grad_bytes = 4 if par.grad_reduce_in_fp32 else DTYPES[par.precision].itemsize  # gradients in the weights' dtype
         par = dataclasses.replace(par, dp_bucket_size_bytes=megatron_core_bucket_bytes(par.dp * par.cp, grad_bytes))
     return model, par
 
