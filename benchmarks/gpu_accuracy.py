@@ -60,6 +60,10 @@ CASES = {
     "llama8b-4l-fp8": ["model=llama3-8b", "model.num_layers=4", "model.seq_length=4096", "parallelism.precision=fp8"],
     "gpt7b-4l": ["model=gpt-13b", "model.hidden_size=4096", "model.num_attention_heads=32", "model.num_layers=4",
                  "model.seq_length=4096"],
+    # Megatron-Core's 1.7B row (tp 1) as one of its 48 data-parallel ranks runs it: 4 micro-batches, all layers
+    "gpt1.7b-mcore": ["model=gpt-13b", "model.hidden_size=2048", "model.num_attention_heads=16",
+                      "model.num_layers=24", "model.seq_length=4096", "model.vocab_size=131072", "model.dropout=0.1",
+                      "model.attention_dropout=0.1", "parallelism.global_batch_size=4"],
     "mixtral-2l": ["model=mixtral-8x7b", "model.num_layers=2"],
     "qwen3moe-2l": ["model=qwen3-30b-a3b", "model.num_layers=2"],
 }
@@ -103,6 +107,56 @@ def raw_rates() -> list[tuple[str, float, str]]:
     backward_s = _seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
     figures += [("gpu_flash_attention_tflops_fwd", forward_flops / forward_s / 1e12, "TFLOP/s"),
                 ("gpu_flash_attention_tflops_bwd", 2.5 * forward_flops / backward_s / 1e12, "TFLOP/s")]
+    return figures
+
+
+SPLIT_GEMMS = {"fc1_32b_tp8": (4096, 7168, 3584), "fc2_32b_tp8": (4096, 3584, 7168)}
+"""[tokens, k] x [k, n] GEMMs of Megatron-Core's 32B row (hidden 7168, tp 8, seq 4096) that tp_comm_overlap
+runs in tp = 8 token blocks."""
+
+
+def _split_gemm_calls(m: int, k: int, n: int, chunks: int, side: list) -> dict:
+    """A [m, k] x [k, n] GEMM whole, in `chunks` row blocks on one stream, and in blocks round-robin on `side`."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    rows = m // chunks
+    blocks = [(a[i * rows:(i + 1) * rows], out[i * rows:(i + 1) * rows]) for i in range(chunks)]
+
+    def one_stream():
+        for x, y in blocks:
+            torch.mm(x, b, out=y)
+
+    def round_robin():
+        ready = torch.cuda.current_stream()
+        for stream in side:
+            stream.wait_stream(ready)
+        for i, (x, y) in enumerate(blocks):
+            with torch.cuda.stream(side[i % len(side)]):
+                torch.mm(x, b, out=y)
+        for stream in side:
+            ready.wait_stream(stream)
+
+    return {"whole": lambda: torch.mm(a, b, out=out), "blocks_one_stream": one_stream,
+            f"blocks_{len(side)}_streams": round_robin}
+
+
+def split_gemm_rates(chunks: int = 8, streams: int = 3) -> list[tuple[str, float, str]]:
+    """TFLOP/s of a tensor-parallel GEMM whole, in `chunks` token blocks one after another on one stream, and in
+    blocks issued round-robin on `streams` streams (as Transformer Engine's overlap issues them), beside the
+    kernel model's shape efficiency of the whole GEMM and of one block alone (how it prices a block)."""
+    from trainsim.profile.analytical import gemm_shape_efficiency
+
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    side = [torch.cuda.Stream() for _ in range(streams)]
+    figures = []
+    for name, (m, k, n) in SPLIT_GEMMS.items():
+        for variant, call in _split_gemm_calls(m, k, n, chunks, side).items():
+            figures.append((f"gpu_split_gemm_tflops_{name}_{variant}", 2 * m * k * n / _seconds(call) / 1e12,
+                            "TFLOP/s"))
+        print(f"split GEMM {name} [{m}, {k}] x [{k}, {n}] in {chunks} blocks: kernel model's shape efficiency "
+              f"whole {gemm_shape_efficiency(1, m, n, k, sm_count):.3f}, one block alone "
+              f"{gemm_shape_efficiency(1, m // chunks, n, k, sm_count):.3f}")
     return figures
 
 
@@ -235,7 +289,7 @@ def main() -> None:
     if on_gpu:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     scratch = Path(tempfile.mkdtemp(prefix="trainsim-gpu-routing-"))
-    figures = raw_rates() if on_gpu else []  # first: seconds, and they need nothing else
+    figures = raw_rates() + split_gemm_rates() if on_gpu else []  # first: seconds, and they need nothing else
     for name, overrides in cases.items():
         figures += evaluate_case(name, overrides, args.hardware, args.steps, db, scratch)
         for figure, value, unit in figures:  # as each case ends: a run cut short keeps what it measured

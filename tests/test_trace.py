@@ -53,25 +53,40 @@ def test_tp_collectives_follow_megatron():
     assert set(comm["group_kind"]) == {"tp"}
 
 
-def test_overlapped_tensor_parallel_gemms_are_recorded_as_blocks_of_one_gemm():
+def test_overlapped_tensor_parallel_reduce_scatters_note_their_communication_kernels():
     import json
 
     run, result = _trace("parallelism=tp2", "parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true")
     graph = result.graph.to_pandas()
     notes = graph["op_args"].map(lambda a: {k: v for k, v in json.loads(a).items() if k not in ("args", "kwargs")})
     mm = graph["op"].str.startswith("aten::mm") & (graph["phase"] != "optimizer")
-    chunks = notes[mm].map(lambda n: n.get("chunks", 1))
     layers = run.model.num_layers
-    # 4 linears per layer, each split into tp blocks in forward and in its backward input gradient; the weight
-    # gradients (and the unsplit output layer) are whole GEMMs
-    assert (chunks[chunks > 1] == 2).all()
-    assert (chunks > 1).sum() == 4 * layers * 2 * 2
-    assert (chunks == 1).sum() >= 4 * layers
-    # half of the split GEMMs feed a reduce-scatter, whose communication kernels hold SMs and do its additions
+    # half of the split GEMMs (tp blocks of 4 linears per layer, forward and input gradient) feed a
+    # reduce-scatter, whose communication kernels hold SMs and do its additions
     assert (notes[mm].map(lambda n: n.get("comm_sms", 0)) == 16).sum() == 4 * layers * 2
     adds = notes[notes.map(lambda n: "comm_kernel" in n)]
     assert (graph.loc[adds.index, "op"] == "aten::add_.Tensor").all() and len(adds) == 4 * layers * (2 - 1)
     assert notes[graph["kind"] != "compute"].map(len).eq(0).all()
+
+
+def test_fused_attention_notes_the_dropout_its_cpu_kernel_leaves_out_forward_and_backward():
+    import json
+
+    from trainsim.profile.analytical import kernel_notes
+
+    _, result = _trace("model.attention=fused", "model.attention_dropout=0.1")
+    graph = result.graph.to_pandas()
+    attention = graph[graph["op"].str.contains("scaled_dot_product")]
+    assert set(attention["phase"]) == {"forward", "backward"}
+    assert (attention["op_args"].map(lambda a: kernel_notes(a).get("dropout_p")) == 0.1).all()
+    # the kernel traced on the CPU ran without it
+    assert (attention["op_args"].map(lambda a: [x for x in json.loads(a)["args"] if isinstance(x, float)][0])
+            == 0.0).all()
+    # no other kernel carries the note (the backward's hooks put the notes back; its views have no kernel)
+    others = graph.drop(attention.index)
+    assert others.loc[~others["no_kernel"], "op_args"].map(lambda a: "dropout_p" not in a).all()
+    _, plain = _trace("model.attention=fused", "model.attention_dropout=0.0")
+    assert plain.graph.to_pandas()["op_args"].map(lambda a: "dropout_p" not in a).all()
 
 
 def test_pp_stages_exchange_activations_and_gradients():

@@ -150,6 +150,21 @@ class KernelModelConfig:
     data/kernels set it per GPU."""
     attention_backward_efficiency: float = 0.0
     """The same for its backward pass (5 matmuls and recomputed softmax; lower than the forward)."""
+    attention_tile_keys: float = 0.0
+    """A query tile's fixed work (loading it, rescaling and writing its output) as a number of keys visited: the
+    attention efficiencies are reached at long sequences, times keys / (keys + attention_tile_keys) at shorter
+    ones. 0 = none."""
+    attention_dropout_forward_s_per_score: float = 0.0
+    """Seconds per attention score that dropout inside the fused kernel adds to its forward (a random number
+    per score); 0 = free."""
+    attention_dropout_backward_s_per_score: float = 0.0
+    """The same for the backward (it regenerates the mask)."""
+    attention_setup_forward_s: float = 0.0
+    """Fixed device time of one fused-attention forward call (its kernels' launches and the last wave's tail,
+    what a short sequence cannot amortise); 0 = launch_overhead_s."""
+    attention_setup_backward_s: float = 0.0
+    """The same for the backward (several kernels: the output-gradient dot product, the main kernel, the query
+    gradient's conversion)."""
     fitted_range: dict[str, list[int]] = field(default_factory=dict)
     """[low, high] of the run settings the fit saw (keys: hidden_size, seq_length, num_layers of the model;
     tp, micro_batch_size of the layout); a prediction outside any of them is flagged as extrapolated in

@@ -322,6 +322,10 @@ def _validate_rates(hw: HardwareConfig) -> None:
         if not 0 <= getattr(hw.kernel_model, name) <= 1:
             raise ConfigError(f"hardware.kernel_model.{name}={getattr(hw.kernel_model, name)} must be in [0, 1] "
                               "(a fraction of the dtype's peak; 0 = matmul_efficiency)")
+    for name in ("attention_tile_keys", "attention_dropout_forward_s_per_score",
+                 "attention_dropout_backward_s_per_score", "attention_setup_forward_s", "attention_setup_backward_s"):
+        if getattr(hw.kernel_model, name) < 0:
+            raise ConfigError(f"hardware.kernel_model.{name}={getattr(hw.kernel_model, name)} must be >= 0 (0 = none)")
     if hw.sm_count < 0:
         raise ConfigError(f"hardware.sm_count={hw.sm_count} must be >= 0 (0 = no wave quantisation)")
     for name in ("memory_bandwidth_bytes_per_s", "memory_capacity_bytes", "price_per_device_hour"):

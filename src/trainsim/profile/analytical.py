@@ -2,7 +2,8 @@
 
   GEMM       t = launch + max(flops / (R_mm * sat(flops, F_half) * q_shape), bytes / (R_mem * sat(bytes, B_half)))
   grouped    the same with its own floor and bandwidth (grouped_gemm_setup_s, grouped_gemm_memory_efficiency)
-  attention  t = launch + c * flops / (peak * e_attn_{fwd,bwd})            c = 1/2 when causal (masked tiles skipped)
+  attention  t = t_setup + c * flops / (peak * e_attn) * (1 + K_tile / keys) + c * scores * d_drop   (per pass)
+             c = 1/2 when causal (masked tiles skipped); d_drop = seconds per score of in-kernel dropout
   other ops  t = launch + max(flops / (R_vec * e_k), bytes / (R_mem * e_k * sat(bytes, B_half)))
   sat(x, h) = x / (x + h)
 
@@ -11,13 +12,17 @@ R_mm = peak FLOP/s of the op's dtype x matmul_efficiency, R_mem = memory bandwid
 as vTrain and Calculon do with size-dependent efficiency). q_shape (gemm_shape_efficiency) is what a
 GEMM's shape costs on a device with `sm_count` SMs: output tiles are spread over the SMs in waves, and a
 last, partly filled wave runs at the speed of a full one (wave quantisation); a dimension that is not a
-multiple of 16 bytes forbids the vectorised loads the fast kernels use (alignment). Flash attention's
-efficiency per pass comes from FlashAttention-2/3 measurements (data/kernels), as its own class: it does
-not reach GEMM rates (softmax and masking between its two matmuls). GEMMs split to overlap tensor-parallel
-communication are priced as Transformer Engine runs them (`overlap_notes`: blocks sharing waves, SMs held by
-the communication kernels, reductions done there). e_k is the efficiency of the op's
-kind (normalisation, softmax/loss, optimizer, ...; 1 for elementwise): kernels of one kind share an
-access pattern. Parameters live in `hardware.kernel_model`; `fit_rates` estimates them from measured
+multiple of 16 bytes forbids the vectorised loads the fast kernels use (alignment). Fused attention is its
+own class: it does not reach GEMM rates (softmax and masking between its two matmuls), each query tile's fixed
+work (loading it, rescaling and writing its output) is amortised over the keys it visits (K_tile, in keys),
+a call has a fixed device time (t_setup: several kernels, a last wave's tail), and dropout inside the kernel
+draws a random number per score; all per pass and GPU, fitted to measured attention (data/kernels,
+benchmarks/attention_accuracy.py). GEMMs split to overlap tensor-parallel communication are priced as
+Transformer Engine runs them (`kernel_notes`: SMs held by the communication kernels, reductions done there);
+each block pays its own waves (measured on H100: 8 token blocks of a tp-8 GEMM run at 0.81-0.88 of the whole
+GEMM's rate one after another, 0.69-0.82 round-robin on three streams; benchmarks/gpu_accuracy.py). e_k is
+the efficiency of the op's kind (normalisation, softmax/loss, optimizer, ...; 1 for elementwise): kernels of
+one kind share an access pattern. Parameters live in `hardware.kernel_model`; `fit_rates` estimates them from measured
 rows (least squares on log time).
 """
 
@@ -181,7 +186,7 @@ def grouped_gemm_efficiency(groups: list[tuple[int, int, int]], sm_count: int, d
 
 
 def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: int, args: list[str],
-                      notes: list[dict[str, int]]) -> np.ndarray:
+                      notes: list[dict[str, float]]) -> np.ndarray:
     out = np.ones(len(rows))
     if "input_shapes" not in rows:
         return out
@@ -198,32 +203,34 @@ def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: i
         dims = gemm_dims(op, shapes)
         if dims is not None and min(dims) > 0:
             batch, m, n, k = dims
-            whole = m * max(note.get("chunks", 1), 1)  # the rows of the whole GEMM whose waves a block shares
             if sm_count > 0:
-                sms = max(sm_count - note.get("comm_sms", 0), 1)  # the SMs communication kernels leave it
-                out[i] = sms / sm_count * gemm_shape_efficiency(batch, whole, n, k, sms, dtype)
+                sms = max(sm_count - int(note.get("comm_sms", 0)), 1)  # the SMs communication kernels leave it
+                out[i] = sms / sm_count * gemm_shape_efficiency(batch, m, n, k, sms, dtype)
             else:
-                out[i] = gemm_shape_efficiency(batch, whole, n, k, 0, dtype)
+                out[i] = gemm_shape_efficiency(batch, m, n, k, 0, dtype)
     return out
 
 
-def overlap_notes(args: str) -> dict[str, int]:
-    """How the op overlaps communication (observer.overlap_notes, in its op_args), the way Transformer Engine's
-    comm-GEMM overlap runs it:
+KERNEL_NOTES = ("comm_sms", "comm_kernel", "dropout_p", "fused")
 
-    chunks     the GEMM is one of this many token blocks of one GEMM. TE issues the blocks round-robin on up to
-               three compute streams (NVTE_COMM_OVERLAP_MAX_STREAMS; each waits only for its own block's
-               arrival), so the next block's tiles fill the SMs the current one's last wave leaves idle: the blocks
-               share waves as the whole GEMM's tiles would (shape efficiency of chunks x the rows).
-    comm_sms   a communication kernel holds this many SMs meanwhile (the GEMM runs on the others).
+
+def kernel_notes(args: str) -> dict[str, float]:
+    """What the workload noted about the op's kernel (observer.kernel_notes, in its op_args):
+
+    comm_sms    a communication kernel holds this many SMs meanwhile (the GEMM runs on the others), as Transformer
+                Engine's comm-GEMM overlap runs a reduce-scatter's GEMMs.
     comm_kernel the op is that communication kernel's own work (a reduce-scatter's additions): no time of its own
-               on the compute stream, its cost is the SMs the GEMMs go without.
-    {} for an op that does not overlap communication."""
-    if not args or ('"chunks"' not in args and '"comm_' not in args):
+                on the compute stream, its cost is the SMs the GEMMs go without.
+    dropout_p   fused attention drops probabilities inside its kernel (a CPU trace's kernel cannot).
+    fused       the op's work is done inside the kernel that produced its input (TE's FP8 cast records the amax
+                and writes the transposed copy in the same pass): no time of its own (the transpose's extra
+                write, 1 byte per element, is not priced).
+    {} for an op without notes."""
+    if not args or not any(f'"{k}"' in args for k in KERNEL_NOTES):
         return {}
     try:
         parsed = json.loads(args)
-        return {k: int(parsed[k]) for k in ("chunks", "comm_sms", "comm_kernel") if k in parsed}
+        return {k: float(parsed[k]) for k in KERNEL_NOTES if k in parsed}
     except (TypeError, ValueError, AttributeError):
         return {}
 
@@ -274,6 +281,12 @@ class RooflineRates:
     """(op kind, efficiency) pairs; kinds not listed have 1."""
     attention_flops_per_s: tuple[float, float] = (0.0, 0.0)
     """Flash attention's (forward, backward) FLOP/s; 0 = the matmul rate."""
+    attention_tile_keys: float = 0.0
+    """A query tile's fixed work in keys visited (kernel_model.attention_tile_keys)."""
+    attention_dropout_s_per_score: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds per attention score of in-kernel dropout."""
+    attention_setup_s: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) fixed seconds of one fused-attention call; 0 = launch_overhead_s."""
     sm_count: int = 0
     """SMs of the device for GEMM wave quantisation; 0 = not modelled."""
     grouped_setup_s: float = 0.0
@@ -305,6 +318,10 @@ def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
         launch_overhead_s=km.launch_overhead_s,
         kind_efficiency=tuple(sorted(km.kind_efficiency.items())),
         attention_flops_per_s=attention,
+        attention_tile_keys=km.attention_tile_keys,
+        attention_dropout_s_per_score=(km.attention_dropout_forward_s_per_score,
+                                       km.attention_dropout_backward_s_per_score),
+        attention_setup_s=(km.attention_setup_forward_s, km.attention_setup_backward_s),
         sm_count=hw.sm_count,
         grouped_setup_s=km.grouped_gemm_setup_s,
         grouped_memory_bytes_per_s=hw.memory_bandwidth_bytes_per_s * km.grouped_gemm_memory_efficiency,
@@ -314,8 +331,8 @@ def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
 def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=None, attention=None,
             grouped=None) -> np.ndarray:
     """Seconds per op (vectorised); `kinds` are op kinds from `op_kind`; `shape_efficiency` the GEMMs'
-    q_shape (1 = a large aligned GEMM); `attention` = (pass, causal factor) per row from `_attention_rows`
-    (pass 0: not flash attention), timed at the attention rates where the hardware has them; `grouped` marks
+    q_shape (1 = a large aligned GEMM); `attention` = AttentionRows (pass 0: not flash attention), timed at the
+    attention rates where the hardware has them; `grouped` marks
     grouped GEMMs, timed with their own floor and bandwidth where the hardware has them."""
     flops = np.asarray(flops, dtype=float)
     bytes_moved = np.asarray(bytes_moved, dtype=float)
@@ -337,30 +354,71 @@ def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=No
     compute = np.where(matmul, mm, vector)
     time = launch + np.maximum(compute, memory)
     if attention is not None:
-        pass_, factor = attention
-        for which, rate in ((1, rates.attention_flops_per_s[0]), (2, rates.attention_flops_per_s[1])):
-            sel = (pass_ == which) & (rate > 0)
-            time[sel] = rates.launch_overhead_s + np.maximum(factor[sel] * flops[sel] / rate, memory[sel])
+        tiles = 1 + rates.attention_tile_keys / np.maximum(attention.keys, 1)
+        dropped = attention.factor * attention.scores * (attention.dropout_p > 0)
+        for which, rate, dropout_s, setup_s in zip((1, 2), rates.attention_flops_per_s,
+                                                   rates.attention_dropout_s_per_score, rates.attention_setup_s):
+            sel = (attention.pass_ == which) & (rate > 0)
+            math_s = attention.factor[sel] * flops[sel] / rate * tiles[sel]
+            setup_s = setup_s or rates.launch_overhead_s
+            time[sel] = setup_s + np.maximum(math_s, memory[sel]) + dropped[sel] * dropout_s
     return time
 
 
-def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(pass, causal factor) per row: pass 1 = flash-attention forward, 2 = its backward, 0 = other op."""
+@dataclass(frozen=True)
+class AttentionRows:
+    """Per row, what fused attention's time depends on beyond its FLOPs (pass 0: not fused attention)."""
+
+    pass_: np.ndarray
+    """1 = forward, 2 = backward, 0 = another op"""
+    factor: np.ndarray
+    """share of the counted FLOPs and scores computed: 1/2 causal (_attention_factor)"""
+    keys: np.ndarray
+    """keys each query attends to (the sequence length of k)"""
+    scores: np.ndarray
+    """batch x heads x queries x keys (the full square)"""
+    dropout_p: np.ndarray
+    """attention dropout inside the kernel (noted by the workload, or the op's own argument)"""
+
+
+def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str, float]]) -> AttentionRows:
     attention = kinds == "attention"
     backward = rows["op"].astype(str).str.contains("backward").to_numpy()
     pass_ = np.where(attention, np.where(backward, 2, 1), 0)
-    return pass_, _attention_factor(rows, kinds)
+    keys, scores, dropout = np.zeros(len(rows)), np.zeros(len(rows)), np.zeros(len(rows))
+    flops = rows["flops"].to_numpy(dtype=float)
+    shapes = rows["input_shapes"] if "input_shapes" in rows else [None] * len(rows)
+    args = rows["op_args"] if "op_args" in rows else [None] * len(rows)
+    for i in np.flatnonzero(attention):
+        parsed = json.loads(shapes.iloc[i]) if isinstance(shapes.iloc[i], str) else shapes.iloc[i]
+        k = 2 if backward[i] else 1  # the backward's tensors start with the output's gradient, then q, k, v
+        if not parsed or len(parsed) <= k or len(parsed[k]) < 2:
+            continue
+        keys[i], head_dim = parsed[k][-2], parsed[0][-1]
+        scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # _sdpa_flops, inverted
+        dropout[i] = max(notes[i].get("dropout_p", 0.0), _dropout_argument(args.iloc[i]))
+    return AttentionRows(pass_, _attention_factor(rows, kinds), keys, scores, dropout)
+
+
+def _dropout_argument(args) -> float:
+    """dropout_p of an SDPA op's recorded arguments: aten's kernels' first float positional."""
+    try:
+        parsed = json.loads(args)
+    except (TypeError, ValueError):
+        return 0.0
+    return next((float(a) for a in parsed.get("args", []) if isinstance(a, float)), 0.0)
 
 
 def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -> np.ndarray:
     """Seconds per op row (op, flops, bytes_moved, and input_shapes / op_args where known) at `rates`."""
     kinds = _kinds(rows)
     args = rows["op_args"].tolist() if "op_args" in rows else [""] * len(rows)
-    notes = [overlap_notes(a) for a in args]
+    notes = [kernel_notes(a) for a in args]
     shape = _shape_efficiency(rows, kinds, [dtype] * len(rows), rates.sm_count, args, notes)
     grouped = rows["op"].astype(str).str.startswith(GROUPED_GEMM_OPS).to_numpy()
-    time = predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, _attention_rows(rows, kinds), grouped)
-    time[[bool(n.get("comm_kernel")) for n in notes]] = 0.0
+    attention = _attention_rows(rows, kinds, notes)
+    time = predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, attention, grouped)
+    time[[bool(n.get("comm_kernel") or n.get("fused")) for n in notes]] = 0.0
     return time
 
 

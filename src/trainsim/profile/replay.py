@@ -20,6 +20,7 @@ import trainsim.workloads.fully_sharded  # noqa: F401  (registers FSDP2's fsdp::
 import trainsim.workloads.fused  # noqa: F401  (registers the trainsim:: ops)
 import trainsim.workloads.grouped_gemm  # noqa: F401  (registers the grouped GEMM ops, bf16 and FP8)
 from trainsim.errors import ReplayError
+from trainsim.profile.analytical import kernel_notes
 from trainsim.trace.recorder import DTYPE_NAMES
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # the recorder's names, reversed
@@ -37,15 +38,17 @@ STATISTICS_IN_FP32 = {"aten::native_layer_norm_backward": (3, 4)}
 """Arguments that are the input's dtype on the CPU and fp32 on a GPU (LayerNorm's saved mean and rstd)."""
 
 
-def _device_flash_attention(name: str, args: list, kwargs: dict) -> Callable[[], Any]:
+def _device_flash_attention(name: str, args: list, kwargs: dict, noted_dropout_p: float = 0.0
+                            ) -> Callable[[], Any]:
     """The GPU's attention for a traced CPU flash-attention call of the same shapes: through
     scaled_dot_product_attention, so the dispatcher picks the kernel a real step would run (cuDNN's on H100
-    with torch 2.11, faster than the flash-attention-2 op); the backward is timed through autograd."""
+    with torch 2.11, faster than the flash-attention-2 op); the backward is timed through autograd. The CPU's
+    kernel runs without dropout: the workload notes what the step asks for (kernel_notes' dropout_p)."""
     if kwargs.get("attn_mask") is not None:
         raise ReplayError(f"{name} with an attention mask has no flash kernel on the GPU")
     backward = name.endswith("_backward")
     first = 6 if backward else 3  # where dropout_p and is_causal sit among the positional arguments
-    dropout_p = args[first] if len(args) > first else kwargs.get("dropout_p", 0.0)
+    dropout_p = max(args[first] if len(args) > first else kwargs.get("dropout_p", 0.0), noted_dropout_p)
     is_causal = args[first + 1] if len(args) > first + 1 else kwargs.get("is_causal", False)
     # inputs that need gradients, as in a training step (the forward then keeps what its backward needs)
     q, k, v = (t.detach().requires_grad_() for t in (args[1:4] if backward else args[:3]))
@@ -168,7 +171,8 @@ def build_call(row: dict, device: torch.device | str = "cpu") -> Callable[[], An
     try:
         args, kwargs = rebuild_arguments(row, device)
         if on_device and name in DEVICE_ATTENTION:
-            call = _device_flash_attention(name, args, kwargs)
+            noted = kernel_notes(row.get("op_args", "")).get("dropout_p", 0.0)
+            call = _device_flash_attention(name, args, kwargs, noted)
         else:
             op = resolve_op(name)
 

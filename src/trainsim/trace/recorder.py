@@ -185,7 +185,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in kinds}
         self._named_kind: str | None = None  # the kind the step says it communicates in (observer.communication)
         self._stands_for: tuple | None = None
-        self._overlap_notes: dict[str, int] = {}  # observer.overlap_notes: recorded in op_args
+        self._kernel_notes: dict[str, float] = {}  # observer.kernel_notes: recorded in op_args
         self._group_ranks_cache: dict[int, list[int]] = {}
         self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
         self.allocations = StepAllocations()
@@ -235,12 +235,29 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             self._in_communication, self._async_op, self._named_kind, self._stands_for = previous
 
     @contextlib.contextmanager
-    def overlap_notes(self, **notes: int) -> Iterator[None]:
-        previous, self._overlap_notes = self._overlap_notes, {**self._overlap_notes, **notes}
+    def kernel_notes(self, **notes: float) -> Iterator[None]:
+        previous, self._kernel_notes = self._kernel_notes, {**self._kernel_notes, **notes}
         try:
             yield
         finally:
-            self._overlap_notes = previous
+            self._kernel_notes = previous
+
+    def kernel_notes_for_backward(self, output: torch.Tensor, **notes: float) -> None:
+        """Notes held while autograd runs output.grad_fn: set by a pre-hook, put back by a hook after it."""
+        node = output.grad_fn
+        if node is None:
+            return
+        saved: list[dict[str, float]] = []
+
+        def enter(grad_outputs):
+            saved.append(self._kernel_notes)
+            self._kernel_notes = {**self._kernel_notes, **notes}
+
+        def leave(grad_inputs, grad_outputs):
+            self._kernel_notes = saved.pop()
+
+        node.register_prehook(enter)
+        node.register_hook(leave)
 
     def _watch(self, t: torch.Tensor) -> int:
         """The key of `t`'s storage, whose entries in _last_writer and _saved_storages go when it is freed.
@@ -309,8 +326,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         strides = [list(t.stride()) for t in tensors]
         dtypes = [dtype_name(t.dtype) for t in tensors]
         encoded = {"args": encoded_args, "kwargs": encoded_kwargs}
-        if self._overlap_notes and func.namespace != "c10d":
-            encoded.update(self._overlap_notes)
+        if self._kernel_notes and func.namespace != "c10d":
+            encoded.update(self._kernel_notes)
         args_json = json.dumps(encoded, separators=(",", ":"))
         signature_text = json.dumps([name, shapes, strides, dtypes, args_json], separators=(",", ":"))
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]

@@ -15,8 +15,10 @@ graph.parquet       one row per recorded op of one rank class, in program order
   input_strides     JSON list of their strides (the memory layout a replay must reproduce)
   input_dtypes      comma-separated dtypes of the tensor arguments (fp32, bf16, int64, ...)
   op_args           JSON {"args", "kwargs"}: tensors as {"$t": i}, dtypes as {"$dtype": name}, scalars kept;
-                    with "chunks", "comm_sms" or "comm_kernel" where the op overlaps communication the way
-                    Transformer Engine runs it (observer.overlap_notes)
+                    with the kernel notes the tracing device's arguments do not show (observer.kernel_notes):
+                    "comm_sms" / "comm_kernel" where the op overlaps communication the way Transformer Engine
+                    runs it, "dropout_p" for fused attention that drops probabilities in its kernel, "fused" for
+                    work done inside the kernel that produced the op's input (TE's FP8 cast: amax, transpose)
   signature         16-hex hash of (op, shapes, strides, dtypes, args): the profile database key
   no_kernel         true for views and allocations (no device kernel; zero time)
   flops             floating-point operations (matmul-class exact, others one per output element)

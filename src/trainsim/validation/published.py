@@ -169,9 +169,11 @@ ASSUMPTIONS = {
            "asynchronously); trainsim all-reduces the amaxes over dp x tp synchronously (workloads/fp8.py)",
     "attention_nemo": "NeMo 24.07: fused attention timed at FlashAttention-2's causal H100 measurement "
                       "(data/kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv: forward 284.1, backward 287.1 "
-                      "TFLOP/s of 989), not the h100-sxm-dgx config's FlashAttention-3 rates: the 24.07 launcher "
-                      "(conf/config.yaml) sets NVTE_FUSED_ATTN=0, so Transformer Engine runs the flash-attn 2 "
-                      "package (its FlashAttention-3 support came in later releases)",
+                      "TFLOP/s of 989, at seq 8,192: the long-sequence efficiency is that rate times 1 + "
+                      "attention_tile_keys / 8192, the config's call, tile and dropout costs kept), not the "
+                      "h100-sxm-dgx config's cuDNN rates: the 24.07 launcher (conf/config.yaml) sets "
+                      "NVTE_FUSED_ATTN=0, so Transformer Engine runs the flash-attn 2 package (its "
+                      "FlashAttention-3 support came in later releases)",
     "nemotron": "Nemotron (squared-ReLU MLP without gating, LayerNorm1p, rotary on half of each head, no biases) "
                 "runs as trainsim's family 'gpt' with its ffn_hidden_size and query groups: the same GEMMs "
                 "(h -> ffn -> h, no gate), GELU in place of squared ReLU (one elementwise kernel either way), "
@@ -404,15 +406,19 @@ FLASH_ATTENTION_RATES = DATA_DIR / "kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791
 
 def table_hardware(table: Table, hw: HardwareConfig) -> HardwareConfig:
     """`hw` with the table's flash-attention kernel: its causal forward and backward TFLOP/s measured on H100
-    over the bf16 peak (the kernel model's attention_*_efficiency); `hw` itself where the table names none."""
+    over the bf16 peak, at the measurement's sequence length (the kernel model's attention_*_efficiency are
+    reached at long sequences: keys / (keys + attention_tile_keys) of them at that length, the hardware's tile
+    work and dropout cost kept); `hw` itself where the table names none."""
     if table.flash_attention is None:
         return hw
     rates = pd.read_csv(FLASH_ATTENTION_RATES, comment="#")
-    rates = rates[(rates["kernel"] == table.flash_attention) & rates["causal"]].set_index("pass")["tflops"]
+    rates = rates[(rates["kernel"] == table.flash_attention) & rates["causal"]].set_index("pass")
     peak = hw.peak_flops_per_s["bf16"]
+    long_sequence = 1 + hw.kernel_model.attention_tile_keys / rates["seqlen"]
+    efficiency = (rates["tflops"] * 1e12 / peak * long_sequence).clip(upper=1.0)
     return dataclasses.replace(hw, kernel_model=dataclasses.replace(
-        hw.kernel_model, attention_forward_efficiency=float(rates["fwd"] * 1e12 / peak),
-        attention_backward_efficiency=float(rates["bwd"] * 1e12 / peak)))
+        hw.kernel_model, attention_forward_efficiency=float(efficiency["fwd"]),
+        attention_backward_efficiency=float(efficiency["bwd"])))
 
 
 def trace_rows(runs: list[RowRun], workers: int = 2) -> list[RowRun]:

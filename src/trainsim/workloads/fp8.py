@@ -92,6 +92,14 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return torch.mul(x, scale, out=out)
 
 
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """t's last two dimensions transposed, contiguous: the copy the backward's GEMMs need K-major. TE's
+    cast_transpose writes it in the same pass as the cast that produced `t` (one read of the input for both),
+    so the kernel model is told its work is fused into that cast."""
+    with observer().kernel_notes(fused=1):
+        return t.transpose(-2, -1).contiguous()
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """An FP8 tensor as uint8 for c10d (no FP8 type in NCCL or gloo); other tensors unchanged."""
     return t.view(torch.uint8) if t.dtype in FP8_MAX else t
@@ -148,7 +156,8 @@ class Fp8Region:
         `tp_group`: reduce a current-scaling amax over it (shards gathered in FP8 must share one scale)."""
         dtype = FORWARD_DTYPE if forward else BACKWARD_DTYPE
         if self.delayed:
-            _amax(x, out=self.history[forward][0, slot])  # recorded for the next scale (TE: inside the cast)
+            with observer().kernel_notes(fused=1):  # recorded for the next scale (TE: inside the cast kernel)
+                _amax(x, out=self.history[forward][0, slot])
             scale = self.scale[forward][slot]
         else:
             amax = _amax(x)
@@ -195,7 +204,7 @@ class Fp8Linear:
         if self._weight is None or self._weight_version != weight._version:
             with observer().once_per_step(), torch.no_grad():
                 w_fp8, scale_inv = self.region.quantize(weight.detach(), True, 2 * self.index + 1)
-                self._weight = w_fp8, w_fp8.transpose(-2, -1).contiguous(), scale_inv
+                self._weight = w_fp8, _transposed(w_fp8), scale_inv
             self._weight_version = weight._version
         return self._weight
 
@@ -223,7 +232,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_fp8, x_inv = fp8.quantize_input(x.reshape(-1, shape[-1]))
         w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
         y = _gemm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, bias=bias)
-        ctx.save_for_backward(x_fp8.t().contiguous(), x_inv)  # the FP8 input, K-major for wgrad
+        ctx.save_for_backward(_transposed(x_fp8), x_inv)  # the FP8 input, K-major for wgrad
         ctx.fp8, ctx.weight_t, ctx.weight_inv = fp8, w_t_fp8, w_inv  # the module's cache, not an activation
         ctx.shape, ctx.has_bias = shape, bias is not None
         ctx.reduce_backward = fp8.region.claim_first()
@@ -235,7 +244,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         g_fp8, g_inv = ctx.fp8.quantize_grad(g)
         dgrad = _gemm(g_fp8, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype)
-        wgrad = _gemm(g_fp8.t().contiguous(), x_t_fp8, g_inv, x_inv, grad.dtype)
+        wgrad = _gemm(_transposed(g_fp8), x_t_fp8, g_inv, x_inv, grad.dtype)
         dbias = g.sum(0) if ctx.has_bias else None
         if ctx.reduce_backward:
             ctx.fp8.region.reduce_and_update(forward=False)
@@ -257,7 +266,7 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
         x_fp8, x_inv = fp8.quantize_input(x)
         w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
         y = fp8_grouped_mm(x_fp8, w_t_fp8, x_inv, w_inv, counts)
-        ctx.save_for_backward(x_fp8.t().contiguous(), x_inv)  # the FP8 tokens, K-major for wgrad
+        ctx.save_for_backward(_transposed(x_fp8), x_inv)  # the FP8 tokens, K-major for wgrad
         ctx.fp8, ctx.weight, ctx.weight_inv, ctx.counts = fp8, w_fp8, w_inv, counts  # the module's cache
         ctx.reduce_backward = fp8.region.claim_first()
         return y
@@ -267,7 +276,7 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
         x_t_fp8, x_inv = ctx.saved_tensors
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
         dgrad = fp8_grouped_mm(g_fp8, ctx.weight, g_inv, ctx.weight_inv, ctx.counts)
-        wgrad = fp8_grouped_mm_weight_grad(x_t_fp8, g_fp8.t().contiguous(), x_inv, g_inv, ctx.counts)
+        wgrad = fp8_grouped_mm_weight_grad(x_t_fp8, _transposed(g_fp8), x_inv, g_inv, ctx.counts)
         if ctx.reduce_backward:
             ctx.fp8.region.reduce_and_update(forward=False)
         return dgrad, wgrad, None, None

@@ -19,6 +19,7 @@ from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
 from trainsim.workloads.fused import RMSNorm, rotary, swiglu
 from trainsim.workloads.moe import ExpertParallel, MoE
+from trainsim.workloads.observe import observer
 from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -93,10 +94,16 @@ class Attention(nn.Module):
         if self.cp is not None:
             return self.cp.attention(q, k, v)
         if self.fused:  # attention dropout is inside the CUDA flash kernel; torch's CPU flash kernel has none
-            # (with dropout_p it falls back to the unfused math path), so on a CPU device it is left out
-            return nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.attention_dropout if q.is_cuda else 0.0,
-                enable_gqa=self.kv_heads != self.heads)
+            # (with dropout_p it falls back to the unfused math path), so on a CPU device it is left out of the
+            # call and noted for the kernel model, forward and backward
+            notes = {"dropout_p": self.attention_dropout} if self.attention_dropout else {}
+            with observer().kernel_notes(**notes):
+                out = nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, dropout_p=self.attention_dropout if q.is_cuda else 0.0,
+                    enable_gqa=self.kv_heads != self.heads)
+            if notes:
+                observer().kernel_notes_for_backward(out, **notes)
+            return out
         return self._unfused_core(q, k, v)
 
     def _unfused_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,17 @@ class StepObserver:
         yield
 
     @contextlib.contextmanager
-    def overlap_notes(self, **notes: int) -> Iterator[None]:
-        """How the framework runs the kernels issued here to overlap its communication (Transformer Engine's
-        comm-GEMM overlap), for the kernel model: `chunks`, the GEMM is one of that many token blocks of one GEMM,
-        issued so that consecutive blocks run at once; `comm_sms`, a communication kernel holds that many SMs
-        meanwhile; `comm_kernel`, the op is that communication kernel's own work (a reduction it does on its SMs)."""
+    def kernel_notes(self, **notes: float) -> Iterator[None]:
+        """What the kernel model needs to know about the kernels issued here that their arguments on the tracing
+        device do not show: `comm_sms`, a communication kernel holds that many SMs meanwhile (Transformer Engine's
+        comm-GEMM overlap); `comm_kernel`, the op is that communication kernel's own work (a reduction it does on
+        its SMs); `dropout_p`, the fused attention drops probabilities inside the kernel (a CPU's kernel cannot);
+        `fused`, the op's work is done inside the kernel that produced its input (Transformer Engine's FP8 cast
+        also records the amax and writes the transpose)."""
         yield
+
+    def kernel_notes_for_backward(self, output, **notes: float) -> None:
+        """kernel_notes for the kernels autograd runs to differentiate `output` (its grad_fn)."""
 
 
 class StepTimer(StepObserver):

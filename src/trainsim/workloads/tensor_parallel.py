@@ -158,8 +158,7 @@ def ring_all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group, tp: int
             incoming = (me - step - 1) % tp
             works = ring_exchange(gathered[block * t:(block + 1) * t], gathered[incoming * t:(incoming + 1) * t],
                                    group, tp)
-        with observer().overlap_notes(chunks=tp):
-            mm(gathered[block * t:(block + 1) * t], out[block * t:(block + 1) * t])
+        mm(gathered[block * t:(block + 1) * t], out[block * t:(block + 1) * t])
         wait_all(works)
     return out, gathered
 
@@ -177,12 +176,12 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
     incoming: tuple[torch.Tensor, list] | None = None  # the partial sum on its way from the previous rank
     for step in range(tp):
         block = (me - 1 - step) % tp  # the last step is this rank's own block
-        with observer().overlap_notes(chunks=tp, comm_sms=REDUCE_SCATTER_COMM_SMS):
+        with observer().kernel_notes(comm_sms=REDUCE_SCATTER_COMM_SMS):
             product = mm(x[block * t:(block + 1) * t])
         if incoming is not None:
             received, works = incoming
             wait_all(works)
-            with observer().overlap_notes(comm_kernel=1):
+            with observer().kernel_notes(comm_kernel=1):
                 product.add_(received)
         if step < tp - 1:
             received = torch.empty_like(product)
