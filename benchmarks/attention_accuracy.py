@@ -78,19 +78,15 @@ def attention_call(point: dict):
 def measure(out: Path) -> None:
     import torch
 
-    from trainsim.profile.measure import CacheFlush, time_cuda
+    from trainsim.profile.measure import CacheFlush, measured_kernel_point, write_measurements
 
     if not torch.cuda.is_available():
         raise SystemExit("--measure needs a GPU")
     flush, rows = CacheFlush("cuda"), []
     for point in sweep():
-        timing = time_cuda(attention_call(point), flush=flush)
-        graph_s = timing.metrics["graph_s"]
+        times, timing = measured_kernel_point(attention_call(point), flush)
         attention = [n for n in timing.kernels if "attn" in n.lower() or "sdpa" in n.lower() or "fmha" in n.lower()]
-        rows.append({**point, "event_ms": 1e3 * timing.median_s, "kernel_ms": 1e3 * timing.metrics["kernel_s"],
-                     "graph_ms": np.nan if graph_s is None else 1e3 * graph_s,
-                     "kernels": timing.metrics["kernel_count"],
-                     "attention_kernel": (attention or timing.kernels or [""])[0][:80]})
+        rows.append({**point, **times, "attention_kernel": (attention or timing.kernels or [""])[0][:80]})
         print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
         torch.cuda.empty_cache()
     header = [
@@ -103,11 +99,7 @@ def measure(out: Path) -> None:
         "# timing: event_ms = median of 20 calls between CUDA events, caches flushed before each; kernel_ms = the"
         " profiled call's kernels summed; graph_ms = median of CUDA-graph replays (empty: not capturable)",
     ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text("\n".join(header) + "\n" + pd.DataFrame(rows).to_csv(index=False))
-    tmp.replace(out)
-    print(f"wrote {len(rows)} points to {out}")
+    write_measurements(out, header, rows)
 
 
 def trace_rows(points: pd.DataFrame) -> pd.DataFrame:

@@ -90,17 +90,13 @@ def grouped_call(point: dict):
 def measure(out: Path) -> None:
     import torch
 
-    from trainsim.profile.measure import CacheFlush, time_cuda
+    from trainsim.profile.measure import CacheFlush, measured_kernel_point, write_measurements
 
     if not torch.cuda.is_available():
         raise SystemExit("--measure needs a GPU")
     flush, rows = CacheFlush("cuda"), []
     for point in sweep():
-        timing = time_cuda(grouped_call(point), flush=flush)
-        graph_s = timing.metrics["graph_s"]  # None: the call could not be captured
-        rows.append({**point, "graph_ms": np.nan if graph_s is None else 1e3 * graph_s,
-                     "kernel_ms": 1e3 * timing.metrics["kernel_s"], "event_ms": 1e3 * timing.median_s,
-                     "kernels": timing.metrics["kernel_count"]})
+        rows.append({**point, **measured_kernel_point(grouped_call(point), flush)[0]})
         print(f"{point['model']} {point['layer']} {point['op']} E={point['experts']} T={point['tokens']} "
               f"skew={point['skew']}: graph {rows[-1]['graph_ms']:.3f} ms, kernels {rows[-1]['kernel_ms']:.3f} ms",
               flush=True)
@@ -115,11 +111,7 @@ def measure(out: Path) -> None:
         "# timing: graph_ms = median of 20 CUDA-graph replays (device time, no host gaps), caches flushed before each;"
         " kernel_ms = the profiled call's kernels summed; event_ms = CUDA events around an eager call",
     ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text("\n".join(header) + "\n" + pd.DataFrame(rows).to_csv(index=False))
-    tmp.replace(out)
-    print(f"wrote {len(rows)} points to {out}")
+    write_measurements(out, header, rows)
 
 
 def trace_rows(points: pd.DataFrame) -> pd.DataFrame:

@@ -245,6 +245,28 @@ def time_cuda(call: Callable[[], Any], *, repeats: int = 20, warmup: int = 3,
                            "graph_s": _time_cuda_graph(call, repeats, flush), "host_s": statistics.median(host)})
 
 
+def measured_kernel_point(call: Callable[[], Any], flush: Callable[[], Any]) -> tuple[dict[str, float], Timing]:
+    """One call timed with time_cuda, as the measured kernel files in data/kernels record it: event_ms (CUDA events
+    around an eager call), kernel_ms (its kernels summed), graph_ms (CUDA-graph replays; NaN where the call cannot
+    be captured), kernels (how many); and the Timing (kernel names)."""
+    timing = time_cuda(call, flush=flush)
+    graph_s = timing.metrics["graph_s"]
+    return {"event_ms": 1e3 * timing.median_s, "kernel_ms": 1e3 * timing.metrics["kernel_s"],
+            "graph_ms": float("nan") if graph_s is None else 1e3 * graph_s,
+            "kernels": timing.metrics["kernel_count"]}, timing
+
+
+def write_measurements(out: Path, header: list[str], rows: list[dict]) -> None:
+    """`rows` as CSV under `header` (comment lines naming the source, hardware and timing), written atomically."""
+    import pandas as pd
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text("\n".join(header) + "\n" + pd.DataFrame(rows).to_csv(index=False))
+    tmp.replace(out)
+    print(f"wrote {len(rows)} points to {out}")
+
+
 def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], Any]) -> float | None:
     """Median seconds of `call` captured in a CUDA graph and replayed, or None if it cannot be captured.
 
