@@ -119,6 +119,10 @@ def test_short_sequences_run_attention_slower_and_dropout_costs_per_score():
     assert dropped - long == pytest.approx(scores * km.attention_dropout_forward_s_per_score)
     assert dropped_back - plain_back == pytest.approx(scores * km.attention_dropout_backward_s_per_score)
     assert km.attention_dropout_forward_s_per_score > 0
+    # a row without shapes (an imported profile's) keeps the plain rate: no tile term it cannot know
+    bare = predict_ops(rates, pd.DataFrame([{"op": "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                            "flops": 1e12, "bytes_moved": 1e8}]))[0]
+    assert bare == pytest.approx(km.attention_setup_forward_s + 1e12 / rates.attention_flops_per_s[0])
 
 
 def test_unfused_attention_computes_what_fused_attention_computes():

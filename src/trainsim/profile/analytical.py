@@ -22,8 +22,8 @@ Transformer Engine runs them (`kernel_notes`: SMs held by the communication kern
 each block pays its own waves (measured on H100: 8 token blocks of a tp-8 GEMM run at 0.81-0.88 of the whole
 GEMM's rate one after another, 0.69-0.82 round-robin on three streams; benchmarks/gpu_accuracy.py). e_k is
 the efficiency of the op's kind (normalisation, softmax/loss, optimizer, ...; 1 for elementwise): kernels of
-one kind share an access pattern. Parameters live in `hardware.kernel_model`; `fit_rates` estimates them from measured
-rows (least squares on log time).
+one kind share an access pattern. Parameters live in `hardware.kernel_model`; `fit_rates` estimates them from
+measured rows (least squares on log time).
 """
 
 from __future__ import annotations
@@ -332,8 +332,8 @@ def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=No
             grouped=None) -> np.ndarray:
     """Seconds per op (vectorised); `kinds` are op kinds from `op_kind`; `shape_efficiency` the GEMMs'
     q_shape (1 = a large aligned GEMM); `attention` = AttentionRows (pass 0: not flash attention), timed at the
-    attention rates where the hardware has them; `grouped` marks
-    grouped GEMMs, timed with their own floor and bandwidth where the hardware has them."""
+    attention rates where the hardware has them; `grouped` marks grouped GEMMs, timed with their own floor and
+    bandwidth where the hardware has them."""
     flops = np.asarray(flops, dtype=float)
     bytes_moved = np.asarray(bytes_moved, dtype=float)
     kinds = np.asarray(kinds, dtype=object)
@@ -354,7 +354,8 @@ def predict(rates: RooflineRates, flops, bytes_moved, kinds, shape_efficiency=No
     compute = np.where(matmul, mm, vector)
     time = launch + np.maximum(compute, memory)
     if attention is not None:
-        tiles = 1 + rates.attention_tile_keys / np.maximum(attention.keys, 1)
+        known = attention.keys > 0  # rows without shapes: no tile term
+        tiles = 1 + np.where(known, rates.attention_tile_keys / np.where(known, attention.keys, 1), 0.0)
         dropped = attention.factor * attention.scores * (attention.dropout_p > 0)
         for which, rate, dropout_s, setup_s in zip((1, 2), rates.attention_flops_per_s,
                                                    rates.attention_dropout_s_per_score, rates.attention_setup_s):
@@ -387,16 +388,16 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
     pass_ = np.where(attention, np.where(backward, 2, 1), 0)
     keys, scores, dropout = np.zeros(len(rows)), np.zeros(len(rows)), np.zeros(len(rows))
     flops = rows["flops"].to_numpy(dtype=float)
-    shapes = rows["input_shapes"] if "input_shapes" in rows else [None] * len(rows)
-    args = rows["op_args"] if "op_args" in rows else [None] * len(rows)
+    shapes = rows["input_shapes"].tolist() if "input_shapes" in rows else [None] * len(rows)
+    args = rows["op_args"].tolist() if "op_args" in rows else [None] * len(rows)
     for i in np.flatnonzero(attention):
-        parsed = json.loads(shapes.iloc[i]) if isinstance(shapes.iloc[i], str) else shapes.iloc[i]
+        parsed = json.loads(shapes[i]) if isinstance(shapes[i], str) else shapes[i]
         k = 2 if backward[i] else 1  # the backward's tensors start with the output's gradient, then q, k, v
         if not parsed or len(parsed) <= k or len(parsed[k]) < 2:
             continue
         keys[i], head_dim = parsed[k][-2], parsed[0][-1]
         scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # _sdpa_flops, inverted
-        dropout[i] = max(notes[i].get("dropout_p", 0.0), _dropout_argument(args.iloc[i]))
+        dropout[i] = max(notes[i].get("dropout_p", 0.0), _dropout_argument(args[i]))
     return AttentionRows(pass_, _attention_factor(rows, kinds), keys, scores, dropout)
 
 
