@@ -64,6 +64,11 @@ CASES = {
     "gpt1.7b-mcore": ["model=gpt-13b", "model.hidden_size=2048", "model.num_attention_heads=16",
                       "model.num_layers=24", "model.seq_length=4096", "model.vocab_size=131072", "model.dropout=0.1",
                       "model.attention_dropout=0.1", "parallelism.global_batch_size=4"],
+    # the same 4 sequences in 2 micro-batches (the tables' micro-batch size is not stated)
+    "gpt1.7b-mcore-mb2": ["model=gpt-13b", "model.hidden_size=2048", "model.num_attention_heads=16",
+                          "model.num_layers=24", "model.seq_length=4096", "model.vocab_size=131072",
+                          "model.dropout=0.1", "model.attention_dropout=0.1", "parallelism.global_batch_size=4",
+                          "parallelism.micro_batch_size=2"],
     "mixtral-2l": ["model=mixtral-8x7b", "model.num_layers=2"],
     "qwen3moe-2l": ["model=qwen3-30b-a3b", "model.num_layers=2"],
 }
