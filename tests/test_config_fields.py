@@ -132,6 +132,10 @@ def test_every_schema_field_has_a_docstring():
      "hardware.peak_flops_per_s.tf32=4.94e+14: no op is timed at a 'tf32' rate; supported: fp32, bf16, fp16, fp64"),
     ("+hardware.kernel_model.kind_efficiency.softmax=2",
      "hardware.kernel_model.kind_efficiency.softmax=2.0: supported: a positive efficiency for one of matmul, "),
+    ("hardware.kernel_model.attention_tile_keys=-670",
+     "hardware.kernel_model.attention_tile_keys=-670.0 must be >= 0 (0 = none)"),
+    ("hardware.kernel_model.attention_dropout_forward_s_per_score=-1e-12",
+     "hardware.kernel_model.attention_dropout_forward_s_per_score=-1e-12 must be >= 0"),
     ("hardware.profile_backend=gpu", "hardware.profile_backend='gpu' is not supported; accepted: auto, measure, "
                                      "analytical"),
     ("hardware.slowdown.source=download", "hardware.slowdown.source='download' is not supported; accepted: "

@@ -235,28 +235,18 @@ def kernel_notes(args: str) -> dict[str, float]:
         return {}
 
 
-def _attention_factor(rows: pd.DataFrame, kinds: np.ndarray) -> np.ndarray:
-    """Flash-attention FLOPs actually computed over those counted: 1/2 for causal attention (the kernels
-    skip masked tiles; the trace counts the full square)."""
-    out = np.ones(len(rows))
-    if "op_args" in rows:
-        for i, (args, kind) in enumerate(zip(rows["op_args"], kinds)):
-            if kind == "attention" and _is_causal(args):
-                out[i] = 0.5
-    return out
-
-
-def _is_causal(args) -> bool:
-    """is_causal of an SDPA op's recorded arguments: a keyword, or aten's kernels' first boolean positional
-    (after the tensors and dropout_p)."""
+def _sdpa_arguments(args) -> tuple[bool, float]:
+    """(is_causal, dropout_p) of an SDPA op's recorded arguments: keywords, or aten's kernels' first boolean and
+    first float positional (after the tensors)."""
     try:
         parsed = json.loads(args)
     except (TypeError, ValueError):
-        return False
-    if "is_causal" in parsed.get("kwargs", {}):
-        return bool(parsed["kwargs"]["is_causal"])
-    flags = [a for a in parsed.get("args", []) if isinstance(a, bool)]
-    return bool(flags) and flags[0]
+        return False, 0.0
+    positional, keywords = parsed.get("args", []), parsed.get("kwargs", {})
+    flags = [a for a in positional if isinstance(a, bool)]
+    causal = bool(keywords["is_causal"]) if "is_causal" in keywords else bool(flags) and flags[0]
+    dropout = keywords.get("dropout_p", next((a for a in positional if isinstance(a, float)), 0.0))
+    return causal, float(dropout or 0.0)
 
 
 def op_dtype(input_dtypes: str, op: str = "") -> str:
@@ -373,7 +363,7 @@ class AttentionRows:
     pass_: np.ndarray
     """1 = forward, 2 = backward, 0 = another op"""
     factor: np.ndarray
-    """share of the counted FLOPs and scores computed: 1/2 causal (_attention_factor)"""
+    """share of the counted FLOPs and scores computed: 1/2 causal"""
     keys: np.ndarray
     """keys each query attends to (the sequence length of k)"""
     scores: np.ndarray
@@ -386,28 +376,20 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
     attention = kinds == "attention"
     backward = rows["op"].astype(str).str.contains("backward").to_numpy()
     pass_ = np.where(attention, np.where(backward, 2, 1), 0)
-    keys, scores, dropout = np.zeros(len(rows)), np.zeros(len(rows)), np.zeros(len(rows))
+    factor, keys, scores, dropout = np.ones(len(rows)), np.zeros(len(rows)), np.zeros(len(rows)), np.zeros(len(rows))
     flops = rows["flops"].to_numpy(dtype=float)
     shapes = rows["input_shapes"].tolist() if "input_shapes" in rows else [None] * len(rows)
     args = rows["op_args"].tolist() if "op_args" in rows else [None] * len(rows)
     for i in np.flatnonzero(attention):
+        causal, dropout_argument = _sdpa_arguments(args[i])
+        factor[i] = 0.5 if causal else 1.0  # causal kernels skip the masked tiles; the trace counts the full square
+        dropout[i] = max(notes[i].get("dropout_p", 0.0), dropout_argument)
         parsed = json.loads(shapes[i]) if isinstance(shapes[i], str) else shapes[i]
         k = 2 if backward[i] else 1  # the backward's tensors start with the output's gradient, then q, k, v
-        if not parsed or len(parsed) <= k or len(parsed[k]) < 2:
-            continue
-        keys[i], head_dim = parsed[k][-2], parsed[0][-1]
-        scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # _sdpa_flops, inverted
-        dropout[i] = max(notes[i].get("dropout_p", 0.0), _dropout_argument(args[i]))
-    return AttentionRows(pass_, _attention_factor(rows, kinds), keys, scores, dropout)
-
-
-def _dropout_argument(args) -> float:
-    """dropout_p of an SDPA op's recorded arguments: aten's kernels' first float positional."""
-    try:
-        parsed = json.loads(args)
-    except (TypeError, ValueError):
-        return 0.0
-    return next((float(a) for a in parsed.get("args", []) if isinstance(a, float)), 0.0)
+        if parsed and len(parsed) > k and len(parsed[k]) >= 2:
+            keys[i], head_dim = parsed[k][-2], parsed[0][-1]
+            scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # _sdpa_flops, inverted
+    return AttentionRows(pass_, factor, keys, scores, dropout)
 
 
 def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -> np.ndarray:
