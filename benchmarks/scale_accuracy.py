@@ -8,18 +8,18 @@ formula that turns its TFLOP/s into seconds per step, and every setting assumed 
                       virtual stages (hardware h100-sxm-dgx); step time from the csv (derived_step_time_s).
                       Rows with context parallelism (cp > 1) cannot be expressed yet: printed with the reason
                       and counted (figure scale_skipped_rows_<table>), not in the figures' mean
-Leave-one-row-out: for each row, the kernel model's matmul_efficiency and memory_efficiency (bounded by
-the best measured matmul throughput of that GPU, data/kernels) are fitted to the table's other rows, then
-the row is composed with that fit (the row is never in its own fit). Everything else is physics, datasheet,
-NCCL calibration and kernel benchmarks (flash attention), the same for every row.
+Leave-one-row-out, pooled per GPU: for each row, the kernel model's matmul_efficiency, fp8_matmul_efficiency
+(bounded by the best measured bf16 / FP8 matmul throughput of that GPU, data/kernels) and memory_efficiency are
+fitted to every other row of the tables run on the same hardware, then the row is composed with that fit (the
+row is never in its own fit; a parameter no other row depends on stays as configured). Everything else is
+physics, datasheet, NCCL calibration and kernel benchmarks (flash attention), the same for every row.
 
 Prints per row and
   figure scale_mape_pct_<table> <v> %       mean |error| over the table's rows that run (target <= 5; NeMo <= 7)
   figure scale_bias_pct_<table> <v> %       signed mean error (target |bias| <= 2)
-  figure scale_fit_<param>_<table> <v> ratio   the all-rows fit (what conf/hardware carries)
   figure scale_skipped_rows_<table> <v> rows    rows left out because a config cannot express them yet
-  figure scale_fit_<param>_joint_<hardware> <v> ratio   the fit over every row of the tables of one GPU (what
-                                            conf/hardware carries where a GPU has more than one table)
+  figure scale_fit_<param>_<hardware> <v> ratio   the fit over every row of the GPU's tables (what conf/hardware
+                                            carries)
   figure predict_seconds_cached_fresh_process <v> s   `trainsim compose --quick` of one point in a new
                                             process with every input cached
 The overlap-slowdown model is not applied here (communication overlap is composed, its kernel slowdown is not).
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from trainsim.validation.published import ASSUMPTIONS, FITTED, TABLES, evaluate_table, joint_fit
+from trainsim.validation.published import ASSUMPTIONS, FITTED, TABLES, evaluate_tables
 
 TIMING_POINT = ["hardware=a100-80g-selene", "model=gpt-175b", "parallelism=pp16-tp8-dp8"]
 
@@ -68,28 +68,23 @@ def main() -> None:
     print("assumed where the sources are silent:")
     for name, text in ASSUMPTIONS.items():
         print(f"  {name}: {text}")
-    by_hardware: dict[str, list] = {}
-    evaluated = {}
-    for name in args.tables:
-        result = evaluated[name] = evaluate_table(name)
-        by_hardware.setdefault(TABLES[name].hardware, []).append(result)
+    evaluated = evaluate_tables(args.tables)
+    for name, result in evaluated.items():
         rows = result.rows
         print(f"\n{name} on {TABLES[name].hardware}, leave-one-row-out ({result.seconds:.0f} s):")
         print(rows[["model", "gpus", "tp", "pp", "dp", "virtual_stages", "micro_batch", "global_batch", "measured_s",
-                    "predicted_s", "error_pct", *FITTED]].round(3).to_string(index=False))
+                    "predicted_s", "error_pct", *(p for p in FITTED if p in rows)]].round(3).to_string(index=False))
         print(f"skipped {len(result.skipped)} of {len(rows) + len(result.skipped)} rows (not in the figures)"
               + "".join(f"\n  {r.model} ({r.gpus} GPUs, tp {r.tp} pp {r.pp} cp {r.cp}): {r.skip_reason}"
                         for r in result.skipped.itertuples()))
         print(f"figure scale_mape_pct_{name} {rows['error_pct'].abs().mean():.2f} %")
         print(f"figure scale_bias_pct_{name} {rows['error_pct'].mean():.2f} %")
         print(f"figure scale_max_error_pct_{name} {rows['error_pct'].abs().max():.2f} %")
-        for param, value in result.all_rows_fit.items():
-            print(f"figure scale_fit_{param}_{name} {value:.4f} ratio")
         print(f"figure scale_skipped_rows_{name} {len(result.skipped)} rows")
-    for hardware, results in by_hardware.items():
-        if len(results) > 1:
-            for param, value in joint_fit(results).items():
-                print(f"figure scale_fit_{param}_joint_{hardware} {value:.4f} ratio")
+    fits = {TABLES[name].hardware: result.all_rows_fit for name, result in evaluated.items()}
+    for hardware, fit in fits.items():
+        for param, value in fit.items():
+            print(f"figure scale_fit_{param}_{hardware} {value:.4f} ratio")
     if args.page is not None:
         from trainsim.report.accuracy_figures import published_page
 

@@ -76,7 +76,7 @@ def _results() -> dict[str, TableResult]:
         rows = read_table(name).reset_index(drop=True)
         rows["predicted_s"] = rows["measured_s"] * np.where(rows.index % 2, 1.03, 0.92)
         rows["error_pct"] = 100 * (rows["predicted_s"] / rows["measured_s"] - 1)
-        rows["matmul_efficiency"], rows["memory_efficiency"] = 0.7, 0.9  # each fold's fit, as evaluate_table has
+        rows["matmul_efficiency"], rows["memory_efficiency"] = 0.7, 0.9  # each fold's fit, as evaluate_tables has
         skipped = rows.iloc[-1:].assign(skip_reason="layers=61 not divisible by pp*vp=4*1") \
             if name == "megatron2021_a100" else pd.DataFrame()
         results[name] = TableResult(rows.iloc[:-1] if len(skipped) else rows, {"matmul_efficiency": 0.7}, 1.0,
@@ -103,14 +103,14 @@ def test_published_page_draws_every_row_and_renders_whole(tmp_path, chromium):
 
 
 def test_scale_benchmark_writes_the_page(tmp_path, monkeypatch, capsys):
-    """`--page` on the benchmark script itself, with evaluate_table replaced by the rows above (the real one
+    """`--page` on the benchmark script itself, with evaluate_tables replaced by the rows above (the real one
     composes every row: minutes per table)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "scale_accuracy.py"
     spec = importlib.util.spec_from_file_location("scale_accuracy", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     results = _results()
-    monkeypatch.setattr(bench, "evaluate_table", results.__getitem__)
+    monkeypatch.setattr(bench, "evaluate_tables", lambda names: {name: results[name] for name in names})
     monkeypatch.setattr(sys, "argv", ["scale_accuracy.py", "--tables", "mcore2024_h100", "--skip-timing",
                                       "--page", str(tmp_path / "page.html")])
     bench.main()

@@ -236,12 +236,14 @@ def test_fit_recovers_efficiencies_and_respects_the_measured_matmul_ceiling():
                       "hardware.kernel_model.memory_efficiency=0.8"]).hardware
     rng = np.random.default_rng(0)
     base = rng.uniform(1, 10, 8)
-    slopes = np.column_stack([base * rng.uniform(0.5, 0.8, 8), base * rng.uniform(0.1, 0.3, 8)])
-    truth = np.array([0.8 / 0.75, 0.8 / 0.6])  # matmul 0.75, memory 0.6
+    # columns: matmul, FP8 matmul (no row runs FP8 GEMMs: not fitted), memory
+    slopes = np.column_stack([base * rng.uniform(0.5, 0.8, 8), np.zeros(8), base * rng.uniform(0.1, 0.3, 8)])
+    truth = np.array([0.8 / 0.75, 1.0, 0.8 / 0.6])  # matmul 0.75, memory 0.6
     measured = base + slopes @ (truth - 1)
     fit = fit_ratios(base, slopes, measured, hw)
     assert fit["matmul_efficiency"] == pytest.approx(0.75, rel=1e-3)
     assert fit["memory_efficiency"] == pytest.approx(0.6, rel=1e-3)
+    assert "fp8_matmul_efficiency" not in fit
     ceiling = matmul_ceiling(hw)
     assert ceiling == pytest.approx(271.2 / 312)
     too_fast = fit_ratios(base, slopes, base * 0.5, hw)

@@ -132,6 +132,8 @@ def test_every_schema_field_has_a_docstring():
      "hardware.peak_flops_per_s.tf32=4.94e+14: no op is timed at a 'tf32' rate; supported: fp32, bf16, fp16, fp64"),
     ("+hardware.kernel_model.kind_efficiency.softmax=2",
      "hardware.kernel_model.kind_efficiency.softmax=2.0: supported: a positive efficiency for one of matmul, "),
+    ("hardware.kernel_model.fp8_matmul_efficiency=1.2",
+     "hardware.kernel_model.fp8_matmul_efficiency=1.2 must be in [0, 1] (a fraction of the dtype's peak"),
     ("hardware.kernel_model.attention_tile_keys=-670",
      "hardware.kernel_model.attention_tile_keys=-670.0 must be >= 0 (0 = none)"),
     ("hardware.kernel_model.attention_dropout_forward_s_per_score=-1e-12",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import torch
@@ -74,6 +76,24 @@ def test_bf16_gradients_accumulate_and_reduce_in_fp32_as_megatron_does():
     assert len(adds) > 0
 
 
+def test_gradient_accumulation_fusion_prices_the_linears_gradient_adds_at_zero():
+    """Megatron's gradient-accumulation fusion: the weight-gradient GEMM of each tensor-parallel linear accumulates
+    into the buffer itself, so the trace notes those adds fused (no time of their own); norms and biases still add."""
+    from trainsim.profile.analytical import kernel_notes, predict_ops, rates_for
+
+    base = ("parallelism=dp2", "parallelism.dp=2", "parallelism.global_batch_size=8", "parallelism.precision=bf16")
+    graphs = [_trace(*base, f"parallelism.gradient_accumulation_fusion={on}")[1] for on in ("false", "true")]
+    adds = [g[(g["rank_class"] == 0) & (g["phase"] == "backward") & g["op"].str.startswith("aten::add_")]
+            for g in graphs]
+    assert len(adds[0]) == len(adds[1]) > 0  # the same ops run
+    fused = [a[a["op_args"].map(kernel_notes).map(lambda n: n.get("fused") == 1)] for a in adds]
+    layers, linears = 4, 4  # gpt-tiny; qkv, proj, up, down; and the output layer
+    assert len(fused[0]) == 0 and len(fused[1]) == layers * linears + 1
+    assert all(len(json.loads(shape)[0]) == 2 for shape in fused[1]["input_shapes"])  # weights, not biases
+    rates = rates_for(compose_run(["hardware=h100-sxm-dgx"]).hardware, "bf16")
+    assert (predict_ops(rates, fused[1]) == 0).all() and (predict_ops(rates, fused[1].assign(op_args="")) > 0).all()
+
+
 def test_gradient_norm_is_summed_over_every_rank():
     _, graph, _ = _trace("parallelism=pp2", "parallelism.dp=2", "parallelism.global_batch_size=8",
                          "parallelism.zero_stage=1")
@@ -119,6 +139,18 @@ def _weights_before_and_after_two_steps(rank, layout, model_cfg, par):
         for buckets in rm.buckets:
             buckets.gather_params(wait=True)
     return before, torch.cat([p.detach().flatten() for p in rm.parameters()])
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_fusion_trains_exactly_like_autograds_accumulation():
+    base = ["parallelism=dp2", "parallelism.precision=bf16", "parallelism.global_batch_size=8"]
+    runs = [compose_run([*base, f"parallelism.gradient_accumulation_fusion={on}"], check="layout")
+            for on in ("false", "true")]
+    (before, expected), _ = spawn_ranks(_weights_before_and_after_two_steps, runs[0].parallelism, runs[0].model,
+                                        runs[0].parallelism)
+    (_, got), _ = spawn_ranks(_weights_before_and_after_two_steps, runs[1].parallelism, runs[1].model,
+                              runs[1].parallelism)
+    assert torch.equal(got, expected) and not torch.equal(before, expected)
 
 
 @pytest.mark.slow

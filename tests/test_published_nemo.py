@@ -107,4 +107,5 @@ def test_nemo_times_attention_at_flash_attention_2_and_bounds_fp8_gemms_by_their
     assert nemo.attention_backward_efficiency == pytest.approx(287.1 / 989 * long_sequence)
     assert nemo.attention_dropout_forward_s_per_score == hw.kernel_model.attention_dropout_forward_s_per_score
     assert table_hardware(TABLES["mcore2024_h100"], hw) is hw
-    assert matmul_ceiling(hw, CEILING_DTYPE[TABLES[NAME].precision]) == pytest.approx(1402.6 / 1979)
+    assert matmul_ceiling(hw, CEILING_DTYPE["fp8_matmul_efficiency"]) == pytest.approx(1402.6 / 1979)
+    assert matmul_ceiling(hw, CEILING_DTYPE["matmul_efficiency"]) == pytest.approx(794.5 / 989)

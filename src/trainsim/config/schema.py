@@ -125,6 +125,10 @@ class KernelModelConfig:
 
     matmul_efficiency: float = 0.75
     """Fraction of peak FLOP/s that large matrix multiplies reach."""
+    fp8_matmul_efficiency: float = 0.0
+    """Fraction of the FP8 peak that large FP8 GEMMs reach (their scaling and the wider peak leave them further
+    from it than bf16 GEMMs: 0.71 against 0.80 at best on H100, data/kernels/matmul_max-achievable-tflops);
+    0 = matmul_efficiency."""
     matmul_half_flops: float = 2.0e9
     """FLOPs at which a matrix multiply reaches half of that efficiency (small GEMMs are inefficient)."""
     memory_efficiency: float = 0.8
@@ -513,6 +517,12 @@ class ParallelismConfig:
     bf16-mixed; the optimizer reads them as its master gradients. False (default): gradients kept and reduced in
     the weights' dtype, copied to fp32 for the optimizer; the published H100 runs fit it (docs/validation.md,
     "Gradient dtype"). FSDP (zero_stage 2, 3) reduce-scatters in fp32 either way."""
+    gradient_accumulation_fusion: bool = False
+    """Megatron's --gradient-accumulation-fusion (Megatron-Core's and NeMo's default; Transformer Engine's
+    fuse_wgrad_accumulation): the weight-gradient GEMM of each tensor-parallel linear accumulates into the
+    gradient buffer itself (beta = 1), so a micro-batch's weight gradient is never written apart and added.
+    False (plain PyTorch): autograd adds it into the buffer, one extra read and write per weight and
+    micro-batch. Norms, biases, embeddings and experts accumulate as before; FSDP (zero_stage 2, 3) ignores it."""
     overlap_param_gather: bool = False
     """With zero_stage 1: all-gather the updated weights during the next step's first forward, each layer
     waiting only for its own bucket (Megatron-Core --overlap-param-gather), instead of after the optimizer."""

@@ -318,7 +318,7 @@ def _validate_rates(hw: HardwareConfig) -> None:
         if name not in RANGE_SETTINGS or len(bounds) != 2 or bounds[0] > bounds[1]:
             raise ConfigError(f"hardware.kernel_model.fitted_range.{name}={list(bounds)}: supported: [low, high] "
                               f"with low <= high for one of {', '.join(RANGE_SETTINGS)}")
-    for name in ("attention_forward_efficiency", "attention_backward_efficiency"):
+    for name in ("attention_forward_efficiency", "attention_backward_efficiency", "fp8_matmul_efficiency"):
         if not 0 <= getattr(hw.kernel_model, name) <= 1:
             raise ConfigError(f"hardware.kernel_model.{name}={getattr(hw.kernel_model, name)} must be in [0, 1] "
                               "(a fraction of the dtype's peak; 0 = matmul_efficiency)")

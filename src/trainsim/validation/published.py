@@ -87,8 +87,9 @@ class Table:
     """model name -> architecture where the csv has no architecture columns (layers, hidden, attn_heads); with
     it, seq (None), micro batch, context parallelism and virtual stages come from the csv's seq_len, micro_batch,
     cp and vp columns"""
-    megatron_core_buckets: bool = False
-    """gradient buckets of Megatron-Core's DDP (megatron_core_bucket_bytes) in place of PyTorch DDP's 25 MiB"""
+    megatron_core: bool = False
+    """Megatron-Core's DDP: its gradient buckets (megatron_core_bucket_bytes) in place of PyTorch DDP's 25 MiB, and
+    its default gradient-accumulation fusion (parallelism.gradient_accumulation_fusion)"""
     flash_attention: str | None = None
     """the flash-attention kernel of that framework release where it differs from the hardware config's
     (FlashAttention-3 on H100): 'Fav2' = FlashAttention-2's causal H100 measurement (FLASH_ATTENTION_RATES);
@@ -129,11 +130,11 @@ TABLES = {
                                "a100-80g-selene", "fp16", "full", 2048, 51200, "unfused", 4, False, False, 96.0, 16.0),
     "mcore2024_h100": Table("mcore2024_h100", "published/megatron-lm_readme_2024_h100_core_r0.8.csv",
                             "h100-sxm-dgx", "bf16", "none", 4096, 131072, "fused", 1024, True, True, 72.0, 12.0,
-                            megatron_core_buckets=True),
+                            megatron_core=True),
     "nemo2407_h100_fp8": Table("nemo2407_h100_fp8", "published/nemo_24.07_dgx-h100_fp8_pretrain.csv",
                                "h100-sxm-dgx", "fp8", "none", None, None, "fused", None, True, True, None, None,
                                step_time_column="derived_step_time_s", architectures=NEMO_ARCHITECTURES,
-                               flash_attention="Fav2", megatron_core_buckets=True),
+                               flash_attention="Fav2", megatron_core=True),
 }
 
 DROPOUT = 0.1
@@ -158,6 +159,11 @@ ASSUMPTIONS = {
                   "forces fp32 for bf16, but at fp32 the 2024 pp=1 rows cannot reach their measured times (32B tp8: "
                   "16 GB per GPU reduce-scattered through one 50 GB/s NIC after the last micro-batch); the sources "
                   "do not state the precision",
+    "gradient_accumulation_fusion": "Megatron-Core r0.8 and NeMo 24.07: on (Megatron-Core's default "
+                                    "--gradient-accumulation-fusion; the NeMo launcher's GPT-3 recipes set "
+                                    "gradient_accumulation_fusion: True): the linears' weight-gradient GEMMs "
+                                    "accumulate into the gradient buffer; Megatron-LM 2021: off (its backward hook "
+                                    "added each gradient)",
     "distributed_optimizer": "Megatron-Core r0.8 and NeMo 24.07: zero_stage 1 with overlap_param_gather (NeMo's "
                              "recipes: optim distributed_fused_adam / mcore_distributed_optim, overlap_grad_sync "
                              "and overlap_param_sync true)",
@@ -266,11 +272,12 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
                               zero_stage=int(table.distributed_optimizer),
                               overlap_param_gather=table.distributed_optimizer,
                               schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
-    if table.megatron_core_buckets:
+    if table.megatron_core:
         from trainsim.workloads.model import DTYPES
 
         grad_bytes = 4 if par.grad_reduce_in_fp32 else DTYPES[par.precision].itemsize  # gradients in the weights' dtype
-        par = dataclasses.replace(par, dp_bucket_size_bytes=megatron_core_bucket_bytes(par.dp * par.cp, grad_bytes))
+        par = dataclasses.replace(par, dp_bucket_size_bytes=megatron_core_bucket_bytes(par.dp * par.cp, grad_bytes),
+                                  gradient_accumulation_fusion=True)
     return model, par
 
 
@@ -293,11 +300,13 @@ def compose_row(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, 
     return compose_step(graph, rank_classes, par, hw, times, comm, slowdown)
 
 
-FITTED = ("matmul_efficiency", "memory_efficiency")
-"""The kernel model's parameters fitted per hardware across a table's rows (hardware.kernel_model fields):
-what large GEMMs and streaming kernels reach on that GPU under that framework. Everything else is physics
-or a datasheet/kernel-benchmark number."""
+FITTED = ("matmul_efficiency", "fp8_matmul_efficiency", "memory_efficiency")
+"""The kernel model's parameters fitted per GPU across the rows of its tables (hardware.kernel_model fields):
+what large bf16 and FP8 GEMMs and streaming kernels reach on that GPU. A parameter no row depends on (FP8 on a
+GPU without FP8 rows) stays as configured. Everything else is physics or a datasheet/kernel-benchmark number."""
 SENSITIVITY_STEP = 0.05
+CEILING_DTYPE = {"matmul_efficiency": "bf16", "fp8_matmul_efficiency": "float8_e4m3fn"}
+"""FITTED GEMM parameter -> the mamf dtype whose best measured throughput bounds it"""
 
 
 @dataclass
@@ -309,6 +318,13 @@ class RowRun:
 
 def with_kernel_params(hw: HardwareConfig, params: dict[str, float]) -> HardwareConfig:
     return dataclasses.replace(hw, kernel_model=dataclasses.replace(hw.kernel_model, **params))
+
+
+def kernel_params(hw: HardwareConfig) -> np.ndarray:
+    """FITTED's values in effect on `hw` (an unset FP8 GEMM efficiency is the bf16 one)."""
+    km = hw.kernel_model
+    return np.array([km.fp8_matmul_efficiency or km.matmul_efficiency if n == "fp8_matmul_efficiency"
+                     else getattr(km, n) for n in FITTED])
 
 
 def step_seconds(run: RowRun, hw: HardwareConfig, comm) -> float:
@@ -324,6 +340,7 @@ def step_seconds(run: RowRun, hw: HardwareConfig, comm) -> float:
 def linearise(runs: list[RowRun], hw: HardwareConfig, comm) -> tuple[np.ndarray, np.ndarray]:
     """Each row's step time at `hw` and its derivative by each FITTED parameter's inverse ratio r = p0 / p
     (kernel time is proportional to 1/efficiency where that parameter binds), by finite differences."""
+    hw = with_kernel_params(hw, dict(zip(FITTED, kernel_params(hw))))
     base = np.array([step_seconds(r, hw, comm) for r in runs])
     slopes = np.zeros((len(runs), len(FITTED)))
     for j, name in enumerate(FITTED):
@@ -337,10 +354,6 @@ CEILING_ROW = {"NVIDIA A100-SXM4-80GB": "NVIDIA A100 SXM", "NVIDIA H100 80GB HBM
 """hardware.device_name -> the accelerator row of the best measured matmul throughput (mamf-finder)."""
 
 
-CEILING_DTYPE = {"fp8": "float8_e4m3fn"}
-"""parallelism.precision -> the mamf dtype of its transformer GEMMs (bf16 otherwise)"""
-
-
 def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
     """The highest matmul_efficiency a fit may reach: the best torch.mm throughput measured on this GPU over
     its datasheet peak (no GEMM of a training step beats a brute-force search for the fastest shape); 1
@@ -350,21 +363,22 @@ def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
     return float(row["mamf_tflops"].iloc[0] / row["theory_tflops"].iloc[0]) if len(row) else 1.0
 
 
-def fit_ratios(base: np.ndarray, slopes: np.ndarray, measured: np.ndarray, hw: HardwareConfig,
-               dtype: str = "bf16") -> dict[str, float]:
-    """Least squares on log step time of the linearised rows; efficiencies stay in [0.05, ceiling] (the
-    matmul ceiling of `matmul_ceiling` for the GEMMs' mamf dtype, 1 for memory)."""
+def fit_ratios(base: np.ndarray, slopes: np.ndarray, measured: np.ndarray, hw: HardwareConfig) -> dict[str, float]:
+    """Least squares on log step time of the linearised rows, over the FITTED parameters some row depends on;
+    efficiencies stay in [0.05, ceiling] (`matmul_ceiling` of the GEMMs' dtype, 1 for memory)."""
     from scipy.optimize import least_squares
 
-    p0 = np.array([getattr(hw.kernel_model, n) for n in FITTED])
-    ceiling = np.array([matmul_ceiling(hw, dtype) if n == "matmul_efficiency" else 1.0 for n in FITTED])
+    active = np.abs(slopes).sum(axis=0) > 0
+    p0 = kernel_params(hw)[active]
+    ceiling = np.array([matmul_ceiling(hw, CEILING_DTYPE[n]) if n in CEILING_DTYPE else 1.0 for n in FITTED])[active]
     lower, upper = p0 / ceiling, p0 / 0.05  # ratio r = p0 / p: p <= ceiling <=> r >= p0 / ceiling
+    slopes = slopes[:, active]
 
     def residuals(r):
         return np.log(np.maximum(base + slopes @ (r - 1), 1e-9)) - np.log(measured)
 
-    fit = least_squares(residuals, np.clip(np.ones(len(FITTED)), lower, upper), bounds=(lower, upper))
-    return {name: float(p / r) for name, p, r in zip(FITTED, p0, fit.x)}
+    fit = least_squares(residuals, np.clip(np.ones(len(p0)), lower, upper), bounds=(lower, upper))
+    return {name: float(p / r) for name, p, r in zip(np.array(FITTED)[active], p0, fit.x)}
 
 
 @dataclass
@@ -372,20 +386,10 @@ class TableResult:
     rows: pd.DataFrame
     """per row: measured_s, predicted_s (leave-one-row-out), error_pct, and that fold's fitted parameters"""
     all_rows_fit: dict[str, float]
-    """FITTED from every row (what the hardware config carries)"""
+    """FITTED from every row of the GPU's tables evaluated with it (what the hardware config carries)"""
     seconds: float
     skipped: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
     """rows that cannot be expressed yet, with their skip_reason (not in rows, the fit or the figures)"""
-    linearised: tuple[np.ndarray, np.ndarray, np.ndarray] = ()
-    """(base, slopes, measured) of `linearise` over the rows: tables of one GPU are fitted jointly from them"""
-    hardware: HardwareConfig | None = None
-    """the hardware the rows were linearised at"""
-
-
-def joint_fit(results: list[TableResult]) -> dict[str, float]:
-    """FITTED from every row of several tables of the same GPU (the matmul ceiling of bf16 GEMMs)."""
-    base, slopes, measured = (np.concatenate(parts) for parts in zip(*(r.linearised for r in results)))
-    return fit_ratios(base, slopes, measured, results[0].hardware)
 
 
 def calibrated_comm(run):
@@ -431,9 +435,20 @@ def trace_rows(runs: list[RowRun], workers: int = 2) -> list[RowRun]:
     return runs
 
 
-def evaluate_table(name: str, workers: int = 2) -> TableResult:
-    """Leave-one-row-out over the rows that can run: for each, fit FITTED on the others, then compose the row
-    with that fit. Rows with a skip_reason are returned in TableResult.skipped, never silently dropped."""
+@dataclass
+class _LinearisedTable:
+    rows: pd.DataFrame
+    skipped: pd.DataFrame
+    runs: list[RowRun]
+    hw: HardwareConfig
+    comm: object
+    base: np.ndarray
+    slopes: np.ndarray
+    seconds: float
+
+
+def _linearised_table(name: str, workers: int) -> _LinearisedTable:
+    """A table's runnable rows traced, and their step times linearised in FITTED at its hardware."""
     import time
 
     from trainsim.config import compose_run
@@ -448,19 +463,42 @@ def evaluate_table(name: str, workers: int = 2) -> TableResult:
     runs = [RowRun(*row_configs(table, row, run.model, run.parallelism), Path()) for _, row in rows.iterrows()]
     runs = trace_rows(runs, workers)
     hw = table_hardware(table, run.hardware)
-    dtype = CEILING_DTYPE.get(table.precision, "bf16")
     base, slopes = linearise(runs, hw, comm)
-    measured = rows["measured_s"].to_numpy()
-    predicted, folds = [], []
-    for i in range(len(rows)):
-        keep = np.arange(len(rows)) != i
-        params = fit_ratios(base[keep], slopes[keep], measured[keep], hw, dtype)
-        predicted.append(step_seconds(runs[i], with_kernel_params(hw, params), comm))
-        folds.append(params)
-    out = rows.copy()
-    out["predicted_s"] = predicted
-    out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)
-    for name_ in FITTED:
-        out[name_] = [f[name_] for f in folds]
-    return TableResult(out, fit_ratios(base, slopes, measured, hw, dtype), time.perf_counter() - started, skipped,
-                       (base, slopes, measured), hw)
+    return _LinearisedTable(rows, skipped, runs, hw, comm, base, slopes, time.perf_counter() - started)
+
+
+def evaluate_tables(names: list[str], workers: int = 2) -> dict[str, TableResult]:
+    """Leave-one-row-out over the rows that can run, pooled per GPU: each row is composed with FITTED fitted to
+    every other row of the tables in `names` on the same hardware (its GEMM and memory efficiencies are the
+    GPU's, whichever framework ran the row; FP8 GEMMs have their own). Rows with a skip_reason are returned in
+    TableResult.skipped, never silently dropped."""
+    import time
+
+    tables = {name: _linearised_table(name, workers) for name in names}
+    results = {}
+    for hardware in dict.fromkeys(TABLES[name].hardware for name in names):
+        group = [name for name in names if TABLES[name].hardware == hardware]
+        base, slopes = (np.concatenate([getattr(tables[n], part) for n in group]) for part in ("base", "slopes"))
+        measured = np.concatenate([tables[n].rows["measured_s"].to_numpy() for n in group])
+        owner = [(n, i) for n in group for i in range(len(tables[n].rows))]
+        all_rows_fit = fit_ratios(base, slopes, measured, tables[group[0]].hw)
+        for name in group:
+            started, t = time.perf_counter(), tables[name]
+            predicted, folds = [], []
+            for i, run in enumerate(t.runs):
+                keep = np.array([o != (name, i) for o in owner])
+                params = fit_ratios(base[keep], slopes[keep], measured[keep], t.hw)
+                predicted.append(step_seconds(run, with_kernel_params(t.hw, params), t.comm))
+                folds.append(params)
+            out = t.rows.copy()
+            out["predicted_s"] = predicted
+            out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)
+            for param in all_rows_fit:
+                out[param] = [f[param] for f in folds]
+            results[name] = TableResult(out, all_rows_fit, t.seconds + time.perf_counter() - started, t.skipped)
+    return results
+
+
+def evaluate_table(name: str, workers: int = 2) -> TableResult:
+    """evaluate_tables of one table alone."""
+    return evaluate_tables([name], workers)[name]

@@ -13,6 +13,9 @@ the buckets still hold the gradients (Megatron's contiguous grad buffer) but not
 With `grad_dtype` fp32 under bf16/fp16 weights the buckets are Megatron's fp32 gradient buffers: each weight's
 `main_grad` is its view, a micro-batch's low-precision gradient is added into it once accumulated and then
 freed (Megatron's backward hook without gradient-accumulation fusion), and the buckets are reduced in fp32.
+Weights in `fused_accumulation` (Megatron's gradient-accumulation fusion: the linears' weight-gradient GEMMs
+accumulate into the buffer with beta = 1) also keep a `main_grad` view in any dtype; their add is noted
+`fused`, so the kernel model gives it no time of its own, as the real run has no such kernel.
 
 Sharded (ZeRO-1, Megatron-Core's distributed optimizer, Rajbhandari et al. 2020): the weights live in a
 flat parameter buffer per bucket too (each weight a view into it). A ready bucket is reduce-scattered in
@@ -27,6 +30,7 @@ Megatron-Core pads them so every shard is the same size and aligned.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -45,11 +49,13 @@ def gradient(p: nn.Parameter) -> torch.Tensor | None:
 class GradientBuckets:
     def __init__(self, params: list[nn.Parameter], bucket_size_bytes: int, group, dp: int,
                  shard: bool = False, modules: list[nn.Module] = (), average_over: int | None = None,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, fused_accumulation: frozenset = frozenset()):
         """dp: ranks in `group` (that reduce, and shard with `shard`); average_over: replicas the gradients are
         averaged over (default dp; MoE experts: every data replica, though fewer ranks hold each expert);
-        grad_dtype: the buckets' dtype (default the weights')."""
+        grad_dtype: the buckets' dtype (default the weights'); fused_accumulation: the weights whose gradient
+        the GEMM accumulates into the buffer itself."""
         self.group, self.dp, self.shard, self.grad_dtype = group, dp, shard, grad_dtype
+        self.fused_accumulation = fused_accumulation
         self.average_over = dp if average_over is None else average_over
         self.sync_enabled = False
         self._buckets: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
@@ -86,7 +92,7 @@ class GradientBuckets:
         offset = 0
         for p in members:
             view = buffer[offset:offset + p.numel()].view_as(p)
-            if view.dtype == p.dtype:
+            if view.dtype == p.dtype and p not in self.fused_accumulation:
                 p.grad = view
             else:
                 p.main_grad = view
@@ -128,7 +134,8 @@ class GradientBuckets:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if hasattr(param, "main_grad"):
-            param.main_grad.add_(param.grad)
+            with observer().kernel_notes(fused=1) if param in self.fused_accumulation else contextlib.nullcontext():
+                param.main_grad.add_(param.grad)
             param.grad = None
         if not self.sync_enabled or self.average_over == 1:
             return

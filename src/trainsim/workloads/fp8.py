@@ -33,6 +33,9 @@ and what this module reproduces with plain torch ops, so the tracer records ever
   all-gathered in FP8 (sequence-parallel inputs under tp_comm_overlap) reduce their amax over the tp
   group first, so every shard has the same scale, as TE's quantizers with amax reduction do.
 
+Megatron-Core's TE layer spec runs the input norms inside linear_qkv and linear_fc1 (TE's LayerNormLinear), whose
+norm kernel writes its output in FP8 under delayed scaling: those two casts are noted fused with the norm.
+
 Sequence parallelism without tp_comm_overlap all-gathers the bf16 input before the FP8 cast here (TE
 gathers FP8 shards, half the bytes); with tp_comm_overlap the ring exchange carries FP8 blocks as TE's
 userbuffers do. FP8 tensors travel over c10d as uint8 views (NCCL and gloo have no FP8 type; TE does
@@ -151,9 +154,12 @@ class Fp8Region:
         first, self._first_pending = self._first_pending, False
         return first
 
-    def quantize(self, x: torch.Tensor, forward: bool, slot: int, tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, x: torch.Tensor, forward: bool, slot: int, tp_group=None,
+                 from_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x in FP8, the inverse scale for the GEMM). `slot`: the tensor's row in this direction's history;
-        `tp_group`: reduce a current-scaling amax over it (shards gathered in FP8 must share one scale)."""
+        `tp_group`: reduce a current-scaling amax over it (shards gathered in FP8 must share one scale);
+        `from_norm`: x is a norm's output, which TE's LayerNormLinear writes in FP8 from the norm kernel itself
+        under delayed scaling (the scale is known beforehand), so the cast is noted fused."""
         dtype = FORWARD_DTYPE if forward else BACKWARD_DTYPE
         if self.delayed:
             with observer().kernel_notes(fused=1):  # recorded for the next scale (TE: inside the cast kernel)
@@ -165,7 +171,9 @@ class Fp8Region:
                 with observer().communication():
                     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
             scale = amax.clamp(min=1e-12).reciprocal().mul(FP8_MAX[dtype])
-        return _cast(x, scale, dtype), scale.reciprocal()
+        with observer().kernel_notes(fused=1) if from_norm and self.delayed else contextlib.nullcontext():
+            x_fp8 = _cast(x, scale, dtype)
+        return x_fp8, scale.reciprocal()
 
     def reduce_and_update(self, forward: bool) -> None:
         """Delayed scaling: all-reduce (MAX) this direction's current amaxes over the amax group, then new
@@ -189,11 +197,14 @@ class Fp8Linear:
         self.region = region
         self.index = region.register()
         self.tp_group = tp_group
+        self.input_from_norm = False
+        """Set by the layer when its input is a norm's output (TE's LayerNormLinear: qkv and the first MLP linear)."""
         self._weight_version: int | None = None
         self._weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def quantize_input(self, x: torch.Tensor, gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.region.quantize(x, True, 2 * self.index, self.tp_group if gathered else None)
+        return self.region.quantize(x, True, 2 * self.index, self.tp_group if gathered else None,
+                                    self.input_from_norm)
 
     def quantize_grad(self, g: torch.Tensor, gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return self.region.quantize(g, False, self.index, self.tp_group if gathered else None)

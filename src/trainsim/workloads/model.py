@@ -174,6 +174,10 @@ class Block(nn.Module):
                               sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8, cp=cp)
         self.norm2 = _norm(cfg, dtype, sequence_parallel)
         self.mlp = experts or MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
+        if fp8 is not None:  # Megatron-Core's TE spec: the norms run inside linear_qkv and linear_fc1
+            self.attn.qkv.fp8.input_from_norm = True
+            if experts is None:
+                self.mlp.up.fp8.input_from_norm = True
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.dropout) if self.dropout else x

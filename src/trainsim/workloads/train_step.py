@@ -33,6 +33,7 @@ from trainsim.workloads.schedules import (
     last_backward_microbatch,
     passes,
 )
+from trainsim.workloads.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 def create_groups(layout: Layout, rank: int, every_group: bool, experts: bool = False) -> dict[str, object]:
@@ -142,8 +143,10 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         dense = [p for p in chunk.parameters() if not getattr(p, "expert", False)]
         experts = [p for p in chunk.parameters() if getattr(p, "expert", False)]
         modules = list(chunk.modules())
+        fused = frozenset(m.weight for m in modules if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                          ) if par.gradient_accumulation_fusion else frozenset()
         buckets.append(GradientBuckets(dense, par.dp_bucket_size_bytes, groups["dp"], par.weight_replicas,
-                                       shard=shard, modules=modules, grad_dtype=grad_dtype))
+                                       shard=shard, modules=modules, grad_dtype=grad_dtype, fused_accumulation=fused))
         if experts:
             expert_buckets.append(GradientBuckets(experts, par.dp_bucket_size_bytes, groups["edp"],
                                                   layout.expert_replicas, shard=shard, modules=modules,
