@@ -497,8 +497,3 @@ def evaluate_tables(names: list[str], workers: int = 2) -> dict[str, TableResult
                 out[param] = [f[param] for f in folds]
             results[name] = TableResult(out, all_rows_fit, t.seconds + time.perf_counter() - started, t.skipped)
     return results
-
-
-def evaluate_table(name: str, workers: int = 2) -> TableResult:
-    """evaluate_tables of one table alone."""
-    return evaluate_tables([name], workers)[name]
