@@ -285,6 +285,11 @@ class RooflineRates:
     """Bandwidth of a grouped GEMM; 0 = memory_bytes_per_s."""
 
 
+def matmul_efficiency(km, dtype: str) -> float:
+    """The fraction of `dtype`'s peak its large GEMMs reach: FP8's own efficiency where the config sets one."""
+    return km.fp8_matmul_efficiency if dtype == "fp8" and km.fp8_matmul_efficiency else km.matmul_efficiency
+
+
 def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
     """The hardware's rates for one dtype; names the missing field when the config lacks one."""
     if dtype not in hw.peak_flops_per_s:
@@ -299,9 +304,8 @@ def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
     vector = km.vector_flops_per_s or hw.peak_flops_per_s.get("fp32", hw.peak_flops_per_s[dtype]) / 2
     attention = tuple(hw.peak_flops_per_s[dtype] * e for e in (km.attention_forward_efficiency,
                                                                 km.attention_backward_efficiency))
-    matmul = km.fp8_matmul_efficiency if dtype == "fp8" and km.fp8_matmul_efficiency else km.matmul_efficiency
     return RooflineRates(
-        matmul_flops_per_s=hw.peak_flops_per_s[dtype] * matmul,
+        matmul_flops_per_s=hw.peak_flops_per_s[dtype] * matmul_efficiency(km, dtype),
         matmul_half_flops=km.matmul_half_flops,
         memory_bytes_per_s=hw.memory_bandwidth_bytes_per_s * km.memory_efficiency,
         memory_half_bytes=km.memory_half_bytes,

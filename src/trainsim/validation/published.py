@@ -322,9 +322,11 @@ def with_kernel_params(hw: HardwareConfig, params: dict[str, float]) -> Hardware
 
 def kernel_params(hw: HardwareConfig) -> np.ndarray:
     """FITTED's values in effect on `hw` (an unset FP8 GEMM efficiency is the bf16 one)."""
+    from trainsim.profile.analytical import matmul_efficiency
+
     km = hw.kernel_model
-    return np.array([km.fp8_matmul_efficiency or km.matmul_efficiency if n == "fp8_matmul_efficiency"
-                     else getattr(km, n) for n in FITTED])
+    return np.array([matmul_efficiency(km, "fp8") if n == "fp8_matmul_efficiency" else getattr(km, n)
+                     for n in FITTED])
 
 
 def step_seconds(run: RowRun, hw: HardwareConfig, comm) -> float:
