@@ -225,7 +225,7 @@ def test_cuda_grouped_gemms_run_as_one_kernel_and_time_without_host_gaps():
 def test_grouped_gemm_parameters_fitted_on_two_moes_price_the_third():
     """Accuracy guard on the H100 grouped GEMMs measured for this project (benchmarks/grouped_gemm_accuracy.py
     prints every figure): the floor and bandwidth fitted on two MoEs' expert shapes price the third's within
-    12 %, no worse than pricing them as dense GEMMs (over all three held out in turn, 9.7 against 13.7 %)."""
+    12 %, no worse than pricing them as dense GEMMs (over all three held out in turn, 10.3 against 14.8 %)."""
     import importlib.util
     from pathlib import Path
 
@@ -239,4 +239,4 @@ def test_grouped_gemm_parameters_fitted_on_two_moes_price_the_third():
     setup_s, efficiency = bench.fit_grouped(points[~held_out], hw)
     fitted = bench.mape(points[held_out], bench.with_grouped(hw, setup_s, efficiency)).mean()
     dense = bench.mape(points[held_out], bench.with_grouped(hw, 0.0, 0.0)).mean()
-    assert fitted < 12.0 and fitted <= dense  # 10.2 vs 10.4 % on DeepSeek-V3's shapes
+    assert fitted < 12.0 and fitted <= dense  # 11.5 vs 12.3 % on DeepSeek-V3's shapes

@@ -273,7 +273,9 @@ def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], 
     A capture that fails part-way (an op that synchronises with the host: an `.item()`, a copy to the CPU,
     an output sized by its values) ends before CUDA's default random generator leaves capture mode, and
     every random number drawn afterwards in the process fails ("Offset increment outside graph capture"),
-    rebuilt inputs and dropout included: the generator's state is put back from a copy taken before."""
+    rebuilt inputs and dropout included: the generator's state is put back from a copy taken before. The graph's
+    private memory pool is released before returning, captured or not (kept, it holds the op's outputs and
+    workspace: over hundreds of ops a profiling process ran out of memory)."""
     generator = torch.cuda.default_generators[torch.cuda.current_device()]
     state = generator.clone_state()
     side = torch.cuda.Stream()
@@ -288,6 +290,7 @@ def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], 
     except (RuntimeError, TypeError):  # not capturable
         torch.cuda.synchronize()
         generator.graphsafe_set_state(state)
+        graph.reset()
         return None
     samples = []
     for _ in range(repeats):
@@ -298,5 +301,6 @@ def _time_cuda_graph(call: Callable[[], Any], repeats: int, flush: Callable[[], 
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
+    graph.reset()
     return statistics.median(samples)
 

@@ -122,6 +122,7 @@ def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, bac
             if (call := built(op)) is not None:
                 timings.append(time_cuda(call, flush=flush))
                 measurable.append(op)
+                del call  # its inputs go before the next op's are built
             if progress:
                 progress(done, len(ops))
     metrics["cold_cache"] = hw.cold_cache_profiling

@@ -300,7 +300,7 @@ def fp8_experts(x: torch.Tensor, weight: torch.Tensor, counts: list[int], fp8: F
 class _Fp8OverlappedColumnLinear(torch.autograd.Function):
     """FP8 twin of tensor_parallel._OverlappedColumnLinear: the token shard is cast to FP8 and the ring
     carries FP8 blocks (TE userbuffers' all-gather overlap); backward casts the output gradient once, runs
-    dgrad block by block into the ring reduce-scatter and wgrad on the gathered FP8 input."""
+    dgrad whole and reduce-scatters it (bf16) in bulk behind wgrad on the gathered FP8 input."""
 
     @staticmethod
     def forward(ctx, x, weight, fp8: Fp8Linear, group, tp):
@@ -318,14 +318,14 @@ class _Fp8OverlappedColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from trainsim.workloads.tensor_parallel import ring_matmul_reduce_scatter
+        from trainsim.workloads.tensor_parallel import start_reduce_scatter_tokens, wait_all
 
         gathered_t, x_inv = ctx.saved_tensors
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
-        grad_x = ring_matmul_reduce_scatter(
-            g_fp8, ctx.weight_t, ctx.group, ctx.tp,
-            mm=lambda block: _gemm(block, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype))
+        grad_input = _gemm(g_fp8, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype)
+        grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp)
         wgrad = _gemm(g_fp8.t().contiguous(), gathered_t, g_inv, x_inv, grad.dtype)
+        wait_all(scattering)
         if ctx.reduce_backward:
             ctx.fp8.region.reduce_and_update(forward=False)
         return grad_x, wgrad, None, None, None

@@ -214,23 +214,37 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.reshape(-1, grad.shape[-1])
-        gathered, gathering = _startall_gather_tokens(x, ctx.group, ctx.tp)
-        grad_input = grad.mm(weight)
-        wait_all(gathering)
-        grad_x = torch.empty_like(x)
-        with observer().communication(async_op=True):
-            scattering = [reduce_scatter_flat(grad_x, grad_input, group=ctx.group, async_op=True)]
-        grad_weight = grad.t().mm(gathered)
+        grad_x, grad_weight, scattering = column_linear_backward(x, weight, grad, ctx.group, ctx.tp)
         grad_bias = grad.sum(0) if ctx.has_bias else None
         wait_all(scattering)
         return grad_x, grad_weight, grad_bias, None, None
 
 
+def start_reduce_scatter_tokens(grad_input: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
+    """Start reduce-scattering partial sums [tp t, h] into this rank's [t, h]; the caller waits."""
+    grad_x = grad_input.new_empty((grad_input.shape[0] // tp, *grad_input.shape[1:]))
+    with observer().communication(async_op=True):
+        return grad_x, [reduce_scatter_flat(grad_x, grad_input, group=group, async_op=True)]
+
+
+def column_linear_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, group, tp: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A sequence-parallel column-parallel linear's backward with its communication in bulk: the token shard
+    all-gathered behind the whole input-gradient GEMM, the input gradient reduce-scattered behind the weight-
+    gradient GEMM (Megatron-LM's async path; Transformer Engine's "bulk" overlap of qkv_dgrad / fc1_dgrad).
+    Returns (grad_x, grad_weight, the reduce-scatter's works: the caller waits)."""
+    gathered, gathering = _startall_gather_tokens(x, group, tp)
+    grad_input = grad.mm(weight)
+    wait_all(gathering)
+    grad_x, scattering = start_reduce_scatter_tokens(grad_input, group, tp)
+    return grad_x, grad.t().mm(gathered), scattering
+
+
 class _OverlappedColumnLinear(torch.autograd.Function):
-    """Sequence-parallel column-parallel linear with its communication overlapped by ring exchange:
-    forward all-gather + GEMM, backward GEMM + reduce-scatter of the input gradient. Only the token shard
-    is kept for backward, which all-gathers it again behind the input-gradient GEMM (Transformer Engine's
-    bulk all-gather overlap)."""
+    """Sequence-parallel column-parallel linear with its communication overlapped as Transformer Engine's
+    defaults do (Megatron-Core --tp-comm-overlap): forward all-gather + GEMM by ring exchange (qkv_fprop,
+    fc1_fprop: "ring_exchange", tp blocks); backward in bulk (qkv_dgrad, fc1_dgrad: "bulk", whole GEMMs,
+    `column_linear_backward`). Only the token shard is kept for backward."""
 
     @staticmethod
     def forward(ctx, x, weight, group, tp):
@@ -243,11 +257,9 @@ class _OverlappedColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad = grad.contiguous()
-        gathered, gathering = _startall_gather_tokens(x, ctx.group, ctx.tp)
-        grad_x = ring_matmul_reduce_scatter(grad, weight.t(), ctx.group, ctx.tp)
-        wait_all(gathering)
-        return grad_x, grad.t().mm(gathered), None, None
+        grad_x, grad_weight, scattering = column_linear_backward(x, weight, grad.contiguous(), ctx.group, ctx.tp)
+        wait_all(scattering)
+        return grad_x, grad_weight, None, None
 
 
 class _OverlappedRowLinear(torch.autograd.Function):
