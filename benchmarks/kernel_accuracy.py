@@ -91,22 +91,20 @@ def measure(out: Path) -> None:
     run = compose_run([f"hardware={HARDWARE}", "model=gpt-small", "parallelism=single"])
     ops = published_ops()
     db = ProfileDatabase(Path(tempfile.mkdtemp(prefix="trainsim-kernels-")) / "kernels.parquet")
-    failed = []
-    for start in range(0, len(ops), 100):
-        _, summary = profile_ops(ops.iloc[start:start + 100].reset_index(drop=True), run.hardware,
-                                 run.key("hardware"), db)
-        failed += [f["signature"] for f in summary.fallback]
+
+    def profile(batch: pd.DataFrame, remeasure: bool = False) -> list[dict]:
+        """Time `batch` into the database with the GPU's cache emptied first; the ops that fell back."""
         gc.collect()
         torch.cuda.empty_cache()
-    missing = []
-    for signature in failed:
-        gc.collect()
-        torch.cuda.empty_cache()
-        _, summary = profile_ops(ops[ops["signature"] == signature].reset_index(drop=True), run.hardware,
-                                 run.key("hardware"), db, remeasure=True)
-        for f in summary.fallback:
-            print(f"not measured: {f['op']}: {f['reason'][:200]}")
-            missing.append(f"{f['op']} ({f['reason'].split('.')[0][:60]})")
+        _, summary = profile_ops(batch.reset_index(drop=True), run.hardware, run.key("hardware"), db,
+                                 remeasure=remeasure)
+        return summary.fallback
+
+    failed = [f["signature"] for start in range(0, len(ops), 100) for f in profile(ops.iloc[start:start + 100])]
+    still = [f for signature in failed for f in profile(ops[ops["signature"] == signature], remeasure=True)]
+    for f in still:
+        print(f"not measured: {f['op']}: {f['reason'][:200]}")
+    missing = [f"{f['op']} ({f['reason'].split('.')[0][:60]})" for f in still]
     rows = db.read()
     rows = rows[rows["backend"] == "cuda"]
     metrics = rows["metrics"].map(json.loads)

@@ -273,4 +273,3 @@ def test_gemm_shape_model_fitted_on_measured_h100_gemms_prices_the_other_shapes(
         predicted = predict_rows(gemms[held], bench.with_gemm(hw, *params, with_shapes))
         errors[with_shapes] = 100 * np.abs(predicted / gemms.loc[held, "measured_s"].to_numpy() - 1).mean()
     assert errors[True] < 8.0 and errors[True] < errors[False]
-
