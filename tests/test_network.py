@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from trainsim.comm.model import CommModel, choose, predict_seconds, prior_params
+from trainsim.comm.nccl_tuner import tuner_estimates, tuner_topology
 from trainsim.comm.network import PRIORS_FILE, domain_bandwidth, domain_size, network_prior, nodes_spanned
 from trainsim.comm.network_fit import learn, load_clusters, render
 from trainsim.config import compose_run
@@ -47,7 +48,7 @@ def test_nvls_gain_follows_the_h200_measurements():
         ratio = predict_seconds(ring_only, size, gpus, 1)[0] / predict_seconds(with_nvls, size, gpus, 1)[0]
         assert ratio == pytest.approx(gain, rel=0.1)
         assert choose(with_nvls, 8 << 30, gpus, 1) == ("nvls", "Simple")
-    assert choose(with_nvls, 8 << 30, 16, 2)[0] != "nvls"  # NVLSTree (across nodes) is not modelled
+    assert choose(with_nvls, 8 << 30, 16, 2)[0] != "nvls"  # NVLSTree: NCCL's estimate here has no formula for it
     with pytest.raises(ConfigError, match="hardware.network.nvls=true needs NVLink SHARP"):
         compose_run(["hardware=a100-80g-dgx", "hardware.network.nvls=true"])
 
@@ -88,6 +89,53 @@ def test_the_tuner_of_the_network_plugin_picks_the_algorithm_across_nodes():
     assert efa.params("all_reduce").fabric.tuner == "model"
     assert choose(infiniband.params("all_reduce"), 1 << 30, 16, 2)[0] == "ring"
     assert choose(efa.params("all_reduce"), 1 << 30, 16, 2)[0] == "tree"
+
+
+def test_nccls_estimate_sees_the_graphs_its_topology_search_finds():
+    """On up to 2 nodes NCCL prices a tree by the tree graph's intra-node bandwidth, which its search raises above
+    the ring's while NVLink carries it, under per-channel caps (search.cc, tuning.cc). OCI's 16 NICs of 100 Gb/s
+    leave a tree that headroom: from 512 MiB, where the tree correction ends, NCCL runs trees (the log's bus
+    bandwidth jumps to 220-238 GB/s at 1 GiB, above the 200 GB/s a ring's NIC traffic allows). A DGX A100's 8 NICs
+    of 200 Gb/s leave the tree capped below the ring; on 12 H100 nodes the caps keep large messages on rings."""
+    oci = tuner_topology(16, 12.5e9, 300e9, "ampere")
+    assert (oci.channels, oci.ring_bytes_per_s, oci.tree_intra_bytes_per_s) == (16, 12e9, 15e9)
+    dgx = tuner_topology(8, 25e9, 300e9, "ampere")
+    assert (dgx.ring_bytes_per_s, dgx.tree_intra_bytes_per_s) == (24e9, 30e9)
+    assert tuner_topology(8, 50e9, 450e9, "hopper").ring_bytes_per_s == 45e9  # 8 x 48 exceeds NVLink
+    assert tuner_topology(8, 50e9, 450e9, "") is None
+    params = CommModel.from_hardware(hardware("a100-40g-oci", "hardware.calibration.files=[]")).params("all_reduce")
+    assert choose(params, 8 << 30, 16, 2) == ("tree", "Simple")
+    selene = CommModel.from_hardware(hardware("a100-80g-selene")).params("all_reduce")
+    assert choose(selene, 8 << 30, 16, 2) == ("ring", "Simple")
+    coreweave = CommModel.from_hardware(hardware("h100-sxm-dgx", "hardware.num_nodes=12")).params("all_reduce")
+    assert choose(coreweave, 2 << 30, 96, 12) == ("ring", "Simple")
+    # the tree correction: a 256 MiB tree Simple all-reduce at 0.9 of its bandwidth, none from 512 MiB
+    pairs, sizes = [("tree", "Simple")], np.array([256 * MIB, 512 * MIB])
+    corrected = tuner_estimates("2.20.5", "all_reduce", pairs, sizes, 16, 2, 0.0, oci)[0]
+    bus = 16 * 15e9 * 0.92 / 2
+    latency = 2 * (7 * 28.0 + 1 * 28.0) * 1e-6  # NCCL 2.20's tree Simple hwLat, NVLink and NET
+    assert corrected == pytest.approx([latency + sizes[0] / (bus * 0.9), latency + sizes[1] / bus])
+
+
+def test_a_tree_chain_sends_up_and_down_through_one_switch_port():
+    """Inside a node NCCL's tree is a chain; behind an NVSwitch each GPU sends the reduction up and the broadcast
+    down through its one port, 2 S in all: with a network faster than that, the chain paces a 2-node tree."""
+    hw = hardware("a100-80g-selene", "hardware.nccl.algorithms=[tree]",
+                  "hardware.network.nic_bandwidth_bytes_per_s=1e12")
+    params = prior_params(hw, "all_reduce")
+    size = 8 << 30
+    nvlink = params.values["bandwidth.intra.Simple"] * params.channels
+    assert 2 * size / nvlink < predict_seconds(params, [size], 16, 2)[0] < 2.5 * size / nvlink  # + step latencies
+
+
+def test_nvls_tree_spans_nodes_where_the_tuner_is_the_models():
+    """NVLSTree: the switch reduces inside each node (S per GPU each way at NVLS's rate), a tree between nodes. The
+    p5 log's 260 GB/s at 16 GiB is above what a chain allows (2 S per GPU over 450 GB/s NVLink: 211 GB/s)."""
+    p5 = CommModel.from_hardware(hardware("h100-80g-p5", "hardware.calibration.files=[]")).params("all_reduce")
+    assert choose(p5, 16 << 30, 16, 2) == ("nvls", "Simple")
+    assert 16 * 2**30 / predict_seconds(p5, [16 << 30], 16, 2)[0] > 211e9
+    no_nvls = dataclasses.replace(p5, algorithms=("ring", "tree"))
+    assert predict_seconds(no_nvls, [16 << 30], 16, 2)[0] > predict_seconds(p5, [16 << 30], 16, 2)[0]
 
 
 def test_a_prediction_from_the_description_names_its_prior_and_band(tmp_path):

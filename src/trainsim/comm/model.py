@@ -35,21 +35,24 @@ Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream
   nodes, as for rings, the streaming NVLink part, delta * S and the NIC part overlap: the slowest counts)
   stages: tree all-reduce 2(K-1) intra + 2 ceil(log2 M) inter (NCCL's intra-node chain and
   inter-node tree, up then down); broadcast and reduce N-1 (M-1 of them inter); send/recv 1; NVLS
-  all-reduce (one NVLink domain) 2 through the switch at NVLS_EFFICIENCY of the NVLink rate, no local
-  work. LL128 trees shrink their chunk for messages too short to fill the tree, as NCCL does.
+  all-reduce 2 through the switch at NVLS_EFFICIENCY of the NVLink rate, no local work, and across
+  NVLink domains NCCL's NVLSTree: the same inside each domain, the tree's 2 ceil(log2 M) between them.
+  LL128 trees shrink their chunk for messages too short to fill the tree, as NCCL does. A chain GPU
+  sends the reduction up and the broadcast down through its one NVSwitch port: its NVLink streams 2 S.
   NIC load of the tree: NCCL builds two binary trees over the nodes, each carrying half the data,
   and every node is an inner node (two children) of one of them. A node then receives and sends 2S
   (reduce up, broadcast down): inter-node steps carry 2b (tree_nic_load, 1.5 on 3 nodes), and a large
   tree all-reduce takes 2S / B like a ring's 2(N-1)/N S / B (NCCL's tuner: Tree algBw = busBw / 2).
-  On 2 nodes both trees are one edge and each direction carries S; the intra-node chain carries S
-  each way (full-duplex links).
+  On 2 nodes both trees are one edge and each direction carries S, so there the chain's 2 S over
+  NVLink can pace it (the OCI log: 127 GB/s at 8 GiB, with 200 GB/s of NICs).
 delta * S is the rank's local work on its buffer, whatever N is: reading the input, writing the output
 and (for reductions) the arithmetic, at memory speed (Echo's delta). Measured busbw rising with N on
 one node (vTrain's A100 tables: 197, 222, 229 GB/s at 2, 4, 8 GPUs) is this term seen through 2(N-1)/N.
 
 The collective's time is that of the (algorithm, protocol) the model finds fastest among those the
 hardware config allows (NCCL_ALGO / NCCL_PROTO), or across nodes on networks whose NCCL plugin leaves the
-choice to NCCL's cost model (Fabric.tuner 'nccl', comm/network.py) the one that model prefers.
+choice to NCCL's cost model (Fabric.tuner 'nccl', comm/network.py) the one that model prefers, given the
+channels and per-channel bandwidths its topology search finds (nccl_tuner.TunerTopology).
 The "node" is the NVLink domain (hardware.network.nvlink_domain_size); a collective that spans domains
 also pays the network's fixed cost alpha_net (values 'alpha.network', a learned prior of the transport).
 alpha, l, B and delta are fitted to measurements (comm/fit.py); NCCL's own constants (nccl_constants.yaml)
@@ -66,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainsim.comm.nccl_tuner import nccl_constants, release_constants, tuner_estimates
+from trainsim.comm.nccl_tuner import gpu_generation, nccl_constants, release_constants, tuner_estimates, tuner_topology
 from trainsim.comm.network import NVLINK_EFFICIENCY, domain_bandwidth, domain_size, network_prior, tuner
 from trainsim.comm.noise import SystemNoise
 from trainsim.config.schema import HardwareConfig
@@ -115,6 +118,11 @@ class Fabric:
     nccl_version: str = ""
     node_bandwidth_bytes_per_s: float = 0.0
     """Nominal network bandwidth per node: the bus bandwidth NCCL's own estimate works with."""
+    nics_per_node: int = 0
+    nic_bandwidth_bytes_per_s: float = 0.0
+    nvlink_bandwidth_bytes_per_s: float = 0.0
+    gpu_generation: str = ""
+    """NICs, NVLink and GPU generation: what NCCL's topology search hands its estimate (nccl_tuner.TunerTopology)."""
 
 
 @dataclass
@@ -204,8 +212,8 @@ def _stages(collective: str, algorithm: str, num_ranks: int, num_nodes: int) -> 
     """(intra-node, inter-node) stage count of a pipeline-family collective."""
     if collective == "send_recv":
         return (0, 1) if num_nodes > 1 else (1, 0)
-    if algorithm == "nvls":
-        return 2, 0  # reduce through the switch, multicast back
+    if algorithm == "nvls":  # reduce through the switch, multicast back; across domains NVLSTree: a tree between
+        return 2, 2 * math.ceil(math.log2(num_nodes)) if num_nodes > 1 else 0
     if algorithm == "tree":
         per_node = num_ranks // num_nodes
         return 2 * (per_node - 1), 2 * math.ceil(math.log2(num_nodes)) if num_nodes > 1 else 0
@@ -247,13 +255,15 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
             chunk = _tree_ll128_chunk(size, used, chunk, num_ranks, num_nodes)
         loops = np.maximum(1.0, np.ceil(size / (used * chunk)))
         per_step = size / (used * loops)
-        load = tree_nic_load(num_nodes) if algorithm == "tree" else 1.0
+        load = tree_nic_load(num_nodes) if algorithm in ("tree", "nvls") else 1.0
         costs = {hop: (n, _step(v, hop, protocol, per_step * (load if hop == "inter" else 1.0),
                                 share if hop == "inter" else 1.0))
                  for n, hop in ((intra, "intra"), (inter, "inter")) if n}
         fill = sum(n * cost for n, cost in costs.values())
         streaming = {hop: (loops - 1) * cost for hop, (_, cost) in costs.items()}
-        local = 0.0 if algorithm == "nvls" else v["delta"] * size  # NVLS reduces in the switch
+        if algorithm == "tree" and "intra" in streaming:  # a chain GPU sends up and down through one switch port
+            streaming["intra"] = streaming["intra"] * 2
+        local = np.zeros_like(size) if algorithm == "nvls" else v["delta"] * size  # NVLS reduces in the switch
         if "inter" in streaming:  # across nodes NVLink steps, local work and the NIC are pipelined slice by slice
             intra_part = streaming.get("intra", np.zeros_like(size))
             transfer = fill + np.maximum.reduce([intra_part, local, streaming["inter"]])
@@ -293,8 +303,10 @@ def _pair_times(params: CollectiveParams, size, num_ranks: int, num_nodes: int
     times = np.array([algorithm_protocol_seconds(params, a, p, size, num_ranks, num_nodes) for a, p in pairs])
     f = params.fabric
     if f.tuner == "nccl" and num_nodes > 1 and f.node_bandwidth_bytes_per_s > 0 and len(pairs) > 1:
+        topology = tuner_topology(f.nics_per_node, f.nic_bandwidth_bytes_per_s, f.nvlink_bandwidth_bytes_per_s,
+                                  f.gpu_generation)
         estimates = tuner_estimates(f.nccl_version, params.collective, pairs, size, num_ranks, num_nodes,
-                                    f.node_bandwidth_bytes_per_s)
+                                    f.node_bandwidth_bytes_per_s, topology)
         return pairs, times, np.argmin(estimates, axis=0)
     return pairs, times, np.argmin(times, axis=0)
 
@@ -308,11 +320,11 @@ def predict_seconds(params: CollectiveParams, size, num_ranks: int, num_nodes: i
 
 def candidate_pairs(params: CollectiveParams, num_nodes: int) -> list[tuple[str, str]]:
     """Allowed (algorithm, protocol) pairs. Tree only across nodes: within one node NCCL's tree is a
-    chain whose per-channel bandwidth cap (perChMaxTreeBw) keeps its tuner on rings. NVLS only inside one
-    NVLink domain and with the Simple protocol (NVLSTree, its multi-node form, is not modelled). NCCL's
+    chain whose per-channel bandwidth cap (perChMaxTreeBw) keeps its tuner on rings. NVLS (NVLSTree across
+    NVLink domains) with the Simple protocol only; NCCL's own estimate has no formula for it here. NCCL's
     all-to-all picks its protocol per message and hop, not by a tuner: one pair, labelled Simple."""
     def allowed(a: str) -> bool:
-        return (a != "tree" or num_nodes > 1) and (a != "nvls" or num_nodes == 1)
+        return a != "tree" or num_nodes > 1
 
     algorithms = [a for a in params.algorithms if allowed(a)] or ["ring"]
     if "p2p" in algorithms:
@@ -385,7 +397,8 @@ def fabric(hw: HardwareConfig) -> Fabric:
     """The configured network's Fabric (NIC sharing per NVLink domain, spine, tuner)."""
     net = hw.network
     return Fabric(domain_size(hw), net.nodes_per_leaf, net.oversubscription, tuner(hw), hw.nccl.version,
-                  domain_bandwidth(hw))
+                  domain_bandwidth(hw), net.nics_per_node, net.nic_bandwidth_bytes_per_s,
+                  hw.intra_node_bandwidth_bytes_per_s, gpu_generation(hw.device_name))
 
 
 class CommModel:
