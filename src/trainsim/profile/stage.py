@@ -123,6 +123,7 @@ def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, bac
                 timings.append(time_cuda(call, flush=flush))
                 measurable.append(op)
                 del call  # its inputs go before the next op's are built
+                torch.cuda.empty_cache()  # and their blocks: a large op later needs them contiguous
             if progress:
                 progress(done, len(ops))
     metrics["cold_cache"] = hw.cold_cache_profiling
