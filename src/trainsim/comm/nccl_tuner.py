@@ -15,7 +15,7 @@ The per-channel bandwidth is what NCCL's topology search found (TunerTopology): 
 NIC at the fastest step of NCCL's speed ladder the NIC and NVLink carry; on up to 2 nodes NCCL prices every graph
 by its intra-node bandwidth, and the search raises a tree's (up to twice the ring's, as far as NVLink carries), so
 there a tree can beat a ring where it cannot on more nodes. Without a topology (the baseline below) one fitted
-bus bandwidth stands for every graph and the caps are left out.
+bus bandwidth stands for every graph, and the caps and the plateau (which needs the channel count) are left out.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class TunerTopology:
     tree_intra_bytes_per_s: float
     """Per-channel intra-node bandwidth of the tree graph, which NCCL uses on up to 2 nodes."""
     generation: str
-    """GPU generation of the per-channel caps; '' leaves them out."""
+    """GPU generation of the per-channel caps and the speed ladder."""
 
 
 def tuner_topology(nics_per_node: int, nic_bytes_per_s: float, nvlink_bytes_per_s: float, generation: str
@@ -105,18 +105,14 @@ def _bus_bandwidth(algorithm: str, protocol: str, bus: float, num_nodes: int, to
                    ) -> float:
     """NCCL's bus bandwidth of one (algorithm, protocol) before the busbw -> algbw ratio (module doc)."""
     t = nccl_constants()["tuner"]
-    caps = math.inf
+    caps, ll_max = dict.fromkeys(t["per_channel_max_gbps"], math.inf), math.inf
     if topology is not None:
-        per_channel = topology.tree_intra_bytes_per_s if algorithm == "tree" and num_nodes <= 2 \
-            else topology.ring_bytes_per_s
-        bus = topology.channels * per_channel
-        nodes = min(num_nodes, 3) - 1
-        cap = t["per_channel_max_gbps"]
-        caps = {key: topology.channels * table[topology.generation][nodes] * 1e9 if topology.generation else math.inf
-                for key, table in cap.items()}
+        tree_graph = algorithm == "tree" and num_nodes <= 2
+        bus = topology.channels * (topology.tree_intra_bytes_per_s if tree_graph else topology.ring_bytes_per_s)
+        nodes = min(num_nodes, 3) - 1  # the tables' columns: 1, 2, 3 or more nodes
+        caps = {key: topology.channels * table[topology.generation][nodes] * 1e9
+                for key, table in t["per_channel_max_gbps"].items()}
         ll_max = t["ll_max_gbps_multi_node"][nodes] * 1e9
-    else:
-        caps, ll_max = dict.fromkeys(("ring_LL128", "tree_LL128", "tree"), math.inf), math.inf
     if algorithm == "ring":
         return {"LL": min(ll_max, bus * 0.5), "LL128": min(bus * 0.92, caps["ring_LL128"]), "Simple": bus}[protocol]
     bus = min(bus * 0.92, caps["tree"])
@@ -131,7 +127,6 @@ def tuner_estimates(version: str, collective: str, pairs: list[tuple[str, str]],
     bandwidths and caps); without it `bus_bandwidth_bytes_per_s` stands for every graph."""
     constants, t = release_constants(version), nccl_constants()["tuner"]
     base, hw = constants["base_latency_us"], constants["hw_latency_us"]
-    generation = topology.generation if topology else ""
     all_reduce = collective == "all_reduce"
     nsteps = 2 * (num_ranks - 1) if all_reduce else num_ranks - 1 if collective in (
         "all_gather", "reduce_scatter") else num_ranks
@@ -149,9 +144,9 @@ def tuner_estimates(version: str, collective: str, pairs: list[tuple[str, str]],
             intra = max(hw["NVLINK"]["ring"][p], overhead)
             net = hw["NET"]["tree" if num_ranks == num_nodes else "ring"][p]  # one rank per node: fully exposed
             latency = np.full(size.shape, base["ring"][p] + (nsteps - ninter) * intra + ninter * net)
-            if p == "Simple" and all_reduce and num_nodes > 1 and generation:
+            if p == "Simple" and all_reduce and num_nodes > 1 and topology is not None:
                 latency = np.where(size / (topology.channels * num_ranks) >= 64,
-                                   latency * t["ring_simple_plateau"][generation], latency)
+                                   latency * t["ring_simple_plateau"][topology.generation], latency)
             algbw = np.full(size.shape, busbw * num_ranks / max(nsteps, 1))
         else:
             per_node = num_ranks // num_nodes
