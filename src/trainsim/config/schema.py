@@ -29,7 +29,7 @@ class NcclConfig:
     """Library version, e.g. '2.20.5' (2.12 or later): selects that release's tuning constants; '' = newest."""
     algorithms: list[str] = field(default_factory=lambda: ["ring", "tree"])
     """Algorithms NCCL may choose from (NCCL_ALGO): 'ring', 'tree' (all-reduce only, across nodes),
-    and 'nvls' (all-reduce inside an NVLink domain with NVLink SHARP; needs network.nvls)."""
+    and 'nvls' (all-reduce with NVLink SHARP, NVLSTree across NVLink domains; needs network.nvls)."""
     protocols: list[str] = field(default_factory=lambda: ["LL", "LL128", "Simple"])
     """Protocols NCCL may choose from (NCCL_PROTO): 'LL', 'LL128', 'Simple'."""
     max_channels: int = 0
@@ -63,9 +63,10 @@ class NetworkConfig:
     """GPUs joined by NVLink/NVSwitch (8 in a DGX, 72 in a GB200 NVL72 rack); collectives inside one domain
     run at NVLink speed even across nodes. 0 = devices_per_node (the domain is the node)."""
     nvls: bool = False
-    """NVLink SHARP in the NVSwitches (H100 and later): NCCL's NVLS all-reduce inside an NVLink domain, when
-    hardware.nccl.algorithms lists 'nvls'. InfiniBand SHARP (NCCL's CollNet) has no field: no measurement here
-    separates its gain (the one SHARP cluster in data/nccl-tests reaches ring-level bus bandwidth)."""
+    """NVLink SHARP in the NVSwitches (H100 and later): NCCL's NVLS all-reduce inside an NVLink domain (NVLSTree
+    across domains, where a tuner plugin picks it), when hardware.nccl.algorithms lists 'nvls'. InfiniBand
+    SHARP (NCCL's CollNet) has no field: no measurement here separates its gain (the one SHARP cluster in
+    data/nccl-tests reaches ring-level bus bandwidth)."""
     nodes_per_leaf: int = 0
     """Nodes under one leaf (rail) switch; 0 = every node under one non-blocking switch level."""
     oversubscription: float = 1.0
