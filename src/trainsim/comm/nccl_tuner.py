@@ -21,7 +21,6 @@ bus bandwidth stands for every graph, and the caps and the plateau (which needs 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -30,6 +29,8 @@ import numpy as np
 import pandas as pd
 import yaml
 from scipy.optimize import minimize_scalar
+
+from trainsim.slowdown.features import device_type_of
 
 
 @cache
@@ -54,18 +55,15 @@ def release_constants(version: str) -> dict:
     return eligible[-1] if eligible else releases[0]
 
 
-GENERATIONS = {"volta": ("V100",), "ampere": ("A100", "A800", "A40", "A30", "A10"),
-               "hopper": ("H100", "H800", "H200", "H20", "GH200"),
-               "blackwell": ("B100", "B200", "B300", "GB200", "GB300")}
+GENERATIONS = {"V100": "volta", **dict.fromkeys(("A100", "A800", "A40", "A30", "A10"), "ampere"),
+               **dict.fromkeys(("H100", "H800", "H200", "H20", "GH200"), "hopper"),
+               **dict.fromkeys(("B100", "B200", "B300", "GB200", "GB300"), "blackwell")}
+"""GPU family (slowdown.features.DEVICE_FAMILIES) -> the generation NCCL's per-generation tables are keyed by."""
 
 
 def gpu_generation(device_name: str) -> str:
     """'volta', 'ampere', 'hopper' or 'blackwell' from a device name ('' when it names none of them)."""
-    upper = device_name.upper()
-    for generation, names in GENERATIONS.items():
-        if any(re.search(rf"(^|[^A-Z0-9]){name}([^0-9]|$)", upper) for name in names):
-            return generation
-    return ""
+    return GENERATIONS.get(device_type_of("cuda", device_name), "")
 
 
 @dataclass(frozen=True)
@@ -81,6 +79,7 @@ class TunerTopology:
     """GPU generation of the per-channel caps and the speed ladder."""
 
 
+@cache  # same fabric, same answer: asked once per estimate, on the search's hot path
 def tuner_topology(nics_per_node: int, nic_bytes_per_s: float, nvlink_bytes_per_s: float, generation: str
                    ) -> TunerTopology | None:
     """The search's result as NCCL finds it on a rail-optimised node: one ring channel per NIC at the fastest

@@ -72,8 +72,8 @@ CUDA_KERNEL_KINDS = (
     ("copy", ("copy", "cat", "fill")),
     ("elementwise", ("elementwise",)),
 )
-DEVICE_FAMILIES = ("A100", "A800", "H100", "H800", "H200", "H20", "B200", "V100", "L40", "A40", "RTX 3090",
-                   "RTX 4090")
+DEVICE_FAMILIES = ("A100", "A800", "H100", "H800", "H200", "H20", "GH200", "B100", "B200", "B300", "GB200", "GB300",
+                   "V100", "L40", "A40", "A30", "A10", "RTX 3090", "RTX 4090")
 
 
 @dataclass(frozen=True)
