@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT_FILES = ("Snakefile", "dvc.yaml", "params.yaml", "conf", "stages", "src", "report", "pyproject.toml")
@@ -17,8 +18,26 @@ def repo() -> Path:
     return REPO
 
 
+LIGHT_HARDWARE = {
+    "local-cpu": {"calibration": {"sweep_ranks": [2, 3], "sweep_max_bytes": 256 * 1024, "sweep_repeats": 2,
+                                  "system_noise": False},
+                  "slowdown": {"collectives": ["all_reduce"], "message_bytes": [1 << 20], "matmul_sizes": [128, 256],
+                               "memory_bound_ops": ["add", "softmax"], "memory_bound_elements": [1 << 18, 1 << 20]}},
+    "a100-80g-dgx": {"slowdown": {"model": {"tuning": {"learning_rate": [0.1, 0.3], "n_estimators": [100],
+                                                       "max_depth": [3], "min_child_weight": [1]}}}},
+}
+"""Measurement settings of the project copies: workflow tests check what runs, is cached and is written, so
+their copies sweep fewer sizes and tune over a smaller grid (CI's own `snakemake --cores 2` runs the full
+settings of conf/)."""
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    return {**base, **{k: _merge(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in extra.items()}}
+
+
 def copy_project(dest: Path) -> Path:
-    """A fresh copy of the workflow files in `dest`, so runs never touch the checkout's artifacts/."""
+    """A fresh copy of the workflow files in `dest`, so runs never touch the checkout's artifacts/, with the
+    lighter measurement settings of LIGHT_HARDWARE."""
     dest.mkdir()
     for name in PROJECT_FILES:
         src = REPO / name
@@ -26,6 +45,9 @@ def copy_project(dest: Path) -> Path:
             shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
             shutil.copy2(src, dest / name)
+    for hardware, settings in LIGHT_HARDWARE.items():
+        path = dest / "conf/hardware" / f"{hardware}.yaml"
+        path.write_text(yaml.safe_dump(_merge(yaml.safe_load(path.read_text()), settings), sort_keys=False))
     return dest
 
 

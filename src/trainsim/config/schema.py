@@ -113,6 +113,11 @@ class CalibrationConfig:
     """Measurements made elsewhere (nccl-tests logs, cluster sweeps) on this hardware."""
 
 
+RANGE_SETTINGS = {"hidden_size": "model", "seq_length": "model", "num_layers": "model", "tp": "parallelism",
+                  "micro_batch_size": "parallelism"}
+"""Run settings KernelModelConfig.fitted_range may bound, and their config group."""
+
+
 @dataclass
 class KernelModelConfig:
     """Analytical kernel-time model (roofline with efficiency curves), used where kernels are not measured.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.config.validate_nccl import validate_links
 from trainsim.errors import ConfigError
 from trainsim.what_if import validate_what_if
@@ -312,8 +312,6 @@ def _validate_rates(hw: HardwareConfig) -> None:
         if kind not in kinds or efficiency <= 0:
             raise ConfigError(f"hardware.kernel_model.kind_efficiency.{kind}={efficiency}: supported: a positive "
                               f"efficiency for one of {', '.join(kinds)}")
-    from trainsim.timeline.provenance import RANGE_SETTINGS  # lazy: avoids an import cycle
-
     for name, bounds in hw.kernel_model.fitted_range.items():
         if name not in RANGE_SETTINGS or len(bounds) != 2 or bounds[0] > bounds[1]:
             raise ConfigError(f"hardware.kernel_model.fitted_range.{name}={list(bounds)}: supported: [low, high] "

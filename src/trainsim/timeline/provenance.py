@@ -17,7 +17,7 @@ from pathlib import Path
 from trainsim.artifacts.store import MANIFEST
 from trainsim.comm.model import FIT_FILE
 from trainsim.comm.network import domain_size, network_prior, node_bandwidth
-from trainsim.config.schema import HardwareConfig
+from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig
 from trainsim.slowdown.predictor import METRICS_FILE
 
 # not imported: the profile and slowdown stages pull in torch and xgboost training
@@ -81,11 +81,6 @@ def calibration_inputs(hw: HardwareConfig, calibration_dir: Path | None, nodes_u
              "collectives": errors, "other_collectives": "borrow the link parameters of a calibrated one",
              "network": network if nodes_used > max_nodes else {"measured": True},
              "skipped_wrong_results": skipped, "skipped_lines": fit.get("skipped_lines", {})}, warnings)
-
-
-RANGE_SETTINGS = {"hidden_size": "model", "seq_length": "model", "num_layers": "model", "tp": "parallelism",
-                  "micro_batch_size": "parallelism"}
-"""Run settings hardware.kernel_model.fitted_range may bound, and their config group."""
 
 
 def run_values(model, par) -> dict[str, float]:
