@@ -45,9 +45,12 @@ Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream
   tree all-reduce takes 2S / B like a ring's 2(N-1)/N S / B (NCCL's tuner: Tree algBw = busBw / 2).
   On 2 nodes both trees are one edge and each direction carries S, so there the chain's 2 S over
   NVLink can pace it (the OCI log: 127 GB/s at 8 GiB, with 200 GB/s of NICs).
-delta * S is the rank's local work on its buffer, whatever N is: reading the input, writing the output
-and (for reductions) the arithmetic, at memory speed (Echo's delta). Measured busbw rising with N on
-one node (vTrain's A100 tables: 197, 222, 229 GB/s at 2, 4, 8 GPUs) is this term seen through 2(N-1)/N.
+delta * S is the rank's local work on its buffer, whatever N is, at memory speed (Echo's delta). Measured
+busbw rising with N on one node (vTrain's A100 tables: 197, 222, 229 GB/s at 2, 4, 8 GPUs) is this term seen
+through 2(N-1)/N. A reduction reads two operands and writes one (3 accesses per byte); a copy-only collective
+(all-gather, all-to-all, broadcast, send/recv) only writes what arrived into its output, the read that feeds
+the link being the link's own (1 access; LOCAL_ACCESSES). One node of 8 A100s (Azure, NCCL 2.17) and of 8 H200s
+show it: all-gather busbw 254 / 361 GB/s, which 3 accesses would put at 191 / 325 GB/s and 1 at 244 / 384.
 
 The collective's time is that of the (algorithm, protocol) the model finds fastest among those the
 hardware config allows (NCCL_ALGO / NCCL_PROTO), or across nodes on networks whose NCCL plugin leaves the
@@ -82,6 +85,11 @@ ALGORITHMS = {"all_reduce": ("ring", "tree", "nvls"), "all_gather": ("ring",), "
               "all_to_all": ("p2p", "ring"), "broadcast": ("ring",), "reduce": ("ring",), "send_recv": ("ring",)}
 """Algorithms each collective can run with (NCCL's tree and NVLS exist for all-reduce only here; an all-to-all is
 NCCL's grouped send/recv, "p2p", or gloo's pairwise rounds, priced as a "ring")."""
+LOCAL_ACCESSES = {"all_reduce": 3, "reduce_scatter": 3, "reduce": 3,
+                  "all_gather": 1, "all_to_all": 1, "broadcast": 1, "send_recv": 1}
+"""Memory accesses per byte of a collective's local work: a reduction's two reads and one write, a copy's write
+of what arrived (module doc). The prior delta is this over the memory bandwidth; a collective priced with
+another's fit scales the donor's delta by their ratio."""
 NVLS_EFFICIENCY = 0.63
 """Rate of NVLS all-reduce per NVLink byte, relative to the NVLink rate a ring reaches. NVLS moves S per GPU each
 way and the switch reduces (no local work); 8x H200, 8 GiB, NVLS is 1.14 / 1.19 / 1.26 / 1.29 x the ring at
@@ -345,7 +353,7 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     inter-node), scaled per hop so that Simple's equals the configured hop latency where one is set (a
     slower link slows every protocol's step alike); launch latency is NCCL's baseLatencies; per-channel
     bandwidth is the link's datasheet rate split over the channels times the protocol's payload
-    fraction; local buffer work (delta) reads two operands and writes one at memory bandwidth.
+    fraction; local buffer work (delta) is LOCAL_ACCESSES at memory bandwidth.
     """
     nccl = hw.nccl
     constants = release_constants(nccl.version)
@@ -359,7 +367,7 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     intra_kind = "NVLINK" if cuda else "PCI"
     prior = network_prior(hw)
     link_bandwidth = {"intra": (hw.intra_node_bandwidth_bytes_per_s or 5e9) * (NVLINK_EFFICIENCY if cuda else 1.0)}
-    values = {"delta": 3.0 / (hw.memory_bandwidth_bytes_per_s or 2e10)}
+    values = {"delta": LOCAL_ACCESSES[collective] / (hw.memory_bandwidth_bytes_per_s or 2e10)}
     for algorithm in algorithms:
         base = constants["base_latency_us"].get(algorithm, constants["base_latency_us"]["ring"])
         nvls = NVLS_LATENCY_S if algorithm == "nvls" else 0.0
@@ -453,6 +461,7 @@ class CommModel:
         donor = next((self.fits[c] for c in closest if c in self.fits), next(iter(self.fits.values()), None))
         if donor is not None:
             borrowed = {k: v for k, v in donor.values.items() if not k.startswith("alpha.") or k == "alpha.network"}
+            borrowed["delta"] *= LOCAL_ACCESSES[collective] / LOCAL_ACCESSES[donor.collective]
             borrowed.update({f"alpha.{a}": donor.values.get(f"alpha.{a}", donor.values[f"alpha.{donor.algorithms[0]}"])
                              for a in prior.algorithms})
             prior = CollectiveParams(collective, prior.algorithms, donor.protocols, donor.channels,
