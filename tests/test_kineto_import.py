@@ -124,7 +124,7 @@ def test_refit_on_imported_rows(imported):
 
 
 @pytest.mark.parametrize("content, message", [
-    (gzip.compress(b'{"traceEvents": []}' * 50)[:40], "gzip stream is truncated"),
+    (gzip.compress(b'{"traceEvents": []}' * 50, mtime=0)[:40], "gzip stream is truncated"),
     (b"this is not json", "not valid JSON"),
     (b'{"schemaVersion": 1, "deviceProperties": []}', "no 'traceEvents' key"),
     (b'[{"ph": "X"}]', "not an object"),
