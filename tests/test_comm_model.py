@@ -192,24 +192,24 @@ def test_calibration_artifact_round_trips_into_the_comm_model(tmp_path):
     assert fit["hardware"] == "h100-80g-p5"
 
 
-
 def test_copy_only_collectives_do_a_third_of_a_reductions_local_work():
     """A reduction reads two operands and writes one; an all-gather or all-to-all only writes what arrived.
     Fitted or borrowed, a copy's local work is a third of the reduction's, so on one node of A100s (NVLink
     well ahead of the memory) an all-gather takes about half an all-reduce of the same size, not more."""
     hw = hardware("a100-80g-selene")
     uncalibrated = CommModel.from_hardware(hw)
-    reduction = uncalibrated.params("all_reduce").values["delta"]
+    all_reduce = uncalibrated.params("all_reduce")
+    reduction = all_reduce.values["delta"]
     for copy in ("all_gather", "all_to_all", "broadcast", "send_recv"):
         assert uncalibrated.params(copy).values["delta"] == pytest.approx(reduction / 3)
     assert uncalibrated.params("reduce_scatter").values["delta"] == pytest.approx(reduction)
-    fitted = replace(uncalibrated.params("all_reduce"), values={**uncalibrated.params("all_reduce").values,
-                                                                "delta": 2 * reduction})
+    fitted = replace(all_reduce, values={**all_reduce.values, "delta": 2 * reduction})
     borrowing = CommModel(hw, {"all_reduce": fitted}, source="test")
     assert borrowing.params("all_gather").values["delta"] == pytest.approx(2 * reduction / 3)
     ratio = uncalibrated.collective_seconds("all_gather", 1 << 30, 8, 1) / uncalibrated.collective_seconds(
         "all_reduce", 1 << 30, 8, 1)
     assert 0.4 < ratio < 0.55
+
 
 def test_uncalibrated_model_and_bad_queries():
     model = CommModel.from_hardware(hardware("h800-dgx"))
