@@ -19,7 +19,8 @@ def repo() -> Path:
 
 
 LIGHT_HARDWARE = {
-    "local-cpu": {"calibration": {"sweep_ranks": [2, 3], "sweep_max_bytes": 256 * 1024, "sweep_repeats": 2,
+    "local-cpu": {"cold_cache_profiling": False,
+                  "calibration": {"sweep_ranks": [2, 3], "sweep_max_bytes": 256 * 1024, "sweep_repeats": 2,
                                   "system_noise": False},
                   "slowdown": {"collectives": ["all_reduce"], "message_bytes": [1 << 20], "matmul_sizes": [128, 256],
                                "memory_bound_ops": ["add", "softmax"], "memory_bound_elements": [1 << 18, 1 << 20]}},
@@ -27,8 +28,8 @@ LIGHT_HARDWARE = {
                                                        "max_depth": [3], "min_child_weight": [1]}}}},
 }
 """Measurement settings of the project copies: workflow tests check what runs, is cached and is written, so
-their copies sweep fewer sizes and tune over a smaller grid (CI's own `snakemake --cores 2` runs the full
-settings of conf/)."""
+their copies time kernels without evicting the cache first, sweep fewer sizes and tune over a smaller grid
+(CI's own `snakemake --cores 2` runs the full settings of conf/)."""
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -125,10 +125,10 @@ def spawn(fn: Callable[..., None], nprocs: int, args: tuple, description: str, t
     `progress(done, total)` callback; the bar is drawn here, in the parent, so no worker's output competes
     with the parent's display. Worker failures are raised as by `spawn` itself.
     """
-    import torch.multiprocessing as mp
+    from trainsim import processes
 
-    slot = mp.get_context("spawn").Array("d", [0.0, total or 0.0], lock=False)  # done, total
-    context = mp.spawn(fn, args=(slot, *args), nprocs=nprocs, join=False)
+    slot = processes.context().Array("d", [0.0, total or 0.0], lock=False)  # done, total
+    context = processes.start(fn, nprocs, (slot, *args), join=False)
     with tracked(description, total) as update:
         while not context.join(timeout=0.1):
             update(slot[0], slot[1] or None)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from trainsim.processes import init_local_group, start
 
 SEGMENTS_S = (0.01, 0.04, 0.16, 0.64)
 """Burst lengths of the local measurement: a tensor-parallel layer's segment up to a pipeline stage's."""
@@ -95,7 +96,7 @@ def _noise_worker(rank: int, world: int, port: int, segments: tuple[float, ...],
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_local_group("gloo", port, rank, world)
     try:
         a, b = torch.rand(128, 128), torch.rand(128, 128)
         _burst(20, a, b)
@@ -132,13 +133,10 @@ def measure_local(segments: tuple[float, ...] = SEGMENTS_S, seconds_per_segment:
     """Two processes on this machine (gloo over loopback), one thread each: per burst length, the mean
     |difference| of the two ranks' times for the same work (columns segment_s, mean_abs_difference_s,
     relative_sd, repeats, num_ranks)."""
-    import torch.multiprocessing as mp
-
     from trainsim.workloads.launch import free_port
 
     port = free_port()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="trainsim-noise-") as tmp:
         out = str(Path(tmp) / "noise.parquet")
-        mp.spawn(_noise_worker, nprocs=2, join=True, args=(2, port, tuple(segments), seconds_per_segment, out))
+        start(_noise_worker, 2, (2, port, tuple(segments), seconds_per_segment, out))
         return pd.read_parquet(out)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from trainsim.comm.nccl_tests import COLUMNS, bus_bandwidth_factor
+from trainsim.processes import init_local_group
 from trainsim.progress import feed, spawn, tracked
 from trainsim.workloads.launch import free_port
 
@@ -137,7 +138,7 @@ def measure(collectives: list[str], sizes: list[int], iters: int = 10, warmup: i
 def _local_worker(rank: int, slot, world: int, port: int, collectives, sizes, iters, warmup, repeats,
                   out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_local_group("gloo", port, rank, world)
     try:  # rank 0 reports its points; the parent draws the bar
         table = measure(collectives, sizes, iters, warmup, repeats, progress=feed(slot) if rank == 0 else None)
         if table is not None:

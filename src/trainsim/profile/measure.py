@@ -16,7 +16,6 @@ while an op called back to back finds its operands cached and runs too fast.
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import statistics
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from trainsim import processes
 from trainsim.workloads.allocator import use_steady_state_allocator
 
 BARRIER_TIMEOUT_S = 600.0
@@ -192,7 +192,7 @@ def time_cpu_colocated(rows: list[dict], calls: list[Callable[[], Any]], devices
     flush = CacheFlush("cpu", flush_caches)
     if devices <= 1:
         return time_cpu(calls, flush=flush, progress=progress)
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     lockstep = Lockstep(ctx, devices)
     workers = [ctx.Process(target=_colocated_worker, args=(rows, lockstep, threads, flush_caches), daemon=True)
                for _ in range(devices - 1)]

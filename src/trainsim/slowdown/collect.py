@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from trainsim.comm.sweep import collective_call
 from trainsim.config.schema import SlowdownConfig
 from trainsim.errors import ConfigError, ReplayError
+from trainsim.processes import init_local_group
 from trainsim.profile.analytical import op_kind
 from trainsim.profile.replay import build_call
 from trainsim.progress import feed, spawn
@@ -232,8 +233,7 @@ def _worker(rank: int, slot, world: int, port: int, cfg: SlowdownConfig, threads
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_local_group("nccl" if cuda else "gloo", port, rank, world)
     try:
         ops = sweep_ops(cfg, device)
         skipped: list[dict] = []

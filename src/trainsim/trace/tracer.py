@@ -12,7 +12,6 @@ import collections
 import concurrent.futures
 import functools
 import hashlib
-import multiprocessing
 import os
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from trainsim import processes
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
 from trainsim.trace.expand import rename_for_rank
@@ -176,7 +176,8 @@ def expert_classes(plan: RoutingPlan | None, ep: int, etp: int = 1) -> list[int]
 
 PARALLEL_MIN_TRACES = 16
 """From this many distinct traces on (a skewed MoE routing: one per stage and expert-parallel rank), they run in
-worker processes: each starts with a torch import of seconds, which fewer traces do not repay."""
+worker processes: their fork server (trainsim/processes.py) first imports torch for seconds, which fewer traces
+do not repay."""
 
 
 def _start_traces(model_cfg: ModelConfig, par: ParallelismConfig, plan: RoutingPlan | None,
@@ -186,7 +187,7 @@ def _start_traces(model_cfg: ModelConfig, par: ParallelismConfig, plan: RoutingP
     jobs = min(jobs or os.cpu_count() or 1, len(todo))
     if jobs < 2 or len(todo) < PARALLEL_MIN_TRACES:
         return {shape: functools.partial(_trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}, None
-    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=processes.context())
     futures = {shape: pool.submit(_trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}
     return {shape: future.result for shape, future in futures.items()}, pool
 

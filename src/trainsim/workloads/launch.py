@@ -8,7 +8,6 @@ the ex-situ trace is faithful (the same recorder can be switched on here).
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 import socket
 import tempfile
@@ -18,9 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
+from trainsim.processes import init_local_group, start
 from trainsim.workloads.allocator import use_steady_state_allocator
 from trainsim.workloads.observe import StepTimer, observing
 from trainsim.workloads.routing import RouterCounts, RoutingHistogram, model_routing_plan
@@ -138,8 +137,7 @@ def _rank_main(rank: int, body, par: ParallelismConfig, port: int, threads: int,
             torch.cuda.set_device(rank)
             torch.set_default_device(f"cuda:{rank}")
         layout = layout_of(par)
-        dist.init_process_group(BACKENDS[device_kind], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=layout.world_size)
+        init_local_group(BACKENDS[device_kind], port, rank, layout.world_size)
         try:
             result = body(rank, layout, *args)
         finally:
@@ -162,10 +160,8 @@ def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1, device_ki
     if device_kind == "cuda" and (shortfall := missing_gpus(par)):
         raise RankFailure(shortfall)
     with tempfile.TemporaryDirectory(prefix="trainsim-ranks-") as out_dir:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         try:
-            mp.spawn(_rank_main, nprocs=world, join=True,
-                     args=(body, par, free_port(), threads, device_kind, out_dir, args))
+            start(_rank_main, world, (body, par, free_port(), threads, device_kind, out_dir, args))
         except Exception as exc:
             errors = [f"rank {r}:\n{Path(out_dir, f'rank{r}.err').read_text()}" for r in range(world)
                       if Path(out_dir, f"rank{r}.err").is_file()]
