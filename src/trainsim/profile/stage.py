@@ -21,15 +21,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from trainsim.artifacts import atomic_artifact, read_table
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError, ReplayError
 from trainsim.profile.analytical import fit_rates, op_kind, predict, predict_rows
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
-from trainsim.profile.measure import CacheFlush, time_cpu_colocated, time_cuda
-from trainsim.profile.replay import build_call
 from trainsim.progress import tracked
 from trainsim.trace.stage import GRAPH_FILE
 
@@ -61,14 +58,16 @@ def distinct_ops(graph: pd.DataFrame) -> pd.DataFrame:
 
 
 def local_device_kind() -> str:
+    import torch  # seconds to import: only where ops are measured or a backend chosen by what is present
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def choose_backend(hw: HardwareConfig) -> str:
     """'cpu' or 'cuda' (measure here) or 'analytical', from hardware.profile_backend."""
-    local = local_device_kind()
     if hw.profile_backend == "analytical":
         return "analytical"
+    local = local_device_kind()
     if hw.profile_backend == "measure":
         if hw.device_kind != local:
             raise ConfigError(f"hardware.profile_backend='measure' needs a {hw.device_kind} device, but this machine "
@@ -93,6 +92,10 @@ def _measure_batch(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, bac
     """Measure a batch of ops (CPU: interleaved rounds, co-located on the node's devices; GPU: one op at a
     time, its inputs freed before the next is built); unreplayable ones go to summary.fallback.
     `progress(done, total)` follows the timing loop (op timings done of all of the batch)."""
+    import torch
+
+    from trainsim.profile.measure import CacheFlush, time_cpu_colocated, time_cuda
+    from trainsim.profile.replay import build_call
 
     def built(op) -> Callable[[], Any] | None:
         try:
@@ -160,6 +163,8 @@ def profile_ops(ops: pd.DataFrame, hw: HardwareConfig, hardware_key: str, db: Pr
 
     new_rows: list[dict] = []
     if backend in MEASURED_BACKENDS:
+        import torch
+
         torch.set_num_threads(hw.threads_per_device)
         with tracked(f"timing {len(missing)} op(s) on {hardware_key} ({backend})", len(missing)) as bar:
             for start in range(0, len(missing), BATCH_SIZE):  # each batch is appended as soon as it is timed

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
 from trainsim.artifacts import atomic_artifact
 from trainsim.config.schema import ModelConfig, ParallelismConfig
-from trainsim.trace.tracer import TraceResult, trace_layout, tracer_code_digest
+
+if TYPE_CHECKING:
+    from trainsim.trace.tracer import TraceResult
 
 GRAPH_FILE = "graph.parquet"
 RANK_CLASSES_FILE = "rank_classes.parquet"
@@ -18,6 +21,8 @@ MEMORY_FILE = "memory.parquet"
 
 def write_trace_artifact(model: ModelConfig, par: ParallelismConfig, keys: dict[str, str], output: Path,
                          progress=None) -> TraceResult:
+    from trainsim.trace.tracer import trace_layout, tracer_code_digest  # torch: only where a trace is made
+
     # the tracer's code is part of what the trace depends on: `trainsim compose` traces again after an upgrade
     config = {"model": dataclasses.asdict(model), "parallelism": dataclasses.asdict(par),
               "tracer_code": tracer_code_digest()}

@@ -29,12 +29,15 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.workloads.routing import RoutingHistogram
+
+if TYPE_CHECKING:  # torch: imported where a step runs, not where its results are read
+    from trainsim.workloads.routing import RoutingHistogram
 
 WARMUP, STEPS = 2, 5
 SUMMARY_FILE = "summary.json"
@@ -171,6 +174,7 @@ def write_ground_truth_artifact(hw: HardwareConfig, model: ModelConfig, par: Par
     import pyarrow.parquet as pq
 
     from trainsim.artifacts import atomic_artifact
+    from trainsim.workloads.routing import RoutingHistogram
 
     config = {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}
     routing = RoutingHistogram()
