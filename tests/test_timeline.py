@@ -26,7 +26,7 @@ from trainsim.timeline.chrome import chrome_trace
 from trainsim.timeline.engine import replay, replay_batched
 from trainsim.timeline.outputs import SUMMARY_FIELDS, breakdown, class_table, summary
 from trainsim.trace.schema import GRAPH_SCHEMA
-from trainsim.trace.tracer import tracer_code_digest
+from trainsim.trace.stage import tracer_code_digest
 from trainsim.workloads.layout import Layout
 from trainsim.workloads.schedules import pipeline_actions
 

@@ -34,7 +34,7 @@ from trainsim.search.layouts import SearchSpace, enumerate_layouts
 from trainsim.search.slices import SliceCosts, measure_slice_costs, slice_key
 from trainsim.timeline.provenance import search_inputs
 from trainsim.timeline.stage import comm_model
-from trainsim.trace.tracer import tracer_code_digest
+from trainsim.trace.stage import tracer_code_digest
 from trainsim.workloads.routing import PARAMETRIC
 
 SLICE_CACHE = Path("artifacts/search/slices")

@@ -125,8 +125,7 @@ def compose_run_artifacts(run, output: Path | None = None, build_missing: bool =
     from trainsim.registry import STAGES
     from trainsim.slowdown.stage import write_dataset_artifact, write_model_artifact
     from trainsim.slowdown.train import SCHEMA_VERSION as SLOWDOWN_SCHEMA_VERSION
-    from trainsim.trace.stage import write_trace_artifact
-    from trainsim.trace.tracer import tracer_code_digest
+    from trainsim.trace.stage import tracer_code_digest, write_trace_artifact
 
     keys, hw = run.keys, run.hardware
     paths = {name: Path(stage.path(keys)) for name, stage in STAGES.items()}

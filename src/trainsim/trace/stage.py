@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,9 +21,21 @@ RANK_CLASSES_FILE = "rank_classes.parquet"
 MEMORY_FILE = "memory.parquet"
 
 
+@functools.lru_cache(maxsize=1)
+def tracer_code_digest() -> str:
+    """Hash of the code a trace depends on (the reference workload and the tracer). Caches outside the
+    pipeline (the layout search's slices, the vTrain validation's traces) key on it, so a trace made by
+    other code is traced again rather than reused; the pipeline's stages depend on the source files."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha1()
+    for source in sorted([*(package / "workloads").glob("*.py"), *(package / "trace").glob("*.py")]):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def write_trace_artifact(model: ModelConfig, par: ParallelismConfig, keys: dict[str, str], output: Path,
                          progress=None) -> TraceResult:
-    from trainsim.trace.tracer import trace_layout, tracer_code_digest  # torch: only where a trace is made
+    from trainsim.trace.tracer import trace_layout  # torch: only where a trace is made
 
     # the tracer's code is part of what the trace depends on: `trainsim compose` traces again after an upgrade
     config = {"model": dataclasses.asdict(model), "parallelism": dataclasses.asdict(par),

@@ -11,11 +11,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
-import hashlib
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -40,18 +38,6 @@ from trainsim.workloads.observe import observing
 from trainsim.workloads.routing import PlannedCounts, RoutingPlan, model_routing_plan
 from trainsim.workloads.schedules import combined_pairs, step_actions, trace_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
-
-
-@functools.lru_cache(maxsize=1)
-def tracer_code_digest() -> str:
-    """Hash of the code a trace depends on (the reference workload and the tracer). Caches outside the
-    pipeline (the layout search's slices, the vTrain validation's traces) key on it, so a trace made by
-    other code is traced again rather than reused; the pipeline's stages depend on the source files."""
-    package = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha1()
-    for source in sorted([*(package / "workloads").glob("*.py"), *(package / "trace").glob("*.py")]):
-        digest.update(source.name.encode() + source.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 @dataclass

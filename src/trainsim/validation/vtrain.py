@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.trace.tracer import tracer_code_digest
+from trainsim.trace.stage import tracer_code_digest
 
 CSV = DATA_DIR / "published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv"
 COLUMNS = ["gpus", "global_batch", "micro_batch", "hidden", "heads", "layers", "seq", "tp", "dp", "pp", "measured_ms"]
