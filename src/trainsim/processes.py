@@ -30,7 +30,7 @@ def start(fn: Callable[..., None], nprocs: int, args: tuple, join: bool = True):
     """torch.multiprocessing.spawn(fn, args, nprocs, join) from the fork server: `fn(index, *args)` in each."""
     import torch.multiprocessing as mp
 
-    context()
+    context()  # the server loads PRELOAD when this first start launches it
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method=START_METHOD)
 
 
