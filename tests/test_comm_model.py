@@ -15,13 +15,16 @@ from trainsim.comm.calibration import (
     read_calibration_file,
     write_calibration_artifact,
 )
-from trainsim.comm.fit import every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
+from trainsim.comm.fit import _RelativeErrors, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import (
+    ALGORITHMS,
     CollectiveParams,
     CommModel,
     algorithm_protocol_seconds,
+    candidate_pairs,
     choose,
     chunk_bytes,
+    pair_parameters,
     predict_seconds,
     prior_params,
 )
@@ -101,6 +104,38 @@ def test_fit_recovers_a_known_model_and_extrapolates_in_ranks():
     assert fit.train_mape_pct < 1.0
     test = synthetic(truth, [(8, 1)], sizes)
     assert mape_pct(predict_table(fit.params, test), test["time_s"].to_numpy()) < 3.0
+
+
+@pytest.mark.parametrize("name", ["a100-80g-dgx", "h100-80g-p5", "a100-40g-oci", "local-cpu"])
+def test_a_pair_reads_only_the_values_pair_parameters_names(name):
+    """The fit recomputes a pair only when a value it reads moves: moving any other leaves its time as it was."""
+    hw = hardware(name)
+    sizes = np.array([2.0**k for k in range(3, 34, 3)])
+    for collective in ALGORITHMS:
+        params = prior_params(hw, collective, channels=4)
+        params.values["alpha.network"] = 30e-6
+        for ranks, nodes in ((2, 1), (8, 1), (16, 2), (64, 8)):
+            for pair in candidate_pairs(params, nodes):
+                before = algorithm_protocol_seconds(params, *pair, sizes, ranks, nodes)
+                for key in set(params.values) - pair_parameters(params, *pair):
+                    moved = replace(params, values={**params.values, key: params.values[key] * 1.7})
+                    after = algorithm_protocol_seconds(moved, *pair, sizes, ranks, nodes)
+                    assert np.array_equal(before, after), (collective, pair, key)
+
+
+def test_the_fit_reuses_unmoved_pairs_with_the_same_floats_as_a_full_evaluation():
+    hw = hardware("h100-80g-p5")
+    prior = prior_params(hw, "all_reduce", channels=8)
+    truth = replace(prior, values={k: v * 1.3 for k, v in prior.values.items()})
+    table = synthetic(truth, [(8, 1), (16, 2)], [2**k for k in range(8, 31, 2)])
+    names = sorted(prior.values)
+    x = np.log([prior.values[n] for n in names])
+    incremental = _RelativeErrors(prior, names, table)
+    incremental(x)
+    for i in range(len(names)):
+        step = x.copy()
+        step[i] += 1e-3
+        assert np.array_equal(incremental(step), _RelativeErrors(prior, names, table)(step)), names[i]
 
 
 def test_a_group_with_fewer_ranks_per_node_gets_its_share_of_the_nodes_network():

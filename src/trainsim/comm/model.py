@@ -65,6 +65,7 @@ give chunk sizes, channel thresholds and the priors the fit starts from and fall
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -178,6 +179,21 @@ def _channels_used(size: np.ndarray, protocol: str, channels: int, num_ranks: in
     return np.clip(np.floor(size / per_channel), 1, channels)
 
 
+
+@functools.lru_cache(maxsize=4096)
+def _chunking(size_bytes: bytes, shape: tuple[int, ...], protocol: str, channels: int, simple_buffer_bytes: int,
+              num_ranks: int, num_nodes: int, ring: bool, tree: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(channels used, chunk bytes) per size: NCCL's choices, which no fitted value changes (cached, since a fit
+    asks for the same sizes thousands of times)."""
+    size = np.frombuffer(size_bytes).reshape(shape)
+    used = _channels_used(size, protocol, channels, num_ranks, ring)
+    chunk = chunk_bytes(protocol, simple_buffer_bytes, ring)
+    chunk = (_tree_ll128_chunk(size, used, chunk, num_ranks, num_nodes) if tree and protocol == "LL128"
+             else np.full(size.shape, chunk))
+    used.setflags(write=False)
+    chunk.setflags(write=False)
+    return used, chunk
+
 def _step(values: dict[str, float], hop: str, protocol: str, chunk: np.ndarray, share: float = 1.0) -> np.ndarray:
     return values[f"latency.{hop}.{protocol}"] + chunk / (share * values[f"bandwidth.{hop}.{protocol}"])
 
@@ -234,8 +250,8 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
     v, name = params.values, params.collective
     size = np.asarray(size, dtype=float)
     ring = algorithm == "ring" and name in RING_COLLECTIVES
-    used = _channels_used(size, protocol, params.channels, num_ranks, ring)
-    chunk = chunk_bytes(protocol, params.simple_buffer_bytes, ring)
+    used, chunk = _chunking(size.tobytes(), size.shape, protocol, params.channels, params.simple_buffer_bytes,
+                            num_ranks, num_nodes, ring, algorithm == "tree")
     share = params.nic_share(num_ranks, num_nodes)
     if num_ranks == 1:
         return np.full_like(size, v[f"alpha.{algorithm}"])
@@ -259,8 +275,6 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
             transfer = loops * steps * _step(v, "intra", protocol, per_step) + local
     else:
         intra, inter = _stages(name, algorithm, num_ranks, num_nodes)
-        if algorithm == "tree" and protocol == "LL128":
-            chunk = _tree_ll128_chunk(size, used, chunk, num_ranks, num_nodes)
         loops = np.maximum(1.0, np.ceil(size / (used * chunk)))
         per_step = size / (used * loops)
         load = tree_nic_load(num_nodes) if algorithm in ("tree", "nvls") else 1.0
@@ -303,20 +317,44 @@ def _all_to_all_p2p_seconds(v: dict[str, float], protocols: tuple[str, ...], cha
     return latency + np.maximum.reduce([nvlink, local, nic])
 
 
+def pair_seconds(params: CollectiveParams, pairs: list[tuple[str, str]], size: np.ndarray, num_ranks: int,
+                 num_nodes: int) -> np.ndarray:
+    """Modelled times of each candidate pair (pairs x sizes)."""
+    return np.array([algorithm_protocol_seconds(params, a, p, size, num_ranks, num_nodes) for a, p in pairs])
+
+
+def pair_parameters(params: CollectiveParams, algorithm: str, protocol: str) -> frozenset[str]:
+    """The values algorithm_protocol_seconds reads for one pair: its algorithm's alpha, the network's, delta and
+    its protocol's latencies and bandwidths (an all-to-all's LL ones too, for its small messages). A fit moving
+    one other value leaves the pair's time as it was (tests/test_comm_model.py checks this on every config)."""
+    protocols = {protocol, "LL"} if algorithm == "p2p" else {protocol}
+    return frozenset(k for k in params.values
+                     if k in ("delta", "alpha.network", f"alpha.{algorithm}")
+                     or (k.startswith(("latency.", "bandwidth.")) and k.rsplit(".", 1)[1] in protocols))
+
+
+def tuner_choice(params: CollectiveParams, pairs: list[tuple[str, str]], size: np.ndarray, num_ranks: int,
+                 num_nodes: int) -> np.ndarray | None:
+    """Index of the pair NCCL's own estimate runs per size, across nodes with fabric.tuner 'nccl' (it does not
+    depend on the fitted values); None where the model's fastest pair runs."""
+    f = params.fabric
+    if f.tuner != "nccl" or num_nodes <= 1 or f.node_bandwidth_bytes_per_s <= 0 or len(pairs) <= 1:
+        return None
+    topology = tuner_topology(f.nics_per_node, f.nic_bandwidth_bytes_per_s, f.nvlink_bandwidth_bytes_per_s,
+                              f.gpu_generation)
+    estimates = tuner_estimates(f.nccl_version, params.collective, pairs, size, num_ranks, num_nodes,
+                                f.node_bandwidth_bytes_per_s, topology)
+    return np.argmin(estimates, axis=0)
+
+
 def _pair_times(params: CollectiveParams, size, num_ranks: int, num_nodes: int
                 ) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
     """Candidate pairs, their modelled times (pairs x sizes) and the index of the pair run per size."""
     pairs = candidate_pairs(params, num_nodes)
     size = np.atleast_1d(np.asarray(size, dtype=float))
-    times = np.array([algorithm_protocol_seconds(params, a, p, size, num_ranks, num_nodes) for a, p in pairs])
-    f = params.fabric
-    if f.tuner == "nccl" and num_nodes > 1 and f.node_bandwidth_bytes_per_s > 0 and len(pairs) > 1:
-        topology = tuner_topology(f.nics_per_node, f.nic_bandwidth_bytes_per_s, f.nvlink_bandwidth_bytes_per_s,
-                                  f.gpu_generation)
-        estimates = tuner_estimates(f.nccl_version, params.collective, pairs, size, num_ranks, num_nodes,
-                                    f.node_bandwidth_bytes_per_s, topology)
-        return pairs, times, np.argmin(estimates, axis=0)
-    return pairs, times, np.argmin(times, axis=0)
+    times = pair_seconds(params, pairs, size, num_ranks, num_nodes)
+    chosen = tuner_choice(params, pairs, size, num_ranks, num_nodes)
+    return pairs, times, np.argmin(times, axis=0) if chosen is None else chosen
 
 
 def predict_seconds(params: CollectiveParams, size, num_ranks: int, num_nodes: int) -> np.ndarray:
