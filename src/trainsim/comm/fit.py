@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import least_squares
 
 from trainsim.comm.model import (
     CollectiveParams,
@@ -131,6 +130,7 @@ class _RelativeErrors:
 
 
 def _fit_fixed_channels(table: pd.DataFrame, prior: CollectiveParams) -> FitResult:
+    from scipy.optimize import least_squares  # here, not at the top: composing never fits, and the import takes 0.5 s
     names = sorted(prior.values)
     log_prior = np.log([prior.values[n] for n in names])
     weights = np.array([ALPHA_PRIOR_WEIGHT if n.startswith("alpha.") else PRIOR_WEIGHT for n in names])

@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import yaml
-from scipy.optimize import minimize_scalar
 
 from trainsim.slowdown.features import device_type_of
 
@@ -186,6 +185,7 @@ class NcclTuner:
 
 def fit_nccl_tuner(table: pd.DataFrame, collective: str, version: str) -> NcclTuner:
     """The bus bandwidth (1e8 .. 1e13 B/s) with the least squared relative error."""
+    from scipy.optimize import minimize_scalar  # here, not at the top: composing never fits, and the import takes 0.5 s
     measured = table["time_s"].to_numpy(float)
 
     def loss(log_bw: float) -> float:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import least_squares
 
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError
@@ -426,6 +425,7 @@ def predict_rows(rows: pd.DataFrame, hw: HardwareConfig) -> np.ndarray:
 
 def fit_rates(rows: pd.DataFrame) -> RooflineRates:
     """Least-squares fit (on log time, robust loss) of the rates and per-kind efficiencies to measured rows."""
+    from scipy.optimize import least_squares  # here, not at the top: composing never fits, and the import takes 0.5 s
     if len(rows) < 6:
         raise ValueError(f"fitting the kernel model needs at least 6 measured ops, got {len(rows)}")
     flops = rows["flops"].to_numpy(float)
