@@ -179,7 +179,6 @@ def _channels_used(size: np.ndarray, protocol: str, channels: int, num_ranks: in
     return np.clip(np.floor(size / per_channel), 1, channels)
 
 
-
 @functools.lru_cache(maxsize=4096)
 def _chunking(size_bytes: bytes, shape: tuple[int, ...], protocol: str, channels: int, simple_buffer_bytes: int,
               num_ranks: int, num_nodes: int, ring: bool, tree: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -193,6 +192,7 @@ def _chunking(size_bytes: bytes, shape: tuple[int, ...], protocol: str, channels
     used.setflags(write=False)
     chunk.setflags(write=False)
     return used, chunk
+
 
 def _step(values: dict[str, float], hop: str, protocol: str, chunk: np.ndarray, share: float = 1.0) -> np.ndarray:
     return values[f"latency.{hop}.{protocol}"] + chunk / (share * values[f"bandwidth.{hop}.{protocol}"])
