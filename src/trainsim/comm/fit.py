@@ -24,6 +24,7 @@ from trainsim.comm.model import (
     pair_parameters,
     pair_seconds,
     predict_seconds,
+    run_pairs,
     tuner_choice,
 )
 from trainsim.comm.nccl_tests import bus_bandwidth_factor
@@ -122,7 +123,7 @@ class _RelativeErrors:
             else:
                 times = pair_seconds(params, self.pairs[g], sizes, ranks, nodes)
             all_times.append(times)
-            chosen = np.argmin(times, axis=0) if self.tuner[g] is None else self.tuner[g]
+            chosen = run_pairs(times, self.tuner[g])
             errors.append((times[chosen, np.arange(len(sizes))] - measured) / measured)
         if not reuse:
             self.last_x, self.last_times = x.copy(), all_times

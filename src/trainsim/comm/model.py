@@ -347,14 +347,19 @@ def tuner_choice(params: CollectiveParams, pairs: list[tuple[str, str]], size: n
     return np.argmin(estimates, axis=0)
 
 
+def run_pairs(times: np.ndarray, tuner_index: np.ndarray | None) -> np.ndarray:
+    """Index of the pair run per size: NCCL's estimate's choice where it decides (tuner_choice), else the
+    fastest by the model."""
+    return np.argmin(times, axis=0) if tuner_index is None else tuner_index
+
+
 def _pair_times(params: CollectiveParams, size, num_ranks: int, num_nodes: int
                 ) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
     """Candidate pairs, their modelled times (pairs x sizes) and the index of the pair run per size."""
     pairs = candidate_pairs(params, num_nodes)
     size = np.atleast_1d(np.asarray(size, dtype=float))
     times = pair_seconds(params, pairs, size, num_ranks, num_nodes)
-    chosen = tuner_choice(params, pairs, size, num_ranks, num_nodes)
-    return pairs, times, np.argmin(times, axis=0) if chosen is None else chosen
+    return pairs, times, run_pairs(times, tuner_choice(params, pairs, size, num_ranks, num_nodes))
 
 
 def predict_seconds(params: CollectiveParams, size, num_ranks: int, num_nodes: int) -> np.ndarray:
