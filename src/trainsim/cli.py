@@ -8,12 +8,10 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from trainsim.errors import ArtifactError, ConfigError, TraceError
 from trainsim.progress import status, tracked
-
-GIB = 1024**3
+from trainsim.tables import Field, Rows, breakdown_rows, memory_rows, print_json, search_rows, show
 
 
 def _cmd_config(args, console: Console) -> int:
@@ -24,30 +22,15 @@ def _cmd_config(args, console: Console) -> int:
     run = compose_run(args.overrides)
     par, hw = run.parallelism, run.hardware
     plain = {group: run.group(group) for group in ("hardware", "model", "parallelism")}
+    if args.json:
+        print_json({**plain, "keys": run.keys})
+        return 0
     sys.stdout.write(yaml.safe_dump(plain, sort_keys=False))
     sys.stdout.write(f"# artifact keys: {run.keys}\n"
                      f"# world size {par.world_size} = dp {par.dp} x tp {par.tp} x pp {par.pp}; "
                      f"{par.num_microbatches} micro-batch(es) of {par.micro_batch_size} per step; "
                      f"{hw.num_nodes} node(s) x {hw.devices_per_node} devices\n")
     return 0
-
-
-def _memory_table(memory, capacity_bytes: float, hardware: str) -> Table:
-    from trainsim.trace.memory import oom_verdict
-
-    table = Table(title=f"memory per rank class (GiB) vs {hardware} ({capacity_bytes / GIB:.1f} GiB)")
-    for column in ("class", "weights", "grads", "optimizer", "activations", "in flight", "peak", "verdict"):
-        table.add_column(column, justify="right")
-    for row in memory.to_pylist():
-        fits = not oom_verdict(row["peak_bytes"], capacity_bytes)
-        table.add_row(
-            str(row["rank_class"]),
-            f"{row['parameter_bytes'] / GIB:.2f}", f"{row['gradient_bytes'] / GIB:.2f}",
-            f"{row['optimizer_state_bytes'] / GIB:.2f}", f"{row['peak_activation_bytes'] / GIB:.2f}",
-            str(row["max_inflight_microbatches"]), f"{row['peak_bytes'] / GIB:.2f}",
-            "fits" if fits else "[red]OOM[/red]",
-        )
-    return table
 
 
 def _cmd_trace(args, console: Console) -> int:
@@ -63,7 +46,7 @@ def _cmd_trace(args, console: Console) -> int:
     console.print(f"{run.parallelism.world_size} ranks in {run.parallelism.pp} class(es); "
                   f"{len(graph)} events ({(graph['kind'] != 'compute').sum()} communication) "
                   f"traced in {sum(result.seconds_per_class):.2f} s -> {output}")
-    console.print(_memory_table(result.memory, run.hardware.memory_capacity_bytes, run.hardware.name))
+    show(console, memory_rows(result.memory.to_pylist(), run.hardware.memory_capacity_bytes, run.hardware.name))
     return 0
 
 
@@ -147,14 +130,12 @@ def _import_kineto(traces: list[str], run, db, args, console: Console) -> None:
         report = import_traces(traces, run.hardware, db.path, run.key("hardware"),
                                allow_device_mismatch=args.allow_device_mismatch, fit=not args.no_fit,
                                train_fraction=args.train_fraction, seed=args.seed)
-    table = Table(title=f"Kineto traces -> {report.database} (hardware '{report.hardware}')")
-    for column in ("file", "device", "kernels", "imported", "NCCL", "skipped", "op instances", "signatures"):
-        table.add_column(column, justify="right")
-    for f in report.files:
-        table.add_row(Path(f.path).name, f.device_name or "(not recorded)", str(f.kernels),
-                      "already imported" if f.already_imported else str(f.imported_kernels),
-                      str(f.nccl_kernels), str(f.skipped_total), str(f.op_instances), str(f.signatures))
-    console.print(table)
+    fields = [Field(name) for name in ("file", "device", "kernels", "imported kernels", "NCCL kernels",
+                                       "skipped kernels", "op instances", "signatures")]
+    cells = [[Path(f.path).name, f.device_name or "(not recorded)", str(f.kernels),
+              "already imported" if f.already_imported else str(f.imported_kernels),
+              str(f.nccl_kernels), str(f.skipped_total), str(f.op_instances), str(f.signatures)] for f in report.files]
+    show(console, Rows(f"Kineto traces -> {report.database} (hardware '{report.hardware}')", fields, cells, cells))
     for f in report.files:
         if f.nccl_kernels:
             by = ", ".join(f"{n} {c}" for c, n in sorted(f.nccl_by_collective.items()))
@@ -237,25 +218,32 @@ def _cmd_compose(args, console: Console) -> int:
 
     with status("composing (building missing traces, profiles, calibration, slowdown model first)"):
         result = predict(*args.overrides, build_missing=not args.quick, output=args.output)
+    print_compose(result, console, as_json=args.json)
+    return 0
+
+
+def compose_document(result) -> dict:
+    """`trainsim compose --json`: the step time, where it goes, memory, throughput and what it was made from."""
+    breakdown = breakdown_rows(result.step_time_s, result.summary["classes"])
+    return {"step_time_s": result.step_time_s, "oom": result.oom, "classes": breakdown.records(),
+            "memory": result.memory.to_dict(orient="records"), "efficiency": result.efficiency,
+            "inputs": result.inputs, "warnings": result.warnings, "artifact_dir": str(result.artifact_dir)}
+
+
+def print_compose(result, console: Console, as_json: bool = False) -> None:
+    """What `trainsim compose` prints for a Prediction: a table per rank class that fits `console`'s width,
+    throughput, inputs and warnings; or (`as_json`) one JSON document, the warnings repeated on stderr."""
+    if as_json:
+        print_json(compose_document(result))
+        for warning in result.warnings:
+            Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+        return
     summary = result.summary
-    table = Table(title=f"step {result.step_time_s:.4f} s: breakdown per rank class (seconds)")
-    for column in ("class", "ranks", "stage", "compute", "slowdown", "exposed tp", "exposed dp", "exposed pp",
-                   "exposed other", "bubble", "idle", "of which optimizer", "NIC contention", "memory"):
-        table.add_column(column, justify="right")
-    for row in summary["classes"]:
-        exposed = row["exposed_comm_s"]
-        other = sum(v for k, v in exposed.items() if k not in ("tp", "dp", "pp"))  # cp ring, ep all-to-all, ...
-        table.add_row(str(row["rank_class"]), str(row["ranks"]), str(row["pp_rank"]),
-                      *(f"{v:.4f}" for v in (row["compute_s"], row["slowdown_added_s"], exposed["tp"], exposed["dp"],
-                                             exposed["pp"], other, row["pipeline_bubble_s"], row["idle_s"],
-                                             row["optimizer_step_s"], row.get("contention_added_s", 0.0))),
-                      "[red]OOM[/red]" if row["oom"] else "fits")
-    console.print(table)
+    show(console, breakdown_rows(result.step_time_s, summary["classes"]))
     for line in [*_efficiency_lines(result.efficiency), *_inputs_lines(result.inputs)]:
         console.print(line, highlight=False)
     console.print(f"{summary['num_nodes']} nodes in {summary['simulate_s']:.2f} s -> {result.artifact_dir} "
                   f"(open {result.artifact_dir}/trace.json in https://ui.perfetto.dev)", highlight=False)
-    return 0
 
 
 def _search_setup(args):
@@ -290,6 +278,9 @@ def _cmd_plan(args, console: Console) -> int:
     output = Path(args.output) if args.output else plan_dir(run, args.gpus)
     write_plan_artifact(plan, output)
     a = answer(plan)
+    if args.json:
+        print_json({**a, "output": str(output / PAGE_FILE)})
+        return 0
     deadline = f" within {args.within_days:g} days" if args.within_days else ""
     console.print(f"{a['layout']} on {a['world_size']} GPUs ({CHOICES[args.by]}"
                   f"{deadline} of {len(plan.search.table)} layouts): {a['step_time_s']:.4f} s per step"
@@ -316,16 +307,17 @@ def _cmd_search(args, console: Console) -> int:
     write_search_artifact(run, args.gpus, space, result, output, top=args.top)
     table = result.table
     ok = table[table["status"] == STATUS_OK]
-    view = Table(title=f"{len(table)} layouts ({len(ok)} fit in memory); fastest {min(args.top, len(ok))} "
-                       f"and the Pareto front (time vs {cost_column(table)})")
     columns = ("layout", "step_time_s", "tokens_per_s", "mfu_pct", "peak_memory_gib", cost_column(table),
                *(c for c in ("training_days", "training_cost_usd") if ok[c].notna().any()))  # with train.tokens
-    for column in columns:
-        view.add_column(column, justify="right")
     shown = pd.concat([ok.nsmallest(args.top, "step_time_s"), ok[ok["pareto"]]]).drop_duplicates("layout")
-    for _, row in shown.iterrows():
-        view.add_row(*(f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in columns))
-    console.print(view)
+    view = search_rows(f"{len(table)} layouts ({len(ok)} fit in memory); fastest {min(args.top, len(ok))} "
+                       f"and the Pareto front (time vs {cost_column(table)})", shown.to_dict(orient="records"),
+                       columns)
+    if args.json:
+        print_json({"layouts": len(table), "fit_in_memory": len(ok), "shown": view.records(),
+                    "inputs": result.inputs, "output": str(output)})
+        return 0
+    show(console, view)
     for line in _inputs_lines(result.inputs):
         console.print(line, highlight=False)
     console.print(f"estimates: {len(table) / result.estimate_s:.0f} layouts/s on {result.jobs} process(es); "
@@ -368,10 +360,12 @@ def _add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etp-sizes", type=int, nargs="+", default=[],
                    help="expert-tensor-parallel degrees to try (default: 1 and each layout's tp)")
     p.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--quick", action="store_true",
                    help="do not build a missing calibration (the output warns that datasheet rates stood in)")
 
 
+JSON_HELP = "print one JSON document on stdout instead of tables (progress and warnings go to stderr)"
 EXAMPLES = {
     "trainsim": ("trainsim config model=gpt-13b parallelism=tp2",
                  "trainsim compose model=gpt-175b parallelism=pp16-tp8-dp8 hardware=a100-80g-dgx",
@@ -411,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("config", help="print the composed config and its artifact keys")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-13b parallelism.tp=4")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_config)
     p = sub.add_parser("trace", help="trace a layout ex-situ and show memory per rank class")
     p.add_argument("overrides", nargs="*")
@@ -449,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="do not build a missing calibration or slowdown model (a minute or two each); the output "
                         "warns about what stood in")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_compose)
     p = sub.add_parser("search", help="search the parallel layouts of a model on a GPU budget")
     _add_search_arguments(p)
