@@ -11,7 +11,7 @@ from rich.console import Console
 
 from trainsim.errors import ArtifactError, ConfigError, TraceError
 from trainsim.progress import status, tracked
-from trainsim.tables import Field, Rows, breakdown_rows, memory_rows, print_json, search_rows, show
+from trainsim.tables import SEARCH_FIELDS, Field, Rows, breakdown_rows, memory_rows, print_json, search_rows, show
 
 
 def _cmd_config(args, console: Console) -> int:
@@ -311,8 +311,8 @@ def _cmd_search(args, console: Console) -> int:
                *(c for c in ("training_days", "training_cost_usd") if ok[c].notna().any()))  # with train.tokens
     shown = pd.concat([ok.nsmallest(args.top, "step_time_s"), ok[ok["pareto"]]]).drop_duplicates("layout")
     view = search_rows(f"{len(table)} layouts ({len(ok)} fit in memory); fastest {min(args.top, len(ok))} "
-                       f"and the Pareto front (time vs {cost_column(table)})", shown.to_dict(orient="records"),
-                       columns)
+                       f"and the Pareto front (time vs {SEARCH_FIELDS[cost_column(table)].header})",
+                       shown.to_dict(orient="records"), columns)
     if args.json:
         print_json({"layouts": len(table), "fit_in_memory": len(ok), "shown": view.records(),
                     "inputs": result.inputs, "output": str(output)})

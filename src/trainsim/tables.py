@@ -25,11 +25,13 @@ SECONDS_FORMAT = "{:.4f}"
 
 @dataclass(frozen=True)
 class Field:
-    """One column: its name, its unit ('' for counts and words), and the record key `--json` uses."""
+    """One column: its name, its unit ('' for counts and words), the record key `--json` uses, and the format
+    spec of its numbers where a table builds the cells from numbers."""
 
     name: str
     unit: str = ""
     key: str = ""
+    number_format: str = ".4g"
 
     @property
     def header(self) -> str:
@@ -151,12 +153,13 @@ def memory_rows(memory: list[dict], capacity_bytes: float, hardware: str) -> Row
 
 SEARCH_FIELDS = {
     "layout": Field("layout", key="layout"), "step_time_s": Field("step time", "s", "step_time_s"),
-    "tokens_per_s": Field("throughput", "tokens/s", "tokens_per_s"), "mfu_pct": Field("MFU", "%", "mfu_pct"),
-    "peak_memory_gib": Field("peak memory", "GiB", "peak_memory_gib"),
-    "cost_per_million_tokens_usd": Field("cost", "USD per million tokens", "cost_per_million_tokens_usd"),
+    "tokens_per_s": Field("throughput", "tokens/s", "tokens_per_s", ",.0f"),
+    "mfu_pct": Field("MFU", "%", "mfu_pct", ".1f"),
+    "peak_memory_gib": Field("peak memory", "GiB", "peak_memory_gib", ".2f"),
+    "cost_per_million_tokens_usd": Field("cost", "USD per million tokens", "cost_per_million_tokens_usd", ",.3g"),
     "gpu_seconds_per_step": Field("cost", "GPU-s per step", "gpu_seconds_per_step"),
-    "training_days": Field("training", "days", "training_days"),
-    "training_cost_usd": Field("training cost", "USD", "training_cost_usd"),
+    "training_days": Field("training", "days", "training_days", ",.1f"),
+    "training_cost_usd": Field("training cost", "USD", "training_cost_usd", ",.0f"),
 }
 """The search table's columns by the layouts table's column names."""
 
@@ -164,6 +167,7 @@ SEARCH_FIELDS = {
 def search_rows(title: str, shown: list[dict], columns: Sequence[str]) -> Rows:
     """Layouts of a search (rows of its layouts table), in the given columns of SEARCH_FIELDS."""
     fields = [SEARCH_FIELDS[c] for c in columns]
-    cells = [[f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in columns] for row in shown]
+    cells = [[format(row[f.key], f.number_format) if isinstance(row[f.key], float) else str(row[f.key])
+              for f in fields] for row in shown]
     values = [[plain(row[c]) for c in columns] for row in shown]
     return Rows(title, fields, cells, values)
