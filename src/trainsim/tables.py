@@ -53,20 +53,26 @@ class Rows:
         return [{f.key or f.name: v for f, v in zip(self.fields, row, strict=True)} for row in self.values]
 
 
-def table_width(rows: Rows) -> int:
-    """Characters a rich table of `rows` needs with no cell cut: each column as wide as its widest cell or its
-    header's longest word (headers may wrap), plus one space of padding each side and one rule per column."""
+def column_widths(rows: Rows, wrap_headers: bool) -> list[int]:
+    """Each column as wide as its widest cell or its header (its longest word where headers may wrap)."""
     widths = []
     for i, field in enumerate(rows.fields):
-        cells = [Text.from_markup(row[i]).cell_len for row in rows.cells]
-        widths.append(max([*cells, *(len(word) for word in field.header.split())]))
+        header = [len(word) for word in field.header.split()] if wrap_headers else [len(field.header)]
+        widths.append(max([Text.from_markup(row[i]).cell_len for row in rows.cells] + header))
+    return widths
+
+
+def table_width(widths: list[int]) -> int:
+    """Characters a rich table with these column widths takes: one space of padding each side and one rule per
+    column."""
     return sum(widths) + 3 * len(widths) + 1
 
 
-def as_table(rows: Rows) -> Table:
+def as_table(rows: Rows, widths: list[int] | None = None) -> Table:
+    """A rich table; with `widths`, columns that wide (headers wrap between words, cells are never cut)."""
     table = Table(title=rows.title)
-    for field in rows.fields:
-        table.add_column(field.header, justify="right", overflow="fold")
+    for i, field in enumerate(rows.fields):
+        table.add_column(field.header, justify="right", width=widths[i] if widths else None)
     for row in rows.cells:
         table.add_row(*row)
     return table
@@ -84,9 +90,14 @@ def as_blocks(rows: Rows) -> list[str]:
 
 
 def show(console: Console, rows: Rows) -> None:
-    """Print `rows` as a table when it fits the console's width, else as blocks of lines."""
-    if table_width(rows) <= console.width:
+    """Print `rows` as a table when it fits the console's width (its headers wrapped between words if need be),
+    else as blocks of lines."""
+    if table_width(column_widths(rows, wrap_headers=False)) <= console.width:
         console.print(as_table(rows))
+        return
+    narrow = column_widths(rows, wrap_headers=True)
+    if table_width(narrow) <= console.width:
+        console.print(as_table(rows, narrow))
         return
     for line in as_blocks(rows):
         console.print(line, highlight=False, overflow="fold")
@@ -139,8 +150,8 @@ def memory_rows(memory: list[dict], capacity_bytes: float, hardware: str) -> Row
     fields = [Field("class", key="rank_class"), Field("weights", "GiB", "parameter_bytes"),
               Field("grads", "GiB", "gradient_bytes"), Field("optimizer", "GiB", "optimizer_state_bytes"),
               Field("activations", "GiB", "peak_activation_bytes"),
-              Field("in flight", "micro-batches", "max_inflight_microbatches"), Field("peak", "GiB", "peak_bytes"),
-              Field("verdict", key="oom")]
+              Field("in flight", key="max_inflight_microbatches"), Field("peak", "GiB", "peak_bytes"),
+              Field("memory", key="oom")]
     cells, values = [], []
     for row in memory:
         oom = bool(oom_verdict(row["peak_bytes"], capacity_bytes))
