@@ -222,6 +222,13 @@ def _cmd_compose(args, console: Console) -> int:
     return 0
 
 
+def _print_json_and_warnings(document: dict, warnings: list[str]) -> None:
+    """`--json`: the document alone on stdout, its warnings also on stderr where a person sees them."""
+    print_json(document)
+    for warning in warnings:
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+
+
 def compose_document(result) -> dict:
     """`trainsim compose --json`: the step time, where it goes, memory, throughput and what it was made from."""
     breakdown = breakdown_rows(result.step_time_s, result.summary["classes"])
@@ -234,9 +241,7 @@ def print_compose(result, console: Console, as_json: bool = False) -> None:
     """What `trainsim compose` prints for a Prediction: a table per rank class that fits `console`'s width,
     throughput, inputs and warnings; or (`as_json`) one JSON document, the warnings repeated on stderr."""
     if as_json:
-        print_json(compose_document(result))
-        for warning in result.warnings:
-            Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+        _print_json_and_warnings(compose_document(result), result.warnings)
         return
     summary = result.summary
     show(console, breakdown_rows(result.step_time_s, summary["classes"]))
@@ -279,7 +284,7 @@ def _cmd_plan(args, console: Console) -> int:
     write_plan_artifact(plan, output)
     a = answer(plan)
     if args.json:
-        print_json({**a, "output": str(output / PAGE_FILE)})
+        _print_json_and_warnings({**a, "output": str(output / PAGE_FILE)}, a["warnings"])
         return 0
     deadline = f" within {args.within_days:g} days" if args.within_days else ""
     console.print(f"{a['layout']} on {a['world_size']} GPUs ({CHOICES[args.by]}"
@@ -314,8 +319,8 @@ def _cmd_search(args, console: Console) -> int:
                        f"and the Pareto front (time vs {SEARCH_FIELDS[cost_column(table)].header})",
                        shown.to_dict(orient="records"), columns)
     if args.json:
-        print_json({"layouts": len(table), "fit_in_memory": len(ok), "shown": view.records(),
-                    "inputs": result.inputs, "output": str(output)})
+        _print_json_and_warnings({"layouts": len(table), "fit_in_memory": len(ok), "shown": view.records(),
+                                  "inputs": result.inputs, "output": str(output)}, result.inputs["warnings"])
         return 0
     show(console, view)
     for line in _inputs_lines(result.inputs):
