@@ -29,13 +29,13 @@ import pandas as pd
 import torch
 
 from trainsim.config import compose_run
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.profile.analytical import evaluate_fit
 from trainsim.profile.database import ProfileDatabase
 from trainsim.profile.stage import distinct_ops, profile_ops
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step
 from trainsim.workloads.launch import run_real_step
-from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import layout_of
 
 # dp1 occupies one core, so its hardware is a one-device node (nothing else shares the caches)

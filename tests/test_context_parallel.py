@@ -8,11 +8,11 @@ import torch
 
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.trace import trace_layout
 from trainsim.workloads.context_parallel import ContextParallel, chunk_order, local_positions
 from trainsim.workloads.launch import spawn_ranks
-from trainsim.workloads.layout import Layout
-from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, synthetic_batch, train_step
 
 

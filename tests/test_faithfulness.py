@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 
 from trainsim.config import compose_run
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step, rename_for_rank
 from trainsim.workloads.launch import run_real_step
-from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import layout_of
 
 COMM = ["collective", "group_ranks", "message_bytes", "comm_dtype", "peer"]

@@ -12,10 +12,11 @@ import torch
 
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.schedules import pipeline_actions, step_actions
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step, rename_for_rank
 from trainsim.workloads.launch import run_real_step, spawn_ranks, synthetic_batch
-from trainsim.workloads.layout import Layout
 from trainsim.workloads.moe import ExpertParallel, MoE
 from trainsim.workloads.optimizer import MixedPrecisionAdamW
 from trainsim.workloads.routing import (
@@ -29,7 +30,6 @@ from trainsim.workloads.routing import (
     split_by_shares,
     token_counts,
 )
-from trainsim.workloads.schedules import pipeline_actions, step_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
 
 MOE = ["model=gpt-tiny", "model.num_experts=4", "model.moe_top_k=2"]

@@ -10,8 +10,8 @@ from pathlib import Path
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.config.validate_nccl import validate_links
 from trainsim.errors import ConfigError
+from trainsim.parallel.layout import stage_layer_counts
 from trainsim.what_if import validate_what_if
-from trainsim.workloads.layout import stage_layer_counts
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES = ("none", "full", "selective")

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size, nodes_spanned
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.parallel.layout import chunk_layers, layout_of
+from trainsim.parallel.schedules import passes, pipeline_actions
 from trainsim.search.slices import PART_NAMES, PartCost, SliceCosts
 from trainsim.trace.memory import memory_row
-from trainsim.workloads.layout import chunk_layers, layout_of
 from trainsim.workloads.model import DTYPES
-from trainsim.workloads.schedules import passes, pipeline_actions
 
 
 @dataclass

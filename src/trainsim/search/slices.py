@@ -71,7 +71,7 @@ class PartCost:
     backward_cp: dict[str, int] = field(default_factory=dict)
     forward_experts: dict[str, int] = field(default_factory=dict)
     """'group_kind:collective:message_bytes' -> count, the MoE layers' token exchanges in the forward pass (kinds
-    ep, etp and tep: workloads/layout.py)"""
+    ep, etp and tep: parallel/layout.py)"""
     backward_experts: dict[str, int] = field(default_factory=dict)
     forward_attention_s: float = 0.0
     """the attention kernels' time, which the context-parallel ring's sends run beside"""

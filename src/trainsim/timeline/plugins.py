@@ -2,7 +2,7 @@
 
 Register a schedule or a rule under a name, then name it when composing
 (`compose_step(..., schedule="my-schedule", rules=("data", "call_point", "blocking_comm", "mine"))`);
-the core is never edited. Built-in schedules come from `trainsim.workloads.schedules` (the same lists
+the core is never edited. Built-in schedules come from `trainsim.parallel.schedules` (the same lists
 the real training step runs).
 
 A schedule is `fn(pp, pp_rank, num_microbatches, virtual_stages) -> list[Action]`.
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from trainsim.workloads.schedules import Action, pipeline_actions
+from trainsim.parallel.schedules import Action, pipeline_actions
 
 ScheduleFn = Callable[[int, int, int, int], list[Action]]
 DependencyRule = Callable[[pd.DataFrame], np.ndarray]

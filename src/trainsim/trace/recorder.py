@@ -25,8 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
-from trainsim.workloads.observe import StepObserver, direction_of
+from trainsim.parallel.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
+from trainsim.parallel.phases import direction_of
+from trainsim.workloads.observe import StepObserver
 
 # c10d op name -> (collective name, index of the tensor arg whose bytes are the message size).
 # Message size follows nccl-tests: all-gather counts the gathered output, reduce-scatter its input.

@@ -25,6 +25,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from trainsim import processes
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.schedules import combined_pairs, step_actions, trace_actions
 from trainsim.trace.expand import rename_for_rank
 from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
 from trainsim.trace.recorder import ExecutionRecorder, tensor_bytes
@@ -32,11 +34,9 @@ from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
 from trainsim.workloads.data_parallel import gradient
 from trainsim.workloads.fp8 import fp8_weight_bytes
 from trainsim.workloads.fully_sharded import gathered_weight_bytes, local
-from trainsim.workloads.layout import Layout
 from trainsim.workloads.model import DTYPES
 from trainsim.workloads.observe import observing
 from trainsim.workloads.routing import PlannedCounts, RoutingPlan, model_routing_plan
-from trainsim.workloads.schedules import combined_pairs, step_actions, trace_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
 
 

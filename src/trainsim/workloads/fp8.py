@@ -75,7 +75,7 @@ class Fp8Settings:
 
 def fp8_settings(par, amax_group) -> Fp8Settings | None:
     """The FP8 settings of a rank (None unless parallelism.precision is 'fp8'); amax_group: its group of kind
-    'amax' (workloads/layout.py), used by the delayed recipe when it has more than one rank."""
+    'amax' (parallel/layout.py), used by the delayed recipe when it has more than one rank."""
     if par.precision != "fp8":
         return None
     if par.fp8_recipe not in RECIPES:

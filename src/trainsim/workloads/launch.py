@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
+from trainsim.parallel.schedules import step_actions
 from trainsim.processes import init_local_group, start
 from trainsim.workloads.allocator import use_steady_state_allocator
 from trainsim.workloads.observe import StepTimer, observing
 from trainsim.workloads.routing import RouterCounts, RoutingHistogram, model_routing_plan
-from trainsim.workloads.schedules import step_actions
 from trainsim.workloads.train_step import (
     build_rank_model,
     create_groups,
