@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainsim.config.choices import FP8_RECIPES
 from trainsim.workloads.grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_weight_grad
 from trainsim.workloads.observe import observer
 
@@ -59,7 +60,6 @@ FORWARD_DTYPE = torch.float8_e4m3fn
 BACKWARD_DTYPE = torch.float8_e5m2
 """Output gradients (HYBRID format: E5M2 backward, more range)."""
 FP8_MAX = {FORWARD_DTYPE: 448.0, BACKWARD_DTYPE: 57344.0}
-RECIPES = ("delayed", "current")
 AMAX_HISTORY_LEN = 1024
 """TE DelayedScaling's default amax_history_len."""
 
@@ -78,8 +78,8 @@ def fp8_settings(par, amax_group) -> Fp8Settings | None:
     'amax' (parallel/layout.py), used by the delayed recipe when it has more than one rank."""
     if par.precision != "fp8":
         return None
-    if par.fp8_recipe not in RECIPES:
-        raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(RECIPES)}")
+    if par.fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(FP8_RECIPES)}")
     reduce = par.fp8_recipe == "delayed" and par.dp * par.cp * par.tp > 1
     return Fp8Settings(par.fp8_recipe, amax_group if reduce else None)
 
