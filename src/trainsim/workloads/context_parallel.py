@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
 from trainsim.workloads.observe import observer
-from trainsim.workloads.tensor_parallel import ring_exchange, wait_all
+from trainsim.workloads.rings import ring_exchange, wait_all
 
 
 def chunk_order(cp: int) -> list[tuple[int, int]]:
