@@ -390,7 +390,7 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
         k = 2 if backward[i] else 1  # the backward's tensors start with the output's gradient, then q, k, v
         if parsed and len(parsed) > k and len(parsed[k]) >= 2:
             keys[i], head_dim = parsed[k][-2], parsed[0][-1]
-            scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # _sdpa_flops, inverted
+            scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # sdpa_flops, inverted
     return AttentionRows(pass_, factor, keys, scores, dropout)
 
 

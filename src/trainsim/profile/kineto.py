@@ -340,7 +340,7 @@ def op_cost(call: OpCall) -> tuple[int, int, str] | None:
     from torch.utils.flop_counter import flop_registry
 
     from trainsim.profile.replay import DTYPES
-    from trainsim.trace.recorder import _sdpa_flops
+    from trainsim.trace.recorder import sdpa_flops
 
     def to_dtype(name: str):
         return DTYPES.get(name) or getattr(torch, name, None)
@@ -376,7 +376,7 @@ def op_cost(call: OpCall) -> tuple[int, int, str] | None:
             except Exception:  # noqa: BLE001
                 continue
         elif "scaled_dot_product" in call.op and len(tensors) >= 2:
-            flops = _sdpa_flops(call.op, tensors[0], tensors[1])
+            flops = sdpa_flops(call.op, tensors[0], tensors[1])
         else:
             flops = sum(t.numel() for t in outputs)
         return flops, nbytes, "meta" if not unknown else "meta, unrecorded scalars defaulted"
