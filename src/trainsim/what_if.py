@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from trainsim.config.schema import HardwareConfig, WhatIfConfig
+from trainsim.profile.analytical import predict_rows
 
 IDENTITY = WhatIfConfig()
 
@@ -42,8 +43,6 @@ def compute_scale_factors(rows: pd.DataFrame, hw: HardwareConfig) -> np.ndarray:
     """Per op row (flops, bytes_moved, input_dtypes, op): time multiplier under the compute what-if."""
     if hw.what_if.peak_flops_scale == 1.0 and hw.what_if.memory_bandwidth_scale == 1.0:
         return np.ones(len(rows))
-    from trainsim.profile.analytical import predict_rows
-
     changed = dataclasses.replace(
         hw, peak_flops_per_s={k: v * hw.what_if.peak_flops_scale for k, v in hw.peak_flops_per_s.items()},
         memory_bandwidth_bytes_per_s=hw.memory_bandwidth_bytes_per_s * hw.what_if.memory_bandwidth_scale)

@@ -19,6 +19,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trainsim.artifacts.store import tool_versions
 from trainsim.errors import ArtifactError
 
 BACKENDS = ("cpu", "cuda", "analytical")
@@ -120,6 +121,4 @@ def check_schema(schema: pa.Schema, where: str) -> None:
 
 
 def tool_versions_json() -> str:
-    from trainsim.artifacts.store import tool_versions
-
     return json.dumps(tool_versions(), sort_keys=True)

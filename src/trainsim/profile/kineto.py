@@ -48,6 +48,7 @@ import pandas as pd
 
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ArtifactError, ConfigError
+from trainsim.profile.analytical import evaluate_fit, fit_rates
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
 
 BACKEND = "kineto"
@@ -652,8 +653,6 @@ def fit_rows(rows: pd.DataFrame, hardware_key: str) -> pd.DataFrame:
 def refit(rows: pd.DataFrame, train_fraction: float = 0.5, seed: int = 0) -> FitResult:
     """Fit the analytical compute model to `rows` (all of them) and its held-out error (fit on a random
     `train_fraction` of the signatures, error on the rest: `evaluate_fit`)."""
-    from trainsim.profile.analytical import evaluate_fit, fit_rates
-
     result = FitResult(rows=len(rows), rates={})
     if len(rows) < 6:
         result.note = f"not refitted: {len(rows)} usable row(s), the fit needs at least 6"
