@@ -100,7 +100,7 @@ def _fake_kernels() -> torch.library.Library:
     return library
 
 
-def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
+def trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
                 plan: RoutingPlan | None = None) -> _TracedStage:
     """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
     _fake_kernels()
@@ -172,9 +172,9 @@ def _start_traces(model_cfg: ModelConfig, par: ParallelismConfig, plan: RoutingP
     there are many, else traced when asked."""
     jobs = min(jobs or os.cpu_count() or 1, len(todo))
     if jobs < 2 or len(todo) < PARALLEL_MIN_TRACES:
-        return {shape: functools.partial(_trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}, None
+        return {shape: functools.partial(trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}, None
     pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=processes.context())
-    futures = {shape: pool.submit(_trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}
+    futures = {shape: pool.submit(trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}
     return {shape: future.result for shape, future in futures.items()}, pool
 
 
