@@ -17,7 +17,6 @@ from trainsim.comm.calibration import (
 )
 from trainsim.comm.fit import RelativeErrors, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import (
-    ALGORITHMS,
     CollectiveParams,
     CommModel,
     algorithm_protocol_seconds,
@@ -29,6 +28,7 @@ from trainsim.comm.model import (
     prior_params,
 )
 from trainsim.config import compose_run
+from trainsim.config.choices import ALGORITHMS
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import CalibrationFile
 from trainsim.errors import ConfigError

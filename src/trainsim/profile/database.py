@@ -20,9 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainsim.artifacts.store import tool_versions
+from trainsim.config.choices import MEASURED_BACKENDS
 from trainsim.errors import ArtifactError
 
-BACKENDS = ("cpu", "cuda", "analytical")
+BACKENDS = (*MEASURED_BACKENDS, "analytical")
 
 PROFILE_SCHEMA = pa.schema([
     ("hardware", pa.string()),          # hardware key the row is valid for

@@ -46,13 +46,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from trainsim.config.choices import MEASURED_BACKENDS
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ArtifactError, ConfigError
 from trainsim.profile.analytical import evaluate_fit, fit_rates
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
 
 BACKEND = "kineto"
-FIT_BACKENDS = ("cpu", "cuda", BACKEND)
+FIT_BACKENDS = (*MEASURED_BACKENDS, BACKEND)
 """Measured backends whose rows the refit after an import uses."""
 MAX_SAMPLES = 10_000
 """Per-instance times kept per row (for pooling later imports); the row's statistics use all of them."""
