@@ -23,19 +23,21 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from trainsim.config import compose_run
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.profile.analytical import evaluate_fit
 from trainsim.profile.database import ProfileDatabase
 from trainsim.profile.stage import distinct_ops, profile_ops
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step
+from trainsim.trace.recorder import ExecutionRecorder
 from trainsim.workloads.launch import run_real_step
-from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import layout_of
 
 # dp1 occupies one core, so its hardware is a one-device node (nothing else shares the caches)
@@ -108,7 +110,8 @@ def main() -> None:
             figures.append(("profile_seconds_gpt_small", time.perf_counter() - start, "s"))
         times = dict(zip(rows["signature"], rows["median_s"]))
         reference_before = reference_kernel_seconds()
-        ranks = run_real_step(run.model, par, steps=STEPS, warmup=WARMUP, record=True, time_ops=True,
+        ranks = run_real_step(run.model, par, steps=STEPS, warmup=WARMUP,
+                              recorder=partial(ExecutionRecorder, time_ops=True),
                               threads_per_rank=run.hardware.threads_per_device)
         # how much faster or slower the machine ran during the real steps than while profiling
         drift = (reference_before + reference_kernel_seconds()) / 2 / reference_at_profile

@@ -43,6 +43,7 @@ import torch
 from trainsim.comm.model import CommModel
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.profile.analytical import op_kind, predict_rows
 from trainsim.profile.database import ProfileDatabase
 from trainsim.profile.stage import distinct_ops, profile_ops
@@ -51,7 +52,6 @@ from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step
 from trainsim.validation.ground_truth import measure
 from trainsim.workloads.routing import RoutingHistogram
-from trainsim.workloads.schedules import pipeline_actions
 
 ONE_GPU = ["parallelism=single", "parallelism.precision=bf16", "parallelism.micro_batch_size=1",
            "parallelism.global_batch_size=2", "hardware.num_nodes=1"]

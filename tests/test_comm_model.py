@@ -15,9 +15,8 @@ from trainsim.comm.calibration import (
     read_calibration_file,
     write_calibration_artifact,
 )
-from trainsim.comm.fit import _RelativeErrors, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
+from trainsim.comm.fit import RelativeErrors, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import (
-    ALGORITHMS,
     CollectiveParams,
     CommModel,
     algorithm_protocol_seconds,
@@ -29,6 +28,7 @@ from trainsim.comm.model import (
     prior_params,
 )
 from trainsim.config import compose_run
+from trainsim.config.choices import ALGORITHMS
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import CalibrationFile
 from trainsim.errors import ConfigError
@@ -130,12 +130,12 @@ def test_the_fit_reuses_unmoved_pairs_with_the_same_floats_as_a_full_evaluation(
     table = synthetic(truth, [(8, 1), (16, 2)], [2**k for k in range(8, 31, 2)])
     names = sorted(prior.values)
     x = np.log([prior.values[n] for n in names])
-    incremental = _RelativeErrors(prior, names, table)
+    incremental = RelativeErrors(prior, names, table)
     incremental(x)
     for i in range(len(names)):
         step = x.copy()
         step[i] += 1e-3
-        assert np.array_equal(incremental(step), _RelativeErrors(prior, names, table)(step)), names[i]
+        assert np.array_equal(incremental(step), RelativeErrors(prior, names, table)(step)), names[i]
 
 
 def test_a_group_with_fewer_ranks_per_node_gets_its_share_of_the_nodes_network():

@@ -177,8 +177,8 @@ def test_gradient_clipping_scales_to_the_global_norm():
 
 
 def test_gradient_norm_is_summed_over_the_model_parallel_group():
+    from trainsim.parallel.layout import Layout
     from trainsim.trace import trace_layout
-    from trainsim.workloads.layout import Layout
 
     layout = ["hardware=a100-80g-dgx", "model=gpt-tiny", "parallelism=pp2", "parallelism.tp=2", "parallelism.dp=2",
               "parallelism.global_batch_size=8"]

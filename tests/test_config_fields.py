@@ -171,3 +171,16 @@ def test_hop_latencies_set_the_simple_step_and_scale_the_other_protocols():
     for protocol in nccl_constants()["payload_fraction"]:
         assert values[f"latency.inter.{protocol}"] == pytest.approx(3 * table["NET"]["ring"][protocol] * 1e-6)
         assert values[f"latency.intra.{protocol}"] == pytest.approx(table["NVLINK"]["ring"][protocol] * 1e-6)
+
+
+def test_the_accepted_values_are_the_modelled_ones():
+    """config/choices.py's sets agree with the code that acts on them: the kernel model's op kinds, the NCCL
+    releases with constants, and the bytes of each training precision's weights."""
+    from trainsim.config.choices import OLDEST_NCCL_RELEASE, OP_KINDS, PRECISION_WEIGHT_BYTES, PRECISIONS
+    from trainsim.profile.analytical import OP_KIND_PATTERNS
+    from trainsim.workloads.model import DTYPES
+
+    assert {*OP_KIND_PATTERNS, "matmul", "elementwise"} == set(OP_KINDS)
+    assert nccl_constants()["releases"][0]["from"] == OLDEST_NCCL_RELEASE
+    assert set(DTYPES) == set(PRECISIONS)
+    assert PRECISION_WEIGHT_BYTES == {name: dtype.itemsize for name, dtype in DTYPES.items()}

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from trainsim.config.schema import HardwareConfig, ParallelismConfig
+from trainsim.parallel.layout import Layout
 from trainsim.timeline import TableComm, compose_step
 from trainsim.timeline.chrome import chrome_trace
 from trainsim.timeline.contention import BOTH, EGRESS, INGRESS, bandwidth_part, contended_durations, contention_extra
@@ -22,7 +23,6 @@ from trainsim.timeline.engine import replay
 from trainsim.timeline.outputs import CLASS_FIELDS, SUMMARY_FIELDS, breakdown, class_table, summary
 from trainsim.timeline.program import RECV, SEND
 from trainsim.trace.schema import GRAPH_SCHEMA
-from trainsim.workloads.layout import Layout
 
 
 def _one_replay(cls, start, duration, fixed, bandwidth, group=None, direction=None):

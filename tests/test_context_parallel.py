@@ -8,11 +8,11 @@ import torch
 
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.trace import trace_layout
 from trainsim.workloads.context_parallel import ContextParallel, chunk_order, local_positions
 from trainsim.workloads.launch import spawn_ranks
-from trainsim.workloads.layout import Layout
-from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, synthetic_batch, train_step
 
 
@@ -180,7 +180,7 @@ def test_layout_search_tries_context_parallel_degrees_and_prices_the_ring():
 @pytest.mark.parametrize("q_len, kv_len, causal", [(256, 256, True), (128, 256, False), (256, 128, False)])
 def test_cuda_attention_blocks_match_scaled_dot_product_attention(q_len, kv_len, causal):
     """The blocks ring attention runs on a GPU (grouped-query keys, a slice of the log-sum-exp in backward)."""
-    from trainsim.workloads.context_parallel import _flash_backward, _flash_forward
+    from trainsim.workloads.context_parallel import flash_backward, flash_forward
 
     torch.manual_seed(0)
     b, h, kv_heads, d = 2, 8, 2, 64
@@ -189,9 +189,9 @@ def test_cuda_attention_blocks_match_scaled_dot_product_attention(q_len, kv_len,
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
     ref.backward(dout)
-    out, lse, extra = _flash_forward(q, k, v, causal)
+    out, lse, extra = flash_forward(q, k, v, causal)
     wide = torch.cat([lse, lse], dim=-1)[..., :q_len]  # a strided view, as ring attention passes it
-    grads = _flash_backward(dout, q, k, v, out, wide, causal, extra)
+    grads = flash_backward(dout, q, k, v, out, wide, causal, extra)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     for got, leaf in zip(grads, leaves):
         torch.testing.assert_close(got, leaf.grad, atol=5e-2, rtol=5e-2)

@@ -10,10 +10,10 @@ import torch
 
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step
 from trainsim.workloads.launch import spawn_ranks
-from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, synthetic_batch, train_step
 
 

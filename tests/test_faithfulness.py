@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pandas as pd
 import pytest
 
 from trainsim.config import compose_run
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step, rename_for_rank
+from trainsim.trace.recorder import ExecutionRecorder
 from trainsim.workloads.launch import run_real_step
-from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import layout_of
 
 COMM = ["collective", "group_ranks", "message_bytes", "comm_dtype", "peer"]
@@ -93,7 +96,7 @@ def test_real_gloo_step_matches_ex_situ_trace(overrides):
     par = run.parallelism
     layout = layout_of(par)
     graph = trace_layout(run.model, par).graph.to_pandas()
-    real = run_real_step(run.model, par, record=True, time_ops=True)
+    real = run_real_step(run.model, par, recorder=partial(ExecutionRecorder, time_ops=True))
     assert "wall_s" not in graph.columns  # op times are kept in real runs only
     assert len(real) == par.world_size
     for rank_run in real:

@@ -10,9 +10,9 @@ import torch
 
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.trace import trace_layout
 from trainsim.workloads.launch import spawn_ranks
-from trainsim.workloads.schedules import pipeline_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, synthetic_batch, train_step
 
 BASE = ("parallelism=dp2", "parallelism.dp=4", "parallelism.global_batch_size=16", "parallelism.precision=bf16")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainsim.workloads.layout import Layout, chunk_layers, stage_layer_counts
-from trainsim.workloads.schedules import pipeline_actions
+from trainsim.parallel.layout import Layout, chunk_layers, stage_layer_counts
+from trainsim.parallel.schedules import pipeline_actions
 
 
 def test_uneven_pipeline_split_fixes_first_and_last_and_shares_the_rest():
@@ -51,7 +51,7 @@ def test_every_microbatch_runs_forward_then_backward_once(schedule, v):
 def test_overlapped_schedules_pair_independent_passes_and_keep_each_stage_busy(schedule, v, pp, m):
     """Steady-state backwards pair with the forward before them; the warm-up is one forward longer than the
     schedule's own (interleaved: Megatron-Core's combined 1F1B; 1F1B: interleaved's rule with v = 1)."""
-    from trainsim.workloads.schedules import passes
+    from trainsim.parallel.schedules import passes
 
     for rank in range(pp):
         actions = pipeline_actions(schedule, pp, rank, m, v, a2a_overlap=True)
@@ -75,7 +75,7 @@ def test_overlapped_trace_runs_each_pair_of_chunks_the_schedule_combines_once(v,
     chunks: with 8 chunks 32 of the 64 pairs), every backward after its own forward."""
     from types import SimpleNamespace
 
-    from trainsim.workloads.schedules import combined_pairs, passes, step_actions, trace_actions
+    from trainsim.parallel.schedules import combined_pairs, passes, step_actions, trace_actions
 
     par = SimpleNamespace(schedule="1f1b" if v == 1 else "interleaved-1f1b", pp=pp, virtual_stages=v,
                           num_microbatches=m, moe_a2a_overlap=True)

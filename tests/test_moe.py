@@ -12,10 +12,12 @@ import torch
 
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.schedules import pipeline_actions, step_actions
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step, rename_for_rank
+from trainsim.trace.recorder import ExecutionRecorder
 from trainsim.workloads.launch import run_real_step, spawn_ranks, synthetic_batch
-from trainsim.workloads.layout import Layout
 from trainsim.workloads.moe import ExpertParallel, MoE
 from trainsim.workloads.optimizer import MixedPrecisionAdamW
 from trainsim.workloads.routing import (
@@ -29,7 +31,6 @@ from trainsim.workloads.routing import (
     split_by_shares,
     token_counts,
 )
-from trainsim.workloads.schedules import pipeline_actions, step_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
 
 MOE = ["model=gpt-tiny", "model.num_experts=4", "model.moe_top_k=2"]
@@ -262,7 +263,7 @@ def test_real_expert_parallel_step_matches_trace_of_its_routing(overrides, tmp_p
     trace every rank's token counts, so ops (expert GEMM shapes differ by rank), collectives with their sizes (the
     all-to-alls' differ by rank) and order must agree."""
     run = compose_run([*MOE, *overrides])
-    real = run_real_step(run.model, run.parallelism, record=True)
+    real = run_real_step(run.model, run.parallelism, recorder=ExecutionRecorder)
     path = tmp_path / "routing.csv"
     _histogram_of(real).write(path, "test_moe real step")
     run = compose_run([*MOE, *overrides, f"model.moe_routing={path}"])
@@ -304,7 +305,7 @@ def test_forced_routing_runs_the_planned_imbalance_for_real():
     run = compose_run([*MOE, "parallelism=dp2", "parallelism.ep=2", "model.moe_routing=zipf:1.5",
                        "model.moe_force_routing=true"])
     par = run.parallelism
-    real = run_real_step(run.model, par, record=True)
+    real = run_real_step(run.model, par, recorder=ExecutionRecorder)
     traced = trace_layout(run.model, par)
     plan = model_routing_plan(run.model, par)
     classes = traced.rank_classes.to_pandas().set_index("rank")["rank_class"]

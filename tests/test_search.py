@@ -380,8 +380,8 @@ def test_slice_cache_is_not_reused_after_the_hardware_or_tracer_changes(tmp_path
 
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved-1f1b", 2)])
 def test_in_flight_activations_peak_within_four_rounds(schedule, v):
+    from trainsim.parallel.schedules import pipeline_actions
     from trainsim.trace.memory import peak_inflight_activation_bytes
-    from trainsim.workloads.schedules import pipeline_actions
 
     pp, saved = 8, {c: 100 + 7 * c for c in range(v)}
     for stage in range(pp):

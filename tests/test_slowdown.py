@@ -13,11 +13,12 @@ import pytest
 from trainsim.artifacts import atomic_artifact
 from trainsim.config import compose_run
 from trainsim.config.data_path import DATA_DIR
+from trainsim.config.devices import device_type_of
 from trainsim.config.schema import SlowdownConfig, SlowdownModelConfig
 from trainsim.errors import ConfigError
 from trainsim.slowdown.a100_import import import_echo_csv
 from trainsim.slowdown.dataset import SLOWDOWN_SCHEMA, check_instances, to_table
-from trainsim.slowdown.features import FEATURES, DeviceNumbers, dataset_features, device_type_of
+from trainsim.slowdown.features import FEATURES, DeviceNumbers, dataset_features
 from trainsim.slowdown.predictor import (
     ConstantSlowdownPredictor,
     SlowdownPredictor,

@@ -14,6 +14,8 @@ import pandas as pd
 import pytest
 
 from trainsim.config.schema import HardwareConfig, ParallelismConfig, StragglerConfig
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.schedules import pipeline_actions
 from trainsim.timeline import (
     ConstantSlowdown,
     TableComm,
@@ -27,8 +29,6 @@ from trainsim.timeline.engine import replay, replay_batched
 from trainsim.timeline.outputs import SUMMARY_FIELDS, breakdown, class_table, summary
 from trainsim.trace.schema import GRAPH_SCHEMA
 from trainsim.trace.stage import tracer_code_digest
-from trainsim.workloads.layout import Layout
-from trainsim.workloads.schedules import pipeline_actions
 
 HW = HardwareConfig(name="test", device_kind="cuda", devices_per_node=8, memory_capacity_bytes=1e9)
 

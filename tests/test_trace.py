@@ -11,7 +11,7 @@ from trainsim.config import compose_run
 from trainsim.errors import TraceError
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import rename_for_rank
-from trainsim.trace.tracer import _trace_rank
+from trainsim.trace.tracer import trace_rank
 from trainsim.workloads.model import padded_vocab_size
 from trainsim.workloads.train_step import layout_of
 
@@ -215,7 +215,7 @@ def test_middle_stages_reuse_one_trace_with_renamed_peers():
     run, result = _trace("parallelism=pp2", "parallelism.pp=4", "parallelism.global_batch_size=8")
     graph = result.graph.to_pandas()
     layout = layout_of(run.parallelism)
-    direct = pd.DataFrame(_trace_rank(run.model, run.parallelism, layout.stage_representative(2)).events)
+    direct = pd.DataFrame(trace_rank(run.model, run.parallelism, layout.stage_representative(2)).events)
     copied = graph[graph["rank_class"] == 2].reset_index(drop=True)
     assert copied["op"].tolist() == direct["op"].tolist()
     assert copied["peer"].tolist() == direct["peer"].tolist()

@@ -4,7 +4,9 @@
     p = trainsim.predict("model=gpt-175b", "parallelism=pp16-tp8-dp8", hardware="a100-80g-dgx")
 """
 
-__version__ = "0.1.0"
+from trainsim.version import __version__
+
+__all__ = ["Prediction", "__version__", "predict"]
 
 
 def __getattr__(name: str):

@@ -79,8 +79,8 @@ def _cmd_profile_fit(args, console: Console) -> int:
     import yaml
 
     from trainsim.config import compose_run
+    from trainsim.config.choices import MEASURED_BACKENDS
     from trainsim.profile.analytical import evaluate_fit, fitted_kernel_model, op_dtype
-    from trainsim.profile.stage import MEASURED_BACKENDS
 
     run = compose_run(args.overrides)
     db = _profile_database(run)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 from collections.abc import Callable
 
 START_METHOD = "forkserver"
@@ -32,6 +33,13 @@ def start(fn: Callable[..., None], nprocs: int, args: tuple, join: bool = True):
 
     context()  # the server loads PRELOAD when this first start launches it
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method=START_METHOD)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for a gloo rendezvous of spawned processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_local_group(backend: str, port: int, rank: int, world_size: int) -> None:

@@ -24,6 +24,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.table import Column
 from rich.text import Text
 
+from trainsim import processes
+
 T = TypeVar("T")
 Update = Callable[..., None]
 """`update(done, total=None)`: the `progress(done, total)` callback the tracing, profiling and collection
@@ -125,8 +127,6 @@ def spawn(fn: Callable[..., None], nprocs: int, args: tuple, description: str, t
     `progress(done, total)` callback; the bar is drawn here, in the parent, so no worker's output competes
     with the parent's display. Worker failures are raised as by `spawn` itself.
     """
-    from trainsim import processes
-
     slot = processes.context().Array("d", [0.0, total or 0.0], lock=False)  # done, total
     context = processes.start(fn, nprocs, (slot, *args), join=False)
     with tracked(description, total) as update:

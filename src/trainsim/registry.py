@@ -66,7 +66,8 @@ STAGES: dict[str, Stage] = {
         keyed_by=("model", "parallelism"),
         output="artifacts/traces/{model}/{parallelism}",
         script="stages/trace_stage.py",
-        code=("stages/trace_stage.py", "src/trainsim/trace", "src/trainsim/workloads", "src/trainsim/config"),
+        code=("stages/trace_stage.py", "src/trainsim/trace", "src/trainsim/workloads", "src/trainsim/parallel",
+              "src/trainsim/config"),
         summary="ex-situ per-rank-class execution graphs, rank -> class map, memory per class",
     ),
     "profile": Stage(
@@ -115,7 +116,7 @@ STAGES: dict[str, Stage] = {
         keyed_by=("hardware", "model", "parallelism"),
         output="artifacts/timelines/{hardware}/{model}/{parallelism}",
         script="stages/compose_stage.py",
-        code=("stages/compose_stage.py", "src/trainsim/timeline"),
+        code=("stages/compose_stage.py", "src/trainsim/timeline", "src/trainsim/parallel"),
         summary="event-driven timeline of one step: step time, breakdown per rank class, critical path, "
                 "memory verdict, Chrome trace",
         inputs=("trace", "profile", "calibration", "slowdown_model"),
@@ -125,7 +126,8 @@ STAGES: dict[str, Stage] = {
         keyed_by=("hardware", "model", "parallelism"),
         output="artifacts/ground_truth/{hardware}/{model}/{parallelism}",
         script="stages/ground_truth_stage.py",
-        code=("stages/ground_truth_stage.py", "src/trainsim/validation/ground_truth.py", "src/trainsim/workloads"),
+        code=("stages/ground_truth_stage.py", "src/trainsim/validation/ground_truth.py", "src/trainsim/workloads",
+              "src/trainsim/parallel"),
         summary="the reference step run for real (median and spread of measured steps, per-op and "
                 "per-collective profiler tables), or 'not measured' with the reason",
         measures=True,

@@ -16,25 +16,13 @@ import numpy as np
 import pandas as pd
 
 from trainsim.config.schema import HardwareConfig, WhatIfConfig
-from trainsim.errors import ConfigError
+from trainsim.profile.analytical import predict_rows
 
 IDENTITY = WhatIfConfig()
 
 
 def is_identity(what_if: WhatIfConfig) -> bool:
     return what_if == IDENTITY
-
-
-def validate_what_if(hw: HardwareConfig) -> None:
-    for f in dataclasses.fields(WhatIfConfig):
-        value = getattr(hw.what_if, f.name)
-        if not value > 0:
-            raise ConfigError(f"hardware.what_if.{f.name}={value} must be positive (1.0 = unchanged)")
-    compute = hw.what_if.peak_flops_scale != 1.0 or hw.what_if.memory_bandwidth_scale != 1.0
-    if compute and (not hw.peak_flops_per_s or not hw.memory_bandwidth_bytes_per_s):
-        raise ConfigError(f"hardware '{hw.name}': what_if.peak_flops_scale / memory_bandwidth_scale need "
-                          "hardware.peak_flops_per_s and hardware.memory_bandwidth_bytes_per_s (the roofline "
-                          "that decides how much each kernel speeds up)")
 
 
 def scale_comm_values(values: dict[str, float], what_if: WhatIfConfig) -> dict[str, float]:
@@ -55,8 +43,6 @@ def compute_scale_factors(rows: pd.DataFrame, hw: HardwareConfig) -> np.ndarray:
     """Per op row (flops, bytes_moved, input_dtypes, op): time multiplier under the compute what-if."""
     if hw.what_if.peak_flops_scale == 1.0 and hw.what_if.memory_bandwidth_scale == 1.0:
         return np.ones(len(rows))
-    from trainsim.profile.analytical import predict_rows
-
     changed = dataclasses.replace(
         hw, peak_flops_per_s={k: v * hw.what_if.peak_flops_scale for k, v in hw.peak_flops_per_s.items()},
         memory_bandwidth_bytes_per_s=hw.memory_bandwidth_bytes_per_s * hw.what_if.memory_bandwidth_scale)

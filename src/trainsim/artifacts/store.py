@@ -27,8 +27,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import trainsim
 from trainsim.errors import ArtifactError
+from trainsim.version import __version__
 
 MANIFEST = "manifest.json"
 TOOLS = ("torch", "hydra-core", "omegaconf", "pyarrow", "pandas", "xgboost", "snakemake", "dvc")
@@ -43,7 +43,7 @@ def file_sha256(path: Path) -> str:
 
 
 def tool_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "trainsim": trainsim.__version__}
+    versions = {"python": platform.python_version(), "trainsim": __version__}
     for tool in TOOLS:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[tool] = metadata.version(tool)
@@ -59,8 +59,8 @@ def code_version() -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "stages"], cwd=repo,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return trainsim.__version__
-    return f"{trainsim.__version__}+{commit}{'-dirty' if dirty else ''}"
+        return __version__
+    return f"{__version__}+{commit}{'-dirty' if dirty else ''}"
 
 
 def read_manifest(artifact_dir: Path) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def _rescale_bandwidth(prior: CollectiveParams, channels: int) -> dict[str, floa
     return {k: v * scale if k.startswith("bandwidth.") else v for k, v in prior.values.items()}
 
 
-class _RelativeErrors:
+class RelativeErrors:
     """The model's relative error on every measured row, at log-values x of the parameters `names`.
 
     A finite-difference Jacobian moves one value at a time away from the last point evaluated, and most
@@ -135,7 +135,7 @@ def _fit_fixed_channels(table: pd.DataFrame, prior: CollectiveParams) -> FitResu
     names = sorted(prior.values)
     log_prior = np.log([prior.values[n] for n in names])
     weights = np.array([ALPHA_PRIOR_WEIGHT if n.startswith("alpha.") else PRIOR_WEIGHT for n in names])
-    relative_errors = _RelativeErrors(prior, names, table)
+    relative_errors = RelativeErrors(prior, names, table)
 
     def residuals(x: np.ndarray) -> np.ndarray:
         return np.concatenate([relative_errors(x), weights * (x - log_prior)])

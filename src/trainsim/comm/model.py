@@ -73,19 +73,16 @@ from pathlib import Path
 
 import numpy as np
 
-from trainsim.comm.nccl_tuner import gpu_generation, nccl_constants, release_constants, tuner_estimates, tuner_topology
+from trainsim.comm.nccl_tuner import nccl_constants, release_constants, tuner_estimates, tuner_topology
 from trainsim.comm.network import NVLINK_EFFICIENCY, domain_bandwidth, domain_size, network_prior, tuner
 from trainsim.comm.noise import SystemNoise
+from trainsim.config.choices import ALGORITHMS, PROTOCOLS
+from trainsim.config.devices import gpu_generation
 from trainsim.config.schema import HardwareConfig
 from trainsim.what_if import is_identity, scale_comm_values
 
-PROTOCOLS = ("LL", "LL128", "Simple")
 RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collectives whose "ring" algorithm is the loop-by-loop ring family; the others stream chunks."""
-ALGORITHMS = {"all_reduce": ("ring", "tree", "nvls"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
-              "all_to_all": ("p2p", "ring"), "broadcast": ("ring",), "reduce": ("ring",), "send_recv": ("ring",)}
-"""Algorithms each collective can run with (NCCL's tree and NVLS exist for all-reduce only here; an all-to-all is
-NCCL's grouped send/recv, "p2p", or gloo's pairwise rounds, priced as a "ring")."""
 LOCAL_ACCESSES = {"all_reduce": 3, "reduce_scatter": 3, "reduce": 3,
                   "all_gather": 1, "all_to_all": 1, "broadcast": 1, "send_recv": 1}
 """Memory accesses per byte of a collective's local work: a reduction's two reads and one write, a copy's write

@@ -29,12 +29,18 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from trainsim.slowdown.features import device_type_of
+from trainsim.config.choices import OLDEST_NCCL_RELEASE
 
 
 @cache
 def nccl_constants() -> dict:
-    return yaml.safe_load((Path(__file__).with_name("nccl_constants.yaml")).read_text())
+    """nccl_constants.yaml; its oldest release must be the one config validation accepts from."""
+    path = Path(__file__).with_name("nccl_constants.yaml")
+    constants = yaml.safe_load(path.read_text())
+    if constants["releases"][0]["from"] != OLDEST_NCCL_RELEASE:
+        raise ValueError(f"{path}: releases[0].from={constants['releases'][0]['from']!r}, but "
+                         f"config.choices.OLDEST_NCCL_RELEASE={OLDEST_NCCL_RELEASE!r}; make them equal")
+    return constants
 
 
 def release_constants(version: str) -> dict:
@@ -52,17 +58,6 @@ def release_constants(version: str) -> dict:
         raise ValueError(f"hardware.nccl.version={version!r} is not a release number like '2.20.5'") from None
     eligible = [r for r in releases if key(r["from"]) <= wanted]
     return eligible[-1] if eligible else releases[0]
-
-
-GENERATIONS = {"V100": "volta", **dict.fromkeys(("A100", "A800", "A40", "A30", "A10"), "ampere"),
-               **dict.fromkeys(("H100", "H800", "H200", "H20", "GH200"), "hopper"),
-               **dict.fromkeys(("B100", "B200", "B300", "GB200", "GB300"), "blackwell")}
-"""GPU family (slowdown.features.DEVICE_FAMILIES) -> the generation NCCL's per-generation tables are keyed by."""
-
-
-def gpu_generation(device_name: str) -> str:
-    """'volta', 'ampere', 'hopper' or 'blackwell' from a device name ('' when it names none of them)."""
-    return GENERATIONS.get(device_type_of("cuda", device_name), "")
 
 
 @dataclass(frozen=True)

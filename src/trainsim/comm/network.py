@@ -23,7 +23,6 @@ import yaml
 from trainsim.config.schema import HardwareConfig
 
 PRIORS_FILE = Path(__file__).with_name("network_priors.yaml")
-TRANSPORTS = ("infiniband", "roce", "efa", "tcp")
 PLUGIN = {"infiniband": "ib-verbs", "roce": "ib-verbs", "efa": "aws-ofi-nccl", "tcp": "socket"}
 """The NCCL network plugin each transport runs through: RoCE uses NCCL's InfiniBand verbs transport."""
 TUNER = {"aws-ofi-nccl": "model"}

@@ -36,6 +36,7 @@ from trainsim.comm.fit import fit_collective, mape_pct, predict_table
 from trainsim.comm.model import CollectiveParams, fabric, prior_params, with_network_hop
 from trainsim.comm.nccl_tests import bus_bandwidth_factor
 from trainsim.comm.network import PLUGIN, PRIORS_FILE, network_prior
+from trainsim.config import compose_run
 from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile, HardwareConfig
 
@@ -154,8 +155,6 @@ def base_params(hw: HardwareConfig) -> CollectiveParams:
 
 
 def load_clusters(sources=CLUSTERS) -> list[Cluster]:
-    from trainsim.config import compose_run
-
     clusters = []
     for source in sources:
         hw = compose_run([f"hardware={source.hardware}", *source.overrides], check="layout").hardware

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainsim.processes import init_local_group, start
+from trainsim.processes import free_port, init_local_group, start
 
 SEGMENTS_S = (0.01, 0.04, 0.16, 0.64)
 """Burst lengths of the local measurement: a tensor-parallel layer's segment up to a pipeline stage's."""
@@ -133,8 +133,6 @@ def measure_local(segments: tuple[float, ...] = SEGMENTS_S, seconds_per_segment:
     """Two processes on this machine (gloo over loopback), one thread each: per burst length, the mean
     |difference| of the two ranks' times for the same work (columns segment_s, mean_abs_difference_s,
     relative_sd, repeats, num_ranks)."""
-    from trainsim.workloads.launch import free_port
-
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="trainsim-noise-") as tmp:
         out = str(Path(tmp) / "noise.parquet")

@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 
 from trainsim.comm.nccl_tests import COLUMNS, bus_bandwidth_factor
-from trainsim.processes import init_local_group
+from trainsim.processes import free_port, init_local_group
 from trainsim.progress import feed, spawn, tracked
-from trainsim.workloads.launch import free_port
 
 SWEEP_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPE = torch.float32

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import trainsim
 from trainsim.errors import ConfigError
 
-CHECKOUT = Path(trainsim.__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[3]
 DATA_DIR = CHECKOUT / "data"
 """The measured public data shipped with the repository (each file names its source in its header)."""
 

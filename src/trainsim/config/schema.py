@@ -463,7 +463,7 @@ class ParallelismConfig:
     ep: int = 1
     """Expert-parallel degree (MoE models): each MoE layer's experts are split over ep ranks, which exchange
     tokens by all-to-all. Folded over the dp * cp * tp ranks of a pipeline stage as Megatron-Core's parallel
-    folding does (workloads/layout.py): etp * ep consecutive ranks in that order, and the ranks holding the same
+    folding does (parallel/layout.py): etp * ep consecutive ranks in that order, and the ranks holding the same
     expert shards (dp * cp * tp / (ep * etp) of them) reduce the experts' gradients."""
     etp: int = 1
     """Expert tensor parallelism (Megatron-Core --expert-tensor-parallel-size): each expert's weights are split

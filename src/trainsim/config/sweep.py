@@ -26,6 +26,7 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
+from trainsim.config.compose import compose_run
 from trainsim.errors import ConfigError
 
 OVERRIDES_KEY = "overrides"
@@ -114,8 +115,7 @@ def sweep_points(config: dict[str, Any], compose=None) -> tuple[str, list[SweepP
     Invalid points are kept with the reason instead of stopping the sweep. The name is `sweep_name`,
     else the sweep file's name, else a hash of the points, so another sweep never overwrites this one.
     """
-    if compose is None:
-        from trainsim.config.compose import compose_run as compose
+    compose = compose or compose_run
     base = expand_sweep(config)
     name = config.get(SWEEP_NAME_KEY)
     if SWEEP_FILE_KEY in config:

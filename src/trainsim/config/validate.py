@@ -5,30 +5,32 @@ Each message names the field, its value and what would be accepted.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.config.choices import (
+    ATTENTION_KERNELS,
+    COMM_BACKENDS,
+    CP_COMM_TYPES,
+    DEVICE_KINDS,
+    FAMILIES,
+    FLOAT_DTYPES,
+    FP8_RECIPES,
+    MOE_DISPATCHERS,
+    MOE_ROUTERS,
+    MOE_ROUTINGS,
+    OP_KINDS,
+    PRECISIONS,
+    PROFILE_BACKENDS,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    SLOWDOWN_SOURCES,
+    ZERO_STAGES,
+)
+from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig, WhatIfConfig
 from trainsim.config.validate_nccl import validate_links
 from trainsim.errors import ConfigError
-from trainsim.what_if import validate_what_if
-from trainsim.workloads.layout import stage_layer_counts
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-RECOMPUTE_MODES = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-FP8_RECIPES = ("delayed", "current")
-"""Transformer Engine's per-tensor FP8 recipes (workloads/fp8.py)."""
-FAMILIES = ("gpt", "llama")
-ATTENTION_KERNELS = ("fused", "unfused")
-ZERO_STAGES = (0, 1, 2, 3)
-"""0 replicated (DDP), 1 distributed optimizer, 2 and 3 FSDP2 (workloads/fully_sharded.py)."""
-CP_COMM_TYPES = ("p2p", "all_gather")
-MOE_ROUTERS = ("softmax", "sigmoid")
-MOE_DISPATCHERS = ("alltoall", "allgather")
-MOE_ROUTINGS = ("balanced", "zipf:<s>", "dirichlet:<alpha>")
-DEVICE_KINDS = ("cpu", "cuda")
-PROFILE_BACKENDS = ("auto", "measure", "analytical")
-SLOWDOWN_SOURCES = ("measure", "import")
+from trainsim.parallel.layout import stage_layer_counts
 
 
 def _divisors(n: int) -> str:
@@ -283,7 +285,7 @@ def a2a_overlap_refusal(par: ParallelismConfig) -> str | None:
 
 def validate_hardware(hw: HardwareConfig) -> None:
     _one_of("hardware", "device_kind", hw.device_kind, DEVICE_KINDS)
-    _one_of("hardware", "comm_backend", hw.comm_backend, ("gloo", "nccl"))
+    _one_of("hardware", "comm_backend", hw.comm_backend, COMM_BACKENDS)
     _positive("hardware", hw, "devices_per_node", "num_nodes", "threads_per_device")
     if hw.device_kind == "cpu" and hw.comm_backend != "gloo":
         raise ConfigError(f"hardware.comm_backend='{hw.comm_backend}' cannot run on CPU devices; use 'gloo'")
@@ -297,17 +299,27 @@ def validate_hardware(hw: HardwareConfig) -> None:
     validate_what_if(hw)
 
 
+def validate_what_if(hw: HardwareConfig) -> None:
+    for f in dataclasses.fields(WhatIfConfig):
+        value = getattr(hw.what_if, f.name)
+        if not value > 0:
+            raise ConfigError(f"hardware.what_if.{f.name}={value} must be positive (1.0 = unchanged)")
+    compute = hw.what_if.peak_flops_scale != 1.0 or hw.what_if.memory_bandwidth_scale != 1.0
+    if compute and (not hw.peak_flops_per_s or not hw.memory_bandwidth_bytes_per_s):
+        raise ConfigError(f"hardware '{hw.name}': what_if.peak_flops_scale / memory_bandwidth_scale need "
+                          "hardware.peak_flops_per_s and hardware.memory_bandwidth_bytes_per_s (the roofline "
+                          "that decides how much each kernel speeds up)")
+
+
 def _validate_rates(hw: HardwareConfig) -> None:
     """Peak rates only for dtypes ops run in, efficiencies only for op kinds the kernel model has."""
-    from trainsim.profile.analytical import FLOAT_DTYPES, MATMUL_KINDS, OP_KIND_PATTERNS  # lazy: scipy
-
     for dtype, rate in hw.peak_flops_per_s.items():
         if dtype not in FLOAT_DTYPES:
             raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate:g}: no op is timed at a {dtype!r} rate; "
                               f"supported: {', '.join(FLOAT_DTYPES)}")
         if rate <= 0:
             raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate} must be positive (or leave it out)")
-    kinds = (*MATMUL_KINDS, *OP_KIND_PATTERNS, "elementwise")
+    kinds = OP_KINDS
     for kind, efficiency in hw.kernel_model.kind_efficiency.items():
         if kind not in kinds or efficiency <= 0:
             raise ConfigError(f"hardware.kernel_model.kind_efficiency.{kind}={efficiency}: supported: a positive "

@@ -3,11 +3,13 @@
 The model (trainsim/comm/model.py) used to drop what it did not know (an algorithm it has no cost
 for became ring, an unknown protocol vanished), so a config could ask for NVLS and get a ring
 prediction without a word. Here such a value stops composition instead, with the field, the value
-and what is supported. The supported sets are read from the model itself, so they cannot drift.
+and what is supported. The supported sets are config/choices.py's, which the model reads too, so they cannot drift.
 """
 
 from __future__ import annotations
 
+from trainsim.config.choices import NCCL_ALGORITHMS, OLDEST_NCCL_RELEASE, PROTOCOLS, TRANSPORTS
+from trainsim.config.devices import NVLS_DEVICES
 from trainsim.config.schema import HardwareConfig, NcclConfig
 from trainsim.errors import ConfigError
 
@@ -34,13 +36,10 @@ def _release(version: str) -> tuple[int, int] | None:
 
 def validate_nccl(nccl: NcclConfig) -> None:
     """Algorithms, protocols, version, channels and buffer of hardware.nccl."""
-    from trainsim.comm.model import ALGORITHMS, PROTOCOLS, nccl_constants  # lazy: comm.model imports config
-
-    algorithms = tuple(dict.fromkeys(a for names in ALGORITHMS.values() for a in names))
-    _members("hardware.nccl.algorithms", nccl.algorithms, algorithms)
+    _members("hardware.nccl.algorithms", nccl.algorithms, NCCL_ALGORITHMS)
     _members("hardware.nccl.protocols", nccl.protocols, PROTOCOLS)
     if nccl.version:
-        oldest = nccl_constants()["releases"][0]["from"]
+        oldest = OLDEST_NCCL_RELEASE
         release = _release(nccl.version)
         if release is None or release < _release(oldest):
             reason = "not a release number" if release is None else f"no tuning constants before {oldest}"
@@ -69,13 +68,10 @@ NVLS_FROM = (2, 17)
 """NCCL release that introduced NVLS (NVLink SHARP all-reduce)."""
 NVLS_COMPUTE_CAPABILITY = 9
 """NVLink SHARP needs third-generation NVSwitches: Hopper (sm90) and later."""
-NVLS_DEVICES = ("H100", "H200", "H800", "GH200", "B200", "B300", "GB200", "GB300")
 
 
 def validate_network(hw: HardwareConfig) -> None:
     """hardware.network: a topology that can exist and a transport and reductions the model and NCCL have."""
-    from trainsim.comm.network import TRANSPORTS  # lazy: comm imports config
-
     net, field = hw.network, "hardware.network"
     if net.transport not in ("", *TRANSPORTS):
         raise ConfigError(f"{field}.transport={net.transport!r}: supported: {', '.join(TRANSPORTS)}, or '' (unknown: "

@@ -35,16 +35,15 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from trainsim.config.choices import DTYPE_BYTES, FLOAT_DTYPES, MATMUL_KINDS
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError
 
-FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64", "fp8")
-"""Compute dtypes with a rate in hardware.peak_flops_per_s; 'fp8' is the rate of FP8 GEMMs (_scaled_mm)."""
 FP8_INPUT_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 """The recorder's names of FP8 tensors (trace/recorder.py dtype_name)."""
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "scaled_mm",
               "grouped_mm", "grouped_mm_weight_grad", "fp8_grouped_mm", "fp8_grouped_mm_weight_grad")
-# op kind -> name fragments (first match wins; anything else is 'elementwise')
+# op kind (config.choices.OP_KINDS) -> name fragments (first match wins; anything else is 'elementwise')
 OP_KIND_PATTERNS = {
     "attention": ("scaled_dot_product", "flash_attention", "efficient_attention"),
     "optimizer": ("_foreach_", "_fused_adam"),
@@ -54,10 +53,10 @@ OP_KIND_PATTERNS = {
     "indexing": ("embedding", "gather", "scatter", "index", "masked_fill", "where"),
     "copy": ("copy", "clone", "cat", "stack", "fill", "zero", "ones", "zeros", "full", "arange", "uniform", "normal"),
 }
-MATMUL_KINDS = ("matmul", "attention")
 
 
 def op_kind(op: str) -> str:
+    """The op's kind, one of OP_KINDS."""
     base = op.split("::")[-1].split(".")[0]
     if base.lstrip("_") in MATMUL_OPS:
         return "matmul"
@@ -78,7 +77,6 @@ the best (wave fill x tile throughput) wins."""
 MISALIGNED_EFFICIENCY = 0.69
 """Throughput of a GEMM with a dimension that is not a multiple of 16 bytes, relative to an aligned one:
 272.7 / 395.5 TFLOP/s measured for d_ff 10922 vs 10848-11008 on H100 (data/kernels/h100_swiglu-ffn-bmm...)."""
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}
 
 
 def gemm_dims(op: str, shapes: list) -> tuple[int, int, int, int] | None:
@@ -392,7 +390,7 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
         k = 2 if backward[i] else 1  # the backward's tensors start with the output's gradient, then q, k, v
         if parsed and len(parsed) > k and len(parsed[k]) >= 2:
             keys[i], head_dim = parsed[k][-2], parsed[0][-1]
-            scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # _sdpa_flops, inverted
+            scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # sdpa_flops, inverted
     return AttentionRows(pass_, factor, keys, scores, dropout)
 
 

@@ -19,9 +19,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trainsim.artifacts.store import tool_versions
+from trainsim.config.choices import MEASURED_BACKENDS
 from trainsim.errors import ArtifactError
 
-BACKENDS = ("cpu", "cuda", "analytical")
+BACKENDS = (*MEASURED_BACKENDS, "analytical")
 
 PROFILE_SCHEMA = pa.schema([
     ("hardware", pa.string()),          # hardware key the row is valid for
@@ -120,6 +122,4 @@ def check_schema(schema: pa.Schema, where: str) -> None:
 
 
 def tool_versions_json() -> str:
-    from trainsim.artifacts.store import tool_versions
-
     return json.dumps(tool_versions(), sort_keys=True)

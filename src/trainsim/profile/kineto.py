@@ -46,12 +46,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from trainsim.config.choices import MEASURED_BACKENDS
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ArtifactError, ConfigError
+from trainsim.profile.analytical import evaluate_fit, fit_rates
 from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, tool_versions_json
 
 BACKEND = "kineto"
-FIT_BACKENDS = ("cpu", "cuda", BACKEND)
+FIT_BACKENDS = (*MEASURED_BACKENDS, BACKEND)
 """Measured backends whose rows the refit after an import uses."""
 MAX_SAMPLES = 10_000
 """Per-instance times kept per row (for pooling later imports); the row's statistics use all of them."""
@@ -340,7 +342,7 @@ def op_cost(call: OpCall) -> tuple[int, int, str] | None:
     from torch.utils.flop_counter import flop_registry
 
     from trainsim.profile.replay import DTYPES
-    from trainsim.trace.recorder import _sdpa_flops
+    from trainsim.trace.recorder import sdpa_flops
 
     def to_dtype(name: str):
         return DTYPES.get(name) or getattr(torch, name, None)
@@ -376,7 +378,7 @@ def op_cost(call: OpCall) -> tuple[int, int, str] | None:
             except Exception:  # noqa: BLE001
                 continue
         elif "scaled_dot_product" in call.op and len(tensors) >= 2:
-            flops = _sdpa_flops(call.op, tensors[0], tensors[1])
+            flops = sdpa_flops(call.op, tensors[0], tensors[1])
         else:
             flops = sum(t.numel() for t in outputs)
         return flops, nbytes, "meta" if not unknown else "meta, unrecorded scalars defaulted"
@@ -652,8 +654,6 @@ def fit_rows(rows: pd.DataFrame, hardware_key: str) -> pd.DataFrame:
 def refit(rows: pd.DataFrame, train_fraction: float = 0.5, seed: int = 0) -> FitResult:
     """Fit the analytical compute model to `rows` (all of them) and its held-out error (fit on a random
     `train_fraction` of the signatures, error on the rest: `evaluate_fit`)."""
-    from trainsim.profile.analytical import evaluate_fit, fit_rates
-
     result = FitResult(rows=len(rows), rates={})
     if len(rows) < 6:
         result.note = f"not refitted: {len(rows)} usable row(s), the fit needs at least 6"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from trainsim import processes
+from trainsim.profile.replay import build_call
 from trainsim.workloads.allocator import use_steady_state_allocator
 
 BARRIER_TIMEOUT_S = 600.0
@@ -172,8 +173,6 @@ def time_cpu(calls: list[Callable[[], Any]], *, rounds: int = 3, min_samples: in
 
 
 def _colocated_worker(rows: list[dict], lockstep: Lockstep, threads: int, flush_caches: bool) -> None:
-    from trainsim.profile.replay import build_call
-
     torch.set_num_threads(threads)
     use_steady_state_allocator()
     time_cpu([build_call(row) for row in rows], flush=CacheFlush("cpu", flush_caches), lockstep=lockstep,

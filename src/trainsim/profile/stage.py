@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainsim.artifacts import atomic_artifact, read_table
+from trainsim.config.choices import MEASURED_BACKENDS
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError, ReplayError
 from trainsim.profile.analytical import fit_rates, op_kind, predict, predict_rows
@@ -31,7 +32,6 @@ from trainsim.progress import tracked
 from trainsim.trace.stage import GRAPH_FILE
 
 OP_COLUMNS = ["signature", "op", "input_shapes", "input_strides", "input_dtypes", "op_args", "flops", "bytes_moved"]
-MEASURED_BACKENDS = ("cpu", "cuda")
 PROFILE_FILE = "kernels.parquet"
 SUMMARY_FILE = "summary.json"
 BATCH_SIZE = 50  # ops timed together (interleaved) and appended together

@@ -42,12 +42,12 @@ from dataclasses import dataclass
 
 from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size, nodes_spanned
+from trainsim.config.choices import PRECISION_WEIGHT_BYTES
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.parallel.layout import chunk_layers, layout_of
+from trainsim.parallel.schedules import passes, pipeline_actions
 from trainsim.search.slices import PART_NAMES, PartCost, SliceCosts
 from trainsim.trace.memory import memory_row
-from trainsim.workloads.layout import chunk_layers, layout_of
-from trainsim.workloads.model import DTYPES
-from trainsim.workloads.schedules import passes, pipeline_actions
 
 
 @dataclass
@@ -199,7 +199,8 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: Paralleli
     states["optimizer_state_bytes"] = int(states["optimizer_state_bytes"] * _optimizer_share(par, expert))
     gathered = 0
     if par.zero_stage >= 2:  # FSDP: 16 bytes per parameter sharded; gathered weights and gradients transient
-        element = DTYPES[par.precision].itemsize  # (experts sharded over their replicas, the rest over the model's)
+        # (experts sharded over their replicas, the rest over the model's)
+        element = PRECISION_WEIGHT_BYTES[par.precision]
         sharded = states["parameter_bytes"] // element * ((1 - expert) / par.weight_replicas
                                                            + expert / expert_replicas(par))
         states = {"parameter_bytes": int(4 * sharded), "gradient_bytes": int(4 * sharded),
@@ -233,7 +234,7 @@ def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_no
                                              (part.expert_parameter_bytes, expert_replicas(par), edp_nodes)):
         if replicas == 1 or parameter_bytes <= 0:
             continue
-        parameters = parameter_bytes // DTYPES[par.precision].itemsize
+        parameters = parameter_bytes // PRECISION_WEIGHT_BYTES[par.precision]
         gather_s += comm.collective_seconds("all_gather", parameter_bytes, replicas, nodes)
         scatter_s += comm.collective_seconds("reduce_scatter", 4 * parameters, replicas, nodes)
     return gather_s, scatter_s

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from trainsim.config.choices import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.config.validate import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, a2a_overlap_refusal, validate_layout
+from trainsim.config.validate import a2a_overlap_refusal, validate_layout
 from trainsim.errors import ConfigError
-from trainsim.workloads.layout import lighter_end_stages
+from trainsim.parallel.layout import lighter_end_stages
 
 
 @dataclass(frozen=True)

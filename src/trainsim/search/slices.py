@@ -39,11 +39,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from trainsim.config.choices import PRECISION_WEIGHT_BYTES
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.profile.database import ProfileDatabase
 from trainsim.profile.stage import distinct_ops, profile_ops
 from trainsim.what_if import scaled_compute_times
-from trainsim.workloads.model import DTYPES
 
 PART_NAMES = ("layer", "first", "last", "dense_layer")
 MEMORY_FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes",
@@ -71,7 +71,7 @@ class PartCost:
     backward_cp: dict[str, int] = field(default_factory=dict)
     forward_experts: dict[str, int] = field(default_factory=dict)
     """'group_kind:collective:message_bytes' -> count, the MoE layers' token exchanges in the forward pass (kinds
-    ep, etp and tep: workloads/layout.py)"""
+    ep, etp and tep: parallel/layout.py)"""
     backward_experts: dict[str, int] = field(default_factory=dict)
     forward_attention_s: float = 0.0
     """the attention kernels' time, which the context-parallel ring's sends run beside"""
@@ -202,7 +202,8 @@ def _layer_parts(model: ModelConfig, par: ParallelismConfig, times_of) -> tuple[
     one, one_memory, _ = _trace_slice(model, par, 1)
     two, two_memory, _ = _trace_slice(model, par, 2)
     times = times_of(distinct_ops(pd.concat([one, two], ignore_index=True)))
-    per_layer = expert_parameters(model, par.ep, par.etp) * DTYPES[par.precision].itemsize if model.num_experts else 0
+    weight_bytes = PRECISION_WEIGHT_BYTES[par.precision]
+    per_layer = expert_parameters(model, par.ep, par.etp) * weight_bytes if model.num_experts else 0
 
     def stage(graph, memory, cls, layers):
         return _stage_cost(graph[graph["rank_class"] == cls], times, memory.loc[cls], layers * per_layer)

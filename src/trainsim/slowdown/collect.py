@@ -37,12 +37,11 @@ import torch.nn.functional as F
 from trainsim.comm.sweep import collective_call
 from trainsim.config.schema import SlowdownConfig
 from trainsim.errors import ConfigError, ReplayError
-from trainsim.processes import init_local_group
+from trainsim.processes import free_port, init_local_group
 from trainsim.profile.analytical import op_kind
 from trainsim.profile.replay import build_call
 from trainsim.progress import feed, spawn
 from trainsim.slowdown.dataset import check_instances
-from trainsim.workloads.launch import free_port
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 FP32 = 4

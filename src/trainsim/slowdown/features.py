@@ -38,7 +38,6 @@ dataset (METRIC_COLUMNS) as measurements, but are not model inputs.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,10 +71,6 @@ CUDA_KERNEL_KINDS = (
     ("copy", ("copy", "cat", "fill")),
     ("elementwise", ("elementwise",)),
 )
-DEVICE_FAMILIES = ("A100", "A800", "H100", "H800", "H200", "H20", "GH200", "B100", "B200", "B300", "GB200", "GB300",
-                   "V100", "L40", "A40", "A30", "A10", "RTX 3090", "RTX 4090")
-
-
 @dataclass(frozen=True)
 class DeviceNumbers:
     """The datasheet numbers of a device that the slowdown features use (NaN = unknown)."""
@@ -119,21 +114,6 @@ def cuda_kernel_kind(kernel_name: str) -> str:
 def compute_op_kind(op: str) -> str:
     """Op kind of an aten op ('aten::mm') or a CUDA kernel name ('ampere_sgemm_128x64_tn')."""
     return op_kind(op) if op.startswith("aten::") else cuda_kernel_kind(op)
-
-
-def device_type_of(device_kind: str, device_name: str, configured: str = "") -> str:
-    """The device type of a hardware config, a label for summaries and warnings (not a model feature):
-    `configured` if set, 'cpu' for CPUs, else the GPU family in the name ('NVIDIA A100-SXM4-80GB' ->
-    'A100'), else the name itself."""
-    if configured:
-        return configured
-    if device_kind == "cpu":
-        return "cpu"
-    upper = device_name.upper()
-    for family in DEVICE_FAMILIES:
-        if re.search(rf"(?<![A-Z0-9]){re.escape(family)}(?![0-9])", upper):
-            return family
-    return device_name
 
 
 def arithmetic_intensity(flops: pd.Series, bytes_moved: pd.Series) -> pd.Series:

@@ -23,13 +23,14 @@ import pyarrow.parquet as pq
 from trainsim.artifacts import atomic_artifact, read_table
 from trainsim.artifacts.store import file_sha256
 from trainsim.config.data_path import resolve_data_path
+from trainsim.config.devices import device_type_of
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError
 from trainsim.profile.database import ProfileDatabase
 from trainsim.profile.stage import local_device_kind
 from trainsim.slowdown.a100_import import import_echo_csv
 from trainsim.slowdown.dataset import INVALID_REASONS, status_counts, to_table
-from trainsim.slowdown.features import device_numbers, device_type_of
+from trainsim.slowdown.features import device_numbers
 from trainsim.slowdown.predictor import save_model
 from trainsim.slowdown.train import TrainResult, train_slowdown_model
 

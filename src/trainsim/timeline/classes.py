@@ -17,7 +17,7 @@ import pandas as pd
 
 from trainsim.config.schema import HardwareConfig
 from trainsim.errors import ConfigError
-from trainsim.workloads.layout import Layout
+from trainsim.parallel.layout import Layout
 
 
 @dataclass(frozen=True)

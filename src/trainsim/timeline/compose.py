@@ -22,6 +22,7 @@ import pandas as pd
 from trainsim.comm.network import domain_size
 from trainsim.config.schema import HardwareConfig, ParallelismConfig
 from trainsim.errors import ConfigError
+from trainsim.parallel.layout import Layout, layout_of
 from trainsim.timeline.classes import TimelineClasses, straggler_factors, timeline_classes
 from trainsim.timeline.contention import BOTH, EGRESS, INGRESS, contention_extra
 from trainsim.timeline.costs import CommCost, NoSlowdown, SlowdownEstimate, finite_seconds, model_name
@@ -46,7 +47,6 @@ from trainsim.timeline.program import (
 )
 from trainsim.timeline.step import ClassProgram, StepGraph, build_step
 from trainsim.trace.expand import rename_for_rank
-from trainsim.workloads.layout import Layout, layout_of
 
 ComputeSeconds = Mapping[str, float] | Callable[[pd.DataFrame], np.ndarray]
 

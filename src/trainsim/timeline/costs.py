@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 
+from trainsim.slowdown.predictor import overlap_features
+
 
 @runtime_checkable
 class CommCost(Protocol):
@@ -70,8 +72,6 @@ class PredictorSlowdown:
     name: str = "xgboost"
 
     def slowdown(self, compute: pd.DataFrame, comm: pd.DataFrame) -> np.ndarray:
-        from trainsim.slowdown.predictor import overlap_features  # the other stage's module: import lazily
-
         features = overlap_features(compute.reset_index(drop=True), comm.reset_index(drop=True), self.device)
         return np.clip(np.asarray(self.predictor.predict(features), dtype=float), 0.0, None)
 

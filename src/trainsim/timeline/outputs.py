@@ -25,11 +25,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from trainsim.parallel.layout import EXPERT_GROUP_KINDS, GROUP_KINDS
 from trainsim.timeline.compose import StepTimeline
 from trainsim.timeline.engine import HOST
 from trainsim.timeline.overlap import covered, is_comm_kind, merged
 from trainsim.timeline.program import BLOCK, COMPUTE, KIND_NAMES
-from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS
 
 COMM_KINDS = (*GROUP_KINDS, *EXPERT_GROUP_KINDS, "world", "other")
 """Group kinds communication time is reported under (the trace's group_kind values)."""

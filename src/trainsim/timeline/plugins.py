@@ -2,8 +2,8 @@
 
 Register a schedule or a rule under a name, then name it when composing
 (`compose_step(..., schedule="my-schedule", rules=("data", "call_point", "blocking_comm", "mine"))`);
-the core is never edited. Built-in schedules come from `trainsim.workloads.schedules` (the same lists
-the real training step runs).
+the core is never edited. Built-in schedules (config.choices.SCHEDULES) come from `trainsim.parallel.schedules`
+(the same lists the real training step runs).
 
 A schedule is `fn(pp, pp_rank, num_microbatches, virtual_stages) -> list[Action]`.
 A dependency rule is `fn(ops) -> int array of shape (k, 2)`: edges (earlier op, later op) between
@@ -21,12 +21,12 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from trainsim.workloads.schedules import Action, pipeline_actions
+from trainsim.config.choices import SCHEDULES
+from trainsim.parallel.schedules import Action, pipeline_actions
 
 ScheduleFn = Callable[[int, int, int, int], list[Action]]
 DependencyRule = Callable[[pd.DataFrame], np.ndarray]
 
-BUILTIN_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _SCHEDULES: dict[str, ScheduleFn] = {}
 _RULES: dict[str, DependencyRule] = {}
 DEFAULT_RULES = ("data", "call_point", "blocking_comm")
@@ -44,9 +44,9 @@ def schedule_actions(name: str, pp: int, pp_rank: int, num_microbatches: int, vi
             raise ValueError(f"schedule {name!r} is a registered one: overlapped all-to-alls pair the built-in "
                              "1f1b and interleaved-1f1b passes only (parallelism.moe_a2a_overlap=false)")
         return _SCHEDULES[name](pp, pp_rank, num_microbatches, virtual_stages)
-    if name in BUILTIN_SCHEDULES:
+    if name in SCHEDULES:
         return pipeline_actions(name, pp, pp_rank, num_microbatches, virtual_stages, a2a_overlap)
-    known = sorted({*BUILTIN_SCHEDULES, *_SCHEDULES})
+    known = sorted({*SCHEDULES, *_SCHEDULES})
     raise ValueError(f"schedule {name!r} is not registered; accepted: {', '.join(known)} "
                      "(add one with trainsim.timeline.register_schedule)")
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from trainsim.parallel.phases import direction_of, pass_of
 from trainsim.timeline.contention import bandwidth_part
 from trainsim.timeline.plugins import blocking_hint, dependency_rule
-from trainsim.workloads.observe import direction_of, pass_of
 
 COMPUTE, BLOCK, COLLECTIVE, SEND, RECV, MEMCPY = range(6)
 KIND_NAMES = ("compute", "block", "collective", "send", "recv", "memcpy")

@@ -17,13 +17,13 @@ from pathlib import Path
 from trainsim.artifacts.store import MANIFEST
 from trainsim.comm.model import FIT_FILE
 from trainsim.comm.network import domain_size, network_prior, node_bandwidth
+from trainsim.config.choices import MEASURED_BACKENDS
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig
 from trainsim.slowdown.predictor import METRICS_FILE
 
 # not imported: the profile and slowdown stages pull in torch and xgboost training
 PROFILE_SUMMARY_FILE = "summary.json"  # trainsim.profile.stage.SUMMARY_FILE
 SLOWDOWN_SUMMARY_FILE = "summary.json"  # trainsim.slowdown.stage.SUMMARY_FILE
-MEASURED_BACKENDS = ("cpu", "cuda")  # trainsim.profile.stage.MEASURED_BACKENDS
 
 
 def _read_json(path: Path) -> dict:

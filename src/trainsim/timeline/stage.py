@@ -27,8 +27,9 @@ import pyarrow.parquet as pq
 from trainsim.artifacts import atomic_artifact, read_manifest, read_table
 from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size
+from trainsim.config.devices import device_type_of
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.slowdown.features import device_numbers, device_type_of
+from trainsim.slowdown.features import device_numbers
 from trainsim.slowdown.predictor import SlowdownPredictor
 from trainsim.timeline.chrome import write_chrome_trace
 from trainsim.timeline.compose import StepTimeline, compose_step

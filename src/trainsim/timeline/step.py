@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainsim.timeline.program import BLOCK, COMPUTE, RECV, SEND, PassNodes
-from trainsim.workloads.observe import COMBINED
-from trainsim.workloads.schedules import (
+from trainsim.parallel.phases import COMBINED
+from trainsim.parallel.schedules import (
     Action,
     combined_chunk,
     first_forward_microbatch,
@@ -32,6 +31,7 @@ from trainsim.workloads.schedules import (
     num_chunks,
     passes,
 )
+from trainsim.timeline.program import BLOCK, COMPUTE, RECV, SEND, PassNodes
 
 
 class TimelineError(RuntimeError):

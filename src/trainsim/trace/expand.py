@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
-from trainsim.workloads.observe import COMBINED, direction_of, pass_of
-from trainsim.workloads.schedules import (
+from trainsim.parallel.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
+from trainsim.parallel.phases import COMBINED, direction_of, pass_of
+from trainsim.parallel.schedules import (
     Action,
     combined_chunk,
     first_forward_microbatch,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from trainsim.workloads.schedules import Action, passes
+from trainsim.parallel.schedules import Action, passes
 
 MEMORY_SCHEMA = pa.schema([
     ("rank_class", pa.int32()),

@@ -25,8 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
-from trainsim.workloads.observe import StepObserver, direction_of
+from trainsim.parallel.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout
+from trainsim.parallel.phases import direction_of
+from trainsim.workloads.observe import StepObserver
 
 # c10d op name -> (collective name, index of the tensor arg whose bytes are the message size).
 # Message size follows nccl-tests: all-gather counts the gathered output, reduce-scatter its input.
@@ -94,7 +95,7 @@ def _encode_arg(a: Any, tensors: list[torch.Tensor]) -> Any:
     return {"$obj": type(a).__name__}
 
 
-def _sdpa_flops(func_name: str, q: torch.Tensor, k: torch.Tensor) -> int:
+def sdpa_flops(func_name: str, q: torch.Tensor, k: torch.Tensor) -> int:
     """Two matmuls of [s_q x d] by [d x s_k] per head forward; the backward does 2.5x (5 matmuls)."""
     b, h, s_q, d = q.shape
     forward = 4 * b * h * s_q * k.shape[-2] * d
@@ -369,7 +370,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
                 event["flops"] = int(flop_registry[packet](*args, **kwargs, out_val=out))
             elif "scaled_dot_product" in name:  # the backward's inputs start with the output's gradient
                 q, k = tensors[1:3] if "backward" in name else tensors[:2]
-                event["flops"] = _sdpa_flops(name, q, k)
+                event["flops"] = sdpa_flops(name, q, k)
             else:  # elementwise / reduction: one operation per output element
                 event["flops"] = sum(t.numel() for t in outputs)
             if name in ("aten::_to_copy", "aten::copy_") and len({t.device for t in tensors + outputs}) > 1:

@@ -25,7 +25,7 @@ graph.parquet       one row per recorded op of one rank class, in program order
   bytes_moved       bytes read and written by the op (inputs + outputs)
   collective        all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, barrier,
                     send, recv; null for compute
-  group_kind        a kind of workloads.layout.GROUP_KINDS or EXPERT_GROUP_KINDS, 'world' or 'other' (null for
+  group_kind        a kind of parallel.layout.GROUP_KINDS or EXPERT_GROUP_KINDS, 'world' or 'other' (null for
                     compute)
   group_ranks       global ranks of the process group (of the class's representative rank)
   message_bytes     nccl-tests size: all-gather output, reduce-scatter input, all-to-all the larger of what

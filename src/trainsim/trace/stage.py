@@ -23,12 +23,13 @@ MEMORY_FILE = "memory.parquet"
 
 @functools.lru_cache(maxsize=1)
 def tracer_code_digest() -> str:
-    """Hash of the code a trace depends on (the reference workload and the tracer). Caches outside the
-    pipeline (the layout search's slices, the vTrain validation's traces) key on it, so a trace made by
-    other code is traced again rather than reused; the pipeline's stages depend on the source files."""
+    """Hash of the code a trace depends on (the reference workload, its layout and schedules, the tracer).
+    Caches outside the pipeline (the layout search's slices, the vTrain validation's traces) key on it, so a
+    trace made by other code is traced again rather than reused; the pipeline's stages depend on the source
+    files."""
     package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha1()
-    for source in sorted([*(package / "workloads").glob("*.py"), *(package / "trace").glob("*.py")]):
+    for source in sorted(p for folder in ("workloads", "parallel", "trace") for p in (package / folder).glob("*.py")):
         digest.update(source.name.encode() + source.read_bytes())
     return digest.hexdigest()[:16]
 

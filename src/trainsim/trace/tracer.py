@@ -25,6 +25,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from trainsim import processes
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.schedules import combined_pairs, step_actions, trace_actions
 from trainsim.trace.expand import rename_for_rank
 from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
 from trainsim.trace.recorder import ExecutionRecorder, tensor_bytes
@@ -32,11 +34,9 @@ from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
 from trainsim.workloads.data_parallel import gradient
 from trainsim.workloads.fp8 import fp8_weight_bytes
 from trainsim.workloads.fully_sharded import gathered_weight_bytes, local
-from trainsim.workloads.layout import Layout
 from trainsim.workloads.model import DTYPES
 from trainsim.workloads.observe import observing
 from trainsim.workloads.routing import PlannedCounts, RoutingPlan, model_routing_plan
-from trainsim.workloads.schedules import combined_pairs, step_actions, trace_actions
 from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
 
 
@@ -100,7 +100,7 @@ def _fake_kernels() -> torch.library.Library:
     return library
 
 
-def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
+def trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
                 plan: RoutingPlan | None = None) -> _TracedStage:
     """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
     _fake_kernels()
@@ -172,9 +172,9 @@ def _start_traces(model_cfg: ModelConfig, par: ParallelismConfig, plan: RoutingP
     there are many, else traced when asked."""
     jobs = min(jobs or os.cpu_count() or 1, len(todo))
     if jobs < 2 or len(todo) < PARALLEL_MIN_TRACES:
-        return {shape: functools.partial(_trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}, None
+        return {shape: functools.partial(trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}, None
     pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=processes.context())
-    futures = {shape: pool.submit(_trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}
+    futures = {shape: pool.submit(trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}
     return {shape: future.result for shape, future in futures.items()}, pool
 
 

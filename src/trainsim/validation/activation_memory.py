@@ -27,9 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainsim.config.choices import RECOMPUTE_MODES
 from trainsim.config.schema import ModelConfig, ParallelismConfig
-
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,8 @@ def korthikanti_bytes_per_layer(shape: LayerShape, tp: int, sequence_parallel: b
 
     Full recomputation keeps the layer input: 2 sbh, and its sequence shard 2 sbh / t with sequence
     parallelism (Megatron checkpoints the sharded hidden states; not a row of Table 2)."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r}; accepted: {', '.join(RECOMPUTE)}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r}; accepted: {', '.join(RECOMPUTE_MODES)}")
     s, b, h, a, t = shape.s, shape.b, shape.h, shape.a, tp
     sbh = s * b * h
     sp = sequence_parallel and t > 1

@@ -215,8 +215,8 @@ def predict_rows(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par
 
 
 def _stage_counts(graph: pd.DataFrame, par: ParallelismConfig) -> list[pd.Series]:
+    from trainsim.parallel.schedules import step_actions
     from trainsim.trace.expand import expand_step
-    from trainsim.workloads.schedules import step_actions
     stages = []
     for pp_rank in range(par.pp):
         actions = step_actions(par, pp_rank)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
 from trainsim.workloads.observe import observer
-from trainsim.workloads.tensor_parallel import ring_exchange, wait_all
+from trainsim.workloads.rings import ring_exchange, wait_all
 
 
 def chunk_order(cp: int) -> list[tuple[int, int]]:
@@ -55,7 +55,7 @@ def _expand_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tens
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-def _flash_forward(q, k, v, causal: bool):
+def flash_forward(q, k, v, causal: bool):
     """(out, log-sum-exp [b, h, s] fp32, what the backward needs) of one attention block."""
     if q.is_cuda:
         k, v = _expand_kv(k, v, q.shape[1])
@@ -65,7 +65,7 @@ def _flash_forward(q, k, v, causal: bool):
     return out, lse, None
 
 
-def _flash_backward(dout, q, k, v, out, lse, causal: bool, extra):
+def flash_backward(dout, q, k, v, out, lse, causal: bool, extra):
     """(dq, dk, dv) of one block, given the output and log-sum-exp of the whole attention (ring attention's
     backward: each block's probabilities are exact with the final log-sum-exp)."""
     if q.is_cuda:  # the CUDA kernel reads the log-sum-exp as a dense [b, h, s]: a slice of it must be copied
@@ -130,7 +130,7 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(held)
                 works = ring_exchange(held, incoming, group, cp, "cp")
             qs, ks, causal = _ring_block(step, rank, cp, c)
-            block_out, block_lse, extra = _flash_forward(q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks], causal)
+            block_out, block_lse, extra = flash_forward(q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks], causal)
             extras.append(extra)
             if out is None:
                 out, lse = block_out.float(), block_lse.float()
@@ -150,7 +150,7 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(held)
                 works = ring_exchange(held, incoming, group, cp, "cp")
             qs, ks, causal = _ring_block(step, rank, cp, c)
-            dq_block, dk_block, dv_block = _flash_backward(
+            dq_block, dk_block, dv_block = flash_backward(
                 dout[:, :, qs], q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
                 causal, ctx.extras[step])
             dq[:, :, qs] += dq_block
@@ -201,7 +201,7 @@ class _AllGatherAttention(torch.autograd.Function):
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         extras, started = [], set()
         for qs, ks, causal in _all_gather_blocks(rank, cp, c):
-            block_out, block_lse, extra = _flash_forward(q[:, :, qs], full[0][:, :, ks], full[1][:, :, ks], causal)
+            block_out, block_lse, extra = flash_forward(q[:, :, qs], full[0][:, :, ks], full[1][:, :, ks], causal)
             extras.append(extra)
             if qs.start in started:
                 _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
@@ -217,7 +217,7 @@ class _AllGatherAttention(torch.autograd.Function):
         full = _gather_sequence(kv, group, cp)
         dfull = torch.zeros_like(full)
         for (qs, ks, causal), extra in zip(_all_gather_blocks(rank, cp, c), ctx.extras):
-            dq_block, dk_block, dv_block = _flash_backward(
+            dq_block, dk_block, dv_block = flash_backward(
                 dout[:, :, qs], q[:, :, qs], full[0][:, :, ks], full[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
                 causal, extra)
             dq[:, :, qs] += dq_block

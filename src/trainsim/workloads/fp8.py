@@ -51,15 +51,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainsim.config.choices import FP8_RECIPES
 from trainsim.workloads.grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_weight_grad
 from trainsim.workloads.observe import observer
+from trainsim.workloads.rings import (
+    ring_all_gather_matmul,
+    ring_matmul_reduce_scatter,
+    start_reduce_scatter_tokens,
+    wait_all,
+)
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 """Inputs and weights (HYBRID format: E4M3 forward, more mantissa)."""
 BACKWARD_DTYPE = torch.float8_e5m2
 """Output gradients (HYBRID format: E5M2 backward, more range)."""
 FP8_MAX = {FORWARD_DTYPE: 448.0, BACKWARD_DTYPE: 57344.0}
-RECIPES = ("delayed", "current")
 AMAX_HISTORY_LEN = 1024
 """TE DelayedScaling's default amax_history_len."""
 
@@ -75,11 +81,11 @@ class Fp8Settings:
 
 def fp8_settings(par, amax_group) -> Fp8Settings | None:
     """The FP8 settings of a rank (None unless parallelism.precision is 'fp8'); amax_group: its group of kind
-    'amax' (workloads/layout.py), used by the delayed recipe when it has more than one rank."""
+    'amax' (parallel/layout.py), used by the delayed recipe when it has more than one rank."""
     if par.precision != "fp8":
         return None
-    if par.fp8_recipe not in RECIPES:
-        raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(RECIPES)}")
+    if par.fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(FP8_RECIPES)}")
     reduce = par.fp8_recipe == "delayed" and par.dp * par.cp * par.tp > 1
     return Fp8Settings(par.fp8_recipe, amax_group if reduce else None)
 
@@ -101,11 +107,6 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
     so the kernel model is told its work is fused into that cast."""
     with observer().kernel_notes(fused=1):
         return t.transpose(-2, -1).contiguous()
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """An FP8 tensor as uint8 for c10d (no FP8 type in NCCL or gloo); other tensors unchanged."""
-    return t.view(torch.uint8) if t.dtype in FP8_MAX else t
 
 
 class Fp8Region:
@@ -304,8 +305,6 @@ class _Fp8OverlappedColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, fp8: Fp8Linear, group, tp):
-        from trainsim.workloads.tensor_parallel import ring_all_gather_matmul
-
         x_fp8, x_inv = fp8.quantize_input(x.contiguous(), gathered=True)
         w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
         out, gathered = ring_all_gather_matmul(
@@ -318,8 +317,6 @@ class _Fp8OverlappedColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from trainsim.workloads.tensor_parallel import start_reduce_scatter_tokens, wait_all
-
         gathered_t, x_inv = ctx.saved_tensors
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
         grad_input = _gemm(g_fp8, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype)
@@ -337,8 +334,6 @@ class _Fp8OverlappedRowLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, fp8: Fp8Linear, group, tp):
-        from trainsim.workloads.tensor_parallel import ring_matmul_reduce_scatter
-
         x_fp8, x_inv = fp8.quantize_input(x.contiguous())
         w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
         y = ring_matmul_reduce_scatter(x_fp8, w_fp8, group, tp,
@@ -350,8 +345,6 @@ class _Fp8OverlappedRowLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from trainsim.workloads.tensor_parallel import ring_all_gather_matmul
-
         x_t_fp8, x_inv = ctx.saved_tensors
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous(), gathered=True)
         grad_x, gathered = ring_all_gather_matmul(

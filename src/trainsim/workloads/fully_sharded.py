@@ -34,6 +34,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor, Shard
 
 from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
+from trainsim.workloads.moe import Experts
 from trainsim.workloads.observe import observer
 
 
@@ -74,8 +75,6 @@ def _mesh(group) -> DeviceMesh:
 
 
 def _experts_of(block: nn.Module) -> list[nn.Module]:
-    from trainsim.workloads.moe import Experts
-
     return [m for m in block.modules() if isinstance(m, Experts)]
 
 

@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
-from trainsim.processes import init_local_group, start
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.schedules import step_actions
+from trainsim.processes import free_port, init_local_group, start
 from trainsim.workloads.allocator import use_steady_state_allocator
-from trainsim.workloads.observe import StepTimer, observing
+from trainsim.workloads.observe import StepObserver, StepTimer, observing
 from trainsim.workloads.routing import RouterCounts, RoutingHistogram, model_routing_plan
-from trainsim.workloads.schedules import step_actions
 from trainsim.workloads.train_step import (
     build_rank_model,
     create_groups,
@@ -117,11 +118,10 @@ def timed_steps(model_cfg: ModelConfig, par: ParallelismConfig, layout, rank: in
     return rm, actions, batches, result
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now, for a gloo rendezvous of spawned processes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+Recorder = Callable[[Layout, int], StepObserver]
+"""(layout, rank) -> an observer that records one step into its `.events` and is a context manager around
+it (trace.recorder.ExecutionRecorder, or a functools.partial of it with time_ops=True); picklable, as the
+spawned ranks build it."""
 
 
 class RankFailure(RuntimeError):
@@ -174,13 +174,11 @@ def spawn_ranks(body, par: ParallelismConfig, *args, threads: int = 1, device_ki
 
 
 def _timed_rank(rank: int, layout, model_cfg: ModelConfig, par: ParallelismConfig, steps: int, warmup: int,
-                record: bool, time_ops: bool) -> RankRun:
-    from trainsim.trace.recorder import ExecutionRecorder  # the recorder is optional in real runs
-
+                recorder: Recorder | None) -> RankRun:
     rm, actions, batches, result = timed_steps(model_cfg, par, layout, rank, steps, warmup)
-    if record:  # an extra step: the recorder's own overhead must not distort the timings above
+    if recorder is not None:  # an extra step: the recorder's own overhead must not distort the timings above
         dist.barrier()
-        recorder = ExecutionRecorder(layout, rank, time_ops=time_ops)
+        recorder = recorder(layout, rank)
         if result.routing is not None:
             result.routing.clear()
         with observing(recorder), recorder:
@@ -242,7 +240,7 @@ def measure_peak_memory(model_cfg: ModelConfig, par: ParallelismConfig, steps: i
 
 
 def run_real_step(model_cfg: ModelConfig, par: ParallelismConfig, *, steps: int = 1, warmup: int = 0,
-                  record: bool = False, time_ops: bool = False, threads_per_rank: int = 1) -> list[RankRun]:
-    """Spawn dp*tp*pp processes, run `warmup + steps` timed training steps (plus one recorded step
-    when `record`, with each op's wall time when `time_ops`), return per-rank results."""
-    return spawn_ranks(_timed_rank, par, model_cfg, par, steps, warmup, record, time_ops, threads=threads_per_rank)
+                  recorder: Recorder | None = None, threads_per_rank: int = 1) -> list[RankRun]:
+    """Spawn dp*tp*pp processes, run `warmup + steps` timed training steps (plus one step recorded by
+    `recorder(layout, rank)` when given, e.g. trace.recorder.ExecutionRecorder), return per-rank results."""
+    return spawn_ranks(_timed_rank, par, model_cfg, par, steps, warmup, recorder, threads=threads_per_rank)

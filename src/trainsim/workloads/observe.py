@@ -12,20 +12,7 @@ import contextvars
 import time
 from collections.abc import Iterator
 
-PHASES = ("forward", "backward", "optimizer")
-COMBINED = "combined"
-"""The pass of a forward and a backward run interleaved (combined_passes.py); its ops' phases are
-'combined.forward' and 'combined.backward'."""
-
-
-def pass_of(phase: str) -> str:
-    """The pass an op's phase belongs to: 'combined' for both halves of a combined pass, else the phase."""
-    return COMBINED if phase.startswith(COMBINED + ".") else phase
-
-
-def direction_of(phase: str) -> str:
-    """'forward', 'backward' or 'optimizer': what the op does, in a combined pass or not."""
-    return phase.removeprefix(COMBINED + ".")
+from trainsim.parallel.phases import direction_of
 
 
 class StepObserver:

@@ -15,24 +15,25 @@ import torch.distributed as dist
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
-from trainsim.workloads.combined_passes import ChunkPass, interleave, run_alone
-from trainsim.workloads.context_parallel import ContextParallel
-from trainsim.workloads.data_parallel import GradientBuckets, gradient
-from trainsim.workloads.fp8 import fp8_settings
-from trainsim.workloads.fully_sharded import local, shard_chunk
-from trainsim.workloads.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers, layout_of
-from trainsim.workloads.model import DTYPES, TransformerChunk
-from trainsim.workloads.moe import ExpertParallel
-from trainsim.workloads.observe import COMBINED, observer
-from trainsim.workloads.optimizer import MixedPrecisionAdamW
-from trainsim.workloads.routing import PlannedCounts, RouterCounts
-from trainsim.workloads.schedules import (
+from trainsim.parallel.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers, layout_of
+from trainsim.parallel.phases import COMBINED
+from trainsim.parallel.schedules import (
     Action,
     combined_chunk,
     first_forward_microbatch,
     last_backward_microbatch,
     passes,
 )
+from trainsim.workloads.combined_passes import ChunkPass, interleave, run_alone
+from trainsim.workloads.context_parallel import ContextParallel
+from trainsim.workloads.data_parallel import GradientBuckets, gradient
+from trainsim.workloads.fp8 import fp8_settings
+from trainsim.workloads.fully_sharded import local, shard_chunk
+from trainsim.workloads.model import DTYPES, TransformerChunk
+from trainsim.workloads.moe import ExpertParallel
+from trainsim.workloads.observe import observer
+from trainsim.workloads.optimizer import MixedPrecisionAdamW
+from trainsim.workloads.routing import PlannedCounts, RouterCounts
 from trainsim.workloads.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 

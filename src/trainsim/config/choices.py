@@ -1,0 +1,63 @@
+"""Every closed set of values a config field or a table column may take, in one place.
+
+Validation (config/validate.py, validate_nccl.py) checks fields against these sets, and the code that acts on
+a value (the composer, the collective model, the kernel model, the search) reads the same names, so the accepted
+values and the modelled ones cannot drift apart. Sets of a table's columns stay beside the table.
+"""
+
+from __future__ import annotations
+
+# parallelism
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""Built-in pipeline schedules (parallel/schedules.py); timeline.register_schedule adds more."""
+RECOMPUTE_MODES = ("none", "full", "selective")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+"""Training precisions (parallelism.precision)."""
+PRECISION_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+"""Bytes per weight (and gradient) element a precision trains with: FP8 training keeps bf16 weights and casts
+them for its GEMMs (workloads/fp8.py)."""
+FP8_RECIPES = ("delayed", "current")
+"""Transformer Engine's per-tensor FP8 recipes (workloads/fp8.py)."""
+ZERO_STAGES = (0, 1, 2, 3)
+"""0 replicated (DDP), 1 distributed optimizer, 2 and 3 FSDP2 (workloads/fully_sharded.py)."""
+CP_COMM_TYPES = ("p2p", "all_gather")
+MOE_DISPATCHERS = ("alltoall", "allgather")
+
+# model
+FAMILIES = ("gpt", "llama")
+ATTENTION_KERNELS = ("fused", "unfused")
+MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_ROUTINGS = ("balanced", "zipf:<s>", "dirichlet:<alpha>")
+"""model.moe_routing: these forms, or a routing histogram file (workloads/routing.py)."""
+
+# hardware
+DEVICE_KINDS = ("cpu", "cuda")
+COMM_BACKENDS = ("gloo", "nccl")
+PROFILE_BACKENDS = ("auto", "measure", "analytical")
+MEASURED_BACKENDS = ("cpu", "cuda")
+"""Profile backends that time kernels on a device (the others model them)."""
+SLOWDOWN_SOURCES = ("measure", "import")
+
+# kernels
+FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64", "fp8")
+"""Compute dtypes with a rate in hardware.peak_flops_per_s; 'fp8' is the rate of FP8 GEMMs (_scaled_mm)."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}
+"""Bytes per element of each compute dtype."""
+MATMUL_KINDS = ("matmul", "attention")
+"""Op kinds timed against a dtype's peak FLOP rate."""
+OP_KINDS = (*MATMUL_KINDS, "optimizer", "normalization", "softmax_loss", "reduction", "indexing", "copy",
+            "elementwise")
+"""What profile/analytical.op_kind calls an op (hardware.kernel_model.kind_efficiency keys)."""
+
+# communication
+ALGORITHMS = {"all_reduce": ("ring", "tree", "nvls"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
+              "all_to_all": ("p2p", "ring"), "broadcast": ("ring",), "reduce": ("ring",), "send_recv": ("ring",)}
+"""Algorithms each collective can run with (NCCL's tree and NVLS exist for all-reduce only here; an all-to-all is
+NCCL's grouped send/recv, "p2p", or gloo's pairwise rounds, priced as a "ring")."""
+COLLECTIVES = tuple(ALGORITHMS)
+NCCL_ALGORITHMS = tuple(dict.fromkeys(a for names in ALGORITHMS.values() for a in names))
+PROTOCOLS = ("LL", "LL128", "Simple")
+TRANSPORTS = ("infiniband", "roce", "efa", "tcp")
+"""Inter-node transports (hardware.network.transport); '' means unknown."""
+OLDEST_NCCL_RELEASE = "2.12"
+"""The first NCCL release comm/nccl_constants.yaml has tuning constants for (checked where the file loads)."""
