@@ -25,9 +25,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainsim.artifacts import atomic_artifact, read_manifest, read_table
+from trainsim.artifacts.store import code_version, content_hash, tool_versions
 from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.errors import ArtifactError
 from trainsim.slowdown.features import device_numbers, device_type_of
 from trainsim.slowdown.predictor import SlowdownPredictor
 from trainsim.timeline.chrome import write_chrome_trace
@@ -83,6 +85,32 @@ def timeline_table(t: StepTimeline) -> pa.Table:
     }), preserve_index=False)
 
 
+def timeline_config(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig) -> dict:
+    """The config a timeline artifact's manifest records (all a composed step depends on besides its inputs)."""
+    return {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}
+
+
+def current_timeline(output: Path, config: dict, keys: dict[str, str], inputs: dict[str, Path]) -> dict | None:
+    """The summary of the timeline at `output` if composing again would write the same one, else None.
+
+    The same: its manifest records this config and keys, inputs of the same content, the same tool versions,
+    and the same commit of a git checkout without local edits under src/ or stages/ (code of unknown
+    version, or edited since its commit, is always composed again). A cached `trainsim compose` then only
+    reads, instead of replaying the step, loading the slowdown model and writing the Chrome trace."""
+    version = code_version()
+    if "+" not in version or version.endswith("-dirty"):
+        return None
+    try:
+        manifest = read_manifest(output)
+        same = (manifest.get("stage") == "compose" and manifest.get("code_version") == version
+                and manifest.get("config_keys") == keys and manifest.get("config") == json.loads(json.dumps(config))
+                and manifest.get("inputs") == {str(p): content_hash(read_manifest(p)) for p in inputs.values()}
+                and manifest.get("tool_versions") == tool_versions())
+        return json.loads((output / SUMMARY_FILE).read_text()) if same else None
+    except ArtifactError:
+        return None
+
+
 def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig, keys: dict[str, str],
                             inputs: dict[str, Path], output: Path) -> dict:
     """Compose the step from the upstream artifacts and publish it; returns the summary."""
@@ -97,7 +125,7 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     used = prediction_inputs(hw, inputs, backends, nodes_used=-(-par.world_size // domain_size(hw)),
                              device_type=device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type),
                              run_values=run_values(model, par))
-    config = {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}
+    config = timeline_config(hw, model, par)
     with atomic_artifact(output, stage="compose", config=config, config_keys=keys, inputs=list(inputs.values())) as tmp:
         t = compose_step(graph, rank_classes, par, hw, compute, comm, slowdown)
         classes = class_table(t, memory, hw.memory_capacity_bytes)
@@ -157,4 +185,7 @@ def compose_run_artifacts(run, output: Path | None = None, build_missing: bool =
     inputs = {name: paths[name] for name in STAGES["compose"].inputs
               if name in paths and (paths[name] / "manifest.json").is_file()}
     output = Path(output or paths["compose"])
-    return write_timeline_artifact(run.hardware, run.model, run.parallelism, keys, inputs, output), output
+    summary = current_timeline(output, timeline_config(hw, run.model, run.parallelism), keys, inputs)
+    if summary is None:
+        summary = write_timeline_artifact(run.hardware, run.model, run.parallelism, keys, inputs, output)
+    return summary, output
