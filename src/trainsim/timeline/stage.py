@@ -24,12 +24,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trainsim.artifacts import atomic_artifact, read_manifest, read_table
-from trainsim.artifacts.store import code_version, content_hash, tool_versions
+from trainsim.artifacts import atomic_artifact, is_current, read_manifest, read_table
 from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.errors import ArtifactError
 from trainsim.slowdown.features import device_numbers, device_type_of
 from trainsim.slowdown.predictor import SlowdownPredictor
 from trainsim.timeline.chrome import write_chrome_trace
@@ -88,27 +86,6 @@ def timeline_table(t: StepTimeline) -> pa.Table:
 def timeline_config(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig) -> dict:
     """The config a timeline artifact's manifest records (all a composed step depends on besides its inputs)."""
     return {name: dataclasses.asdict(cfg) for name, cfg in (("hardware", hw), ("model", model), ("parallelism", par))}
-
-
-def current_timeline(output: Path, config: dict, keys: dict[str, str], inputs: dict[str, Path]) -> dict | None:
-    """The summary of the timeline at `output` if composing again would write the same one, else None.
-
-    The same: its manifest records this config and keys, inputs of the same content, the same tool versions,
-    and the same commit of a git checkout without local edits under src/ or stages/ (code of unknown
-    version, or edited since its commit, is always composed again). A cached `trainsim compose` then only
-    reads, instead of replaying the step, loading the slowdown model and writing the Chrome trace."""
-    version = code_version()
-    if "+" not in version or version.endswith("-dirty"):
-        return None
-    try:
-        manifest = read_manifest(output)
-        same = (manifest.get("stage") == "compose" and manifest.get("code_version") == version
-                and manifest.get("config_keys") == keys and manifest.get("config") == json.loads(json.dumps(config))
-                and manifest.get("inputs") == {str(p): content_hash(read_manifest(p)) for p in inputs.values()}
-                and manifest.get("tool_versions") == tool_versions())
-        return json.loads((output / SUMMARY_FILE).read_text()) if same else None
-    except ArtifactError:
-        return None
 
 
 def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig, keys: dict[str, str],
@@ -185,7 +162,7 @@ def compose_run_artifacts(run, output: Path | None = None, build_missing: bool =
     inputs = {name: paths[name] for name in STAGES["compose"].inputs
               if name in paths and (paths[name] / "manifest.json").is_file()}
     output = Path(output or paths["compose"])
-    summary = current_timeline(output, timeline_config(hw, run.model, run.parallelism), keys, inputs)
-    if summary is None:
-        summary = write_timeline_artifact(run.hardware, run.model, run.parallelism, keys, inputs, output)
-    return summary, output
+    if is_current(output, stage="compose", config=timeline_config(hw, run.model, run.parallelism), config_keys=keys,
+                  inputs=list(inputs.values())):  # a cached compose only reads: no replay, slowdown model, trace
+        return json.loads((output / SUMMARY_FILE).read_text()), output
+    return write_timeline_artifact(run.hardware, run.model, run.parallelism, keys, inputs, output), output
