@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import yaml
+
 from trainsim.config.schema import RunConfig
 
 RUN_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig)}
@@ -167,8 +169,6 @@ def stage_command(stage: Stage, output: str, inputs: dict[str, str], database: s
 
 def render_dvc_yaml() -> str:
     """dvc.yaml for `dvc repro` / `dvc exp run -S model=...`: config choices come from params.yaml."""
-    import yaml  # only here: every cached compose imports the registry for its paths
-
     stages = {}
     keys = {group: f"${{{group}}}" for group in ("hardware", "model", "parallelism")}
     for stage in STAGES.values():
