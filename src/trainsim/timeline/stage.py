@@ -34,6 +34,7 @@ from trainsim.timeline.chrome import write_chrome_trace
 from trainsim.timeline.compose import StepTimeline, compose_step
 from trainsim.timeline.costs import CommCost, NoSlowdown, PredictorSlowdown, SlowdownEstimate
 from trainsim.timeline.outputs import class_table, node_kind_names, summary
+from trainsim.timeline.plugins import replaced_builtins
 from trainsim.timeline.provenance import prediction_inputs, run_values
 from trainsim.trace.stage import GRAPH_FILE, MEMORY_FILE, RANK_CLASSES_FILE
 from trainsim.what_if import scaled_compute_times
@@ -162,7 +163,8 @@ def compose_run_artifacts(run, output: Path | None = None, build_missing: bool =
     inputs = {name: paths[name] for name in STAGES["compose"].inputs
               if name in paths and (paths[name] / "manifest.json").is_file()}
     output = Path(output or paths["compose"])
-    if is_current(output, stage="compose", config=timeline_config(hw, run.model, run.parallelism), config_keys=keys,
-                  inputs=list(inputs.values())):  # a cached compose only reads: no replay, slowdown model, trace
-        return json.loads((output / SUMMARY_FILE).read_text()), output
+    config = timeline_config(hw, run.model, run.parallelism)
+    if not replaced_builtins() and is_current(output, stage="compose", config=config, config_keys=keys,
+                                              inputs=list(inputs.values())):
+        return json.loads((output / SUMMARY_FILE).read_text()), output  # only read: no replay, slowdown model
     return write_timeline_artifact(run.hardware, run.model, run.parallelism, keys, inputs, output), output
