@@ -85,3 +85,32 @@ def test_concurrent_writers_leave_one_complete_artifact(tmp_path):
     value = read_table(tmp_path / "shared", "table.parquet").column("value")[0].as_py()
     assert manifest["config"] == {"value": value}  # manifest and data come from the same writer
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name] == []
+
+
+def test_an_artifact_is_current_only_for_the_same_config_inputs_and_committed_code(tmp_path, monkeypatch):
+    """A cached compose reuses its timeline only when composing again would write the same one."""
+    from trainsim.artifacts import is_current, store
+
+    _write(tmp_path / "upstream", 1)
+    monkeypatch.setattr(store, "code_version", lambda: "0.1.0+0123456789ab")  # a clean checkout at one commit
+    with atomic_artifact(tmp_path / "down", stage="t", config={"a": [1.0]}, config_keys={"k": "v"},
+                         inputs=[tmp_path / "upstream"]) as tmp:
+        (tmp / "x.txt").write_text("x")
+
+    def current(**changes) -> bool:
+        return is_current(tmp_path / "down", **{"stage": "t", "config": {"a": (1.0,)}, "config_keys": {"k": "v"},
+                                                "inputs": [tmp_path / "upstream"], **changes})
+
+    assert current()
+    assert not current(stage="other") and not current(config={"a": [2.0]}) and not current(config_keys={"k": "w"})
+    assert not current(inputs=[])
+    _write(tmp_path / "upstream", 2)  # an input of other content
+    assert not current()
+    _write(tmp_path / "upstream", 1)
+    assert current()
+    for version in ("0.1.0+0123456789ab-dirty", "0.1.0+ba9876543210", "0.1.0"):  # edited, other commit, unknown
+        monkeypatch.setattr(store, "code_version", lambda v=version: v)
+        assert not current()
+    monkeypatch.setattr(store, "code_version", lambda: "0.1.0+0123456789ab")
+    (tmp_path / "down" / "x.txt").write_text("edited")
+    assert not current()

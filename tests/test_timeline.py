@@ -454,3 +454,21 @@ def test_a_straggler_splits_its_expert_parallel_peers_from_the_rest():
     classes = timeline_classes(_rank_classes(layout), layout, np.array([1.5, 1.0, 1.0, 1.0]))
     # rank 0, its all-to-all partner 1 (waits for it every layer), and the other expert-parallel group
     assert classes.class_of_rank.tolist() == [0, 1, 2, 2]
+
+
+def test_a_replaced_builtin_schedule_or_rule_is_seen(monkeypatch):
+    """A cached timeline is reused only while the built-in schedules and rules compose (timeline/stage.py)."""
+    from trainsim.timeline import plugins
+
+    monkeypatch.setattr(plugins, "_SCHEDULES", {})  # the registries as imported, restored after the test
+    monkeypatch.setattr(plugins, "_RULES", dict(plugins.BUILTIN_RULES))
+    assert not plugins.replaced_builtins()
+    register_schedule("my-schedule", lambda pp, rank, m, v: pipeline_actions("gpipe", pp, rank, m, v))
+    register_dependency_rule("mine", plugins.data_rule)
+    assert not plugins.replaced_builtins()  # new names change nothing until a composition names them
+    register_dependency_rule("data", lambda ops: plugins.data_rule(ops)[:0])
+    assert plugins.replaced_builtins()
+    register_dependency_rule("data", plugins.data_rule)
+    assert not plugins.replaced_builtins()
+    register_schedule("1f1b", lambda pp, rank, m, v: pipeline_actions("gpipe", pp, rank, m, v))
+    assert plugins.replaced_builtins()

@@ -95,6 +95,27 @@ def content_hash(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
 
 
+def is_current(artifact_dir: Path, *, stage: str, config: dict[str, Any], config_keys: dict[str, str],
+               inputs: list[Path] = ()) -> bool:
+    """True if running `stage` again would write the artifact that `artifact_dir` holds, so it can be reused.
+
+    Its manifest must record this stage, config and keys, inputs of the same content, the same tool
+    versions, and the same commit of a git checkout without local edits under src/ or stages/: code of
+    unknown version, or edited since its commit, always runs again. A damaged artifact is not current."""
+    version = code_version()
+    if "+" not in version or version.endswith("-dirty"):
+        return False
+    try:
+        manifest = read_manifest(artifact_dir)
+        return (manifest.get("stage") == stage and manifest.get("code_version") == version
+                and manifest.get("config_keys") == config_keys
+                and manifest.get("config") == json.loads(json.dumps(config))
+                and manifest.get("inputs") == {str(p): content_hash(read_manifest(p)) for p in inputs}
+                and manifest.get("tool_versions") == tool_versions())
+    except ArtifactError:
+        return False
+
+
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
     with open(path, "a+") as handle:

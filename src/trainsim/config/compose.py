@@ -2,6 +2,8 @@
 
 Snakemake, DVC, the CLI and the tests all come through `compose_run`, so a layout is checked
 the same way everywhere. Stages receive *plain* dicts (JSON), never OmegaConf objects.
+A composition is cached (compose_cache.py), so Hydra and OmegaConf are imported only on a cache miss:
+they take longer to import and compose than the rest of a cached `trainsim compose`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
+from trainsim.config.compose_cache import composition_key, read_composition, typed_from_plain, write_composition
 from trainsim.config.schema import (
     CONFIG_GROUPS,
     HardwareConfig,
@@ -91,8 +88,34 @@ def detect_local_devices(hw: HardwareConfig) -> HardwareConfig:
     return dataclasses.replace(hw, devices_per_node=devices, memory_capacity_bytes=float(memory))
 
 
+TYPED_NODES: dict[str, type] = {**CONFIG_GROUPS, "train": TrainConfig}
+"""The composed nodes a Run is made of."""
+
+
 def _compose(conf: Path, overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, Any]]:
-    """Chosen option per group and the typed groups, and the typed `train` node."""
+    """Chosen option per group and the typed groups, and the typed `train` node (cached)."""
+    key = composition_key(conf, overrides)
+    cached = read_composition(key)
+    if cached is not None:
+        try:
+            return cached["choices"], {name: typed_from_plain(cls, cached["nodes"][name])
+                                       for name, cls in TYPED_NODES.items()}
+        except (KeyError, TypeError, ValueError):
+            pass  # an entry of another shape: compose again and replace it
+    choices, typed = _hydra_compose(conf, overrides)
+    write_composition(key, {"choices": choices,
+                            "nodes": {name: dataclasses.asdict(node) for name, node in typed.items()}})
+    return choices, typed
+
+
+def _hydra_compose(conf: Path, overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, Any]]:
+    """What `_compose` caches: Hydra's composition (imported here, on a cache miss only)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     register_configs()
     GlobalHydra.instance().clear()
     try:
@@ -104,7 +127,7 @@ def _compose(conf: Path, overrides: tuple[str, ...]) -> tuple[dict[str, str], di
     finally:
         GlobalHydra.instance().clear()
     choices = {name: str(cfg.hydra.runtime.choices[name]) for name in CONFIG_GROUPS}
-    return choices, {name: OmegaConf.to_object(cfg[name]) for name in (*CONFIG_GROUPS, "train")}
+    return choices, {name: OmegaConf.to_object(cfg[name]) for name in TYPED_NODES}
 
 
 def compose_run(
@@ -148,6 +171,9 @@ def compose_run(
 
 def group_from_plain(name: str, values: dict[str, Any]):
     """Rebuild a typed config group from its plain dict (as handed to a stage), checking the fields."""
+    from omegaconf import OmegaConf  # stages only: a cached compose does not import it
+    from omegaconf.errors import OmegaConfBaseException
+
     schema = CONFIG_GROUPS[name]
     known = {f.name for f in dataclasses.fields(schema)}
     unknown = set(values) - known

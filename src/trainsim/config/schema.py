@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hydra.core.config_store import ConfigStore
-
 
 @dataclass
 class NcclConfig:
@@ -597,6 +595,8 @@ CONFIG_GROUPS: dict[str, type] = {
 
 def register_configs() -> None:
     """Register the schemas so YAML files can extend them with `defaults: [<group>_schema, _self_]`."""
+    from hydra.core.config_store import ConfigStore  # composing only: a cached compose does not import Hydra
+
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
     for group, schema in CONFIG_GROUPS.items():

@@ -125,3 +125,12 @@ def blocking_hint(ops: pd.DataFrame) -> np.ndarray:
 register_dependency_rule("data", data_rule)
 register_dependency_rule("call_point", call_point_rule)
 register_dependency_rule("blocking_comm", blocking_comm_rule)
+
+BUILTIN_RULES = {"data": data_rule, "call_point": call_point_rule, "blocking_comm": blocking_comm_rule}
+
+
+def replaced_builtins() -> bool:
+    """True once a registered schedule or rule stands in for a built-in one: a timeline composed before, with
+    the built-ins, then no longer shows what composing would (timeline/stage.py composes again)."""
+    return any(name in _SCHEDULES for name in BUILTIN_SCHEDULES) or \
+        any(_RULES.get(name) is not fn for name, fn in BUILTIN_RULES.items())
