@@ -395,7 +395,7 @@ EXAMPLES = {
              "train.tokens=15e12 --by cost --within-days 90"),
     "dvc-yaml": ("trainsim dvc-yaml > dvc.yaml", "trainsim dvc-yaml --check"),
 }
-"""Real command lines each verb's --help ends with (tests/test_cli.py wants some for every verb)."""
+"""Real command lines each verb's --help ends with (tests/cli/test_cli.py wants some for every verb)."""
 
 
 def _add_examples(parser: argparse.ArgumentParser, name: str) -> None:

@@ -323,7 +323,7 @@ def pair_seconds(params: CollectiveParams, pairs: list[tuple[str, str]], size: n
 def pair_parameters(params: CollectiveParams, algorithm: str, protocol: str) -> frozenset[str]:
     """The values algorithm_protocol_seconds reads for one pair: its algorithm's alpha, the network's, delta and
     its protocol's latencies and bandwidths (an all-to-all's LL ones too, for its small messages). A fit moving
-    one other value leaves the pair's time as it was (tests/test_comm_model.py checks this on four configs)."""
+    one other value leaves the pair's time as it was (tests/comm/test_comm_model.py checks this on four configs)."""
     protocols = {protocol, "LL"} if algorithm == "p2p" else {protocol}
     return frozenset(k for k in params.values
                      if k in ("delta", "alpha.network", f"alpha.{algorithm}")

@@ -16,7 +16,7 @@ from trainsim.errors import ConfigError
 from trainsim.profile.database import ProfileDatabase
 from trainsim.profile.kineto import SKIP_NO_SHAPES, TraceFileError, import_traces, read_trace
 
-KINETO = Path(__file__).resolve().parents[1] / "data" / "kineto"
+KINETO = Path(__file__).resolve().parents[2] / "data" / "kineto"
 SAMPLED = KINETO / "a100-128rank-sampled-rank0_kineto_hta-trace-filter.json.gz"      # shapes, no deviceProperties
 NCCL_2RANK = KINETO / "a100-2rank-nccl2.17.1_kineto_hta-nccl-parser.json.gz"         # A100-PG509-200, no shapes
 RANK0_16 = KINETO / "a100-80gb-16rank-rank0_kineto_hta-queue-length.json.gz"        # A100-SXM4-80GB, shapes

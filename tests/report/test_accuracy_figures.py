@@ -105,7 +105,7 @@ def test_published_page_draws_every_row_and_renders_whole(tmp_path, chromium):
 def test_scale_benchmark_writes_the_page(tmp_path, monkeypatch, capsys):
     """`--page` on the benchmark script itself, with evaluate_tables replaced by the rows above (the real one
     composes every row: minutes per table)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scale_accuracy.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "scale_accuracy.py"
     spec = importlib.util.spec_from_file_location("scale_accuracy", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -259,7 +259,7 @@ def test_gemm_shape_model_fitted_on_measured_h100_gemms_prices_the_other_shapes(
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_accuracy.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_accuracy.py"
     spec = importlib.util.spec_from_file_location("kernel_accuracy", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -15,7 +15,7 @@ from trainsim.config import compose_run
 from trainsim.config.schema import RunConfig
 from trainsim.errors import ConfigError
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "trainsim"
+SRC = Path(__file__).resolve().parents[2] / "src" / "trainsim"
 SCHEMA = SRC / "config" / "schema.py"
 
 

@@ -184,7 +184,7 @@ def test_device_type_feature():
 
 
 def test_gpu_hardware_trains_on_the_imported_csv(tmp_path, monkeypatch):
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the YAML path is relative to the project root
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the YAML path is relative to the project root
     hw = compose_run(["hardware=h100-sxm-dgx"]).hardware
     keys = {"hardware": "h100-sxm-dgx"}
     summary = write_dataset_artifact(hw, keys, tmp_path / "slowdown")

@@ -229,7 +229,7 @@ def test_grouped_gemm_parameters_fitted_on_two_moes_price_the_third():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "grouped_gemm_accuracy.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "grouped_gemm_accuracy.py"
     spec = importlib.util.spec_from_file_location("grouped_gemm_accuracy", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

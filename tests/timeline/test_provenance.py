@@ -9,7 +9,7 @@ import pytest
 import trainsim
 from trainsim.config import compose_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIGS = sorted(p.stem for p in (ROOT / "conf/hardware").glob("*.yaml") if p.stem != "local-cpu")
 FAST_SLOWDOWN = ["hardware.slowdown.model.tuning.learning_rate=[]", "hardware.slowdown.model.tuning.n_estimators=[]",
                  "hardware.slowdown.model.tuning.max_depth=[]", "hardware.slowdown.model.tuning.min_child_weight=[]"]

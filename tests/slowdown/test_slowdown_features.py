@@ -29,7 +29,7 @@ from trainsim.slowdown.train import SCHEMA_VERSION, grouped_cv, kernel_groups, t
 from trainsim.timeline.costs import PredictorSlowdown
 
 A100_CSV = DATA_DIR / "overlap-slowdown/echo_gpt2_ddp_2gpu_a100_kernel_overlap_slowdown.csv"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = SlowdownModelConfig(n_estimators=30, max_depth=6, nthread=1)
 
 
