@@ -91,13 +91,14 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
     """
     from trainsim.artifacts import read_table
     from trainsim.config import compose_run
+    from trainsim.pipeline import compose_point
     from trainsim.registry import STAGES
     from trainsim.report.efficiency import efficiency
-    from trainsim.timeline.stage import CLASSES_FILE, compose_run_artifacts
+    from trainsim.timeline.stage import CLASSES_FILE
     from trainsim.trace.stage import MEMORY_FILE
 
     run = compose_run(overrides_from(overrides, options), check="layout")
-    summary, out_dir = compose_run_artifacts(run, Path(output) if output else None, build_missing=build_missing)
+    summary, out_dir = compose_point(run, Path(output) if output else None, build_missing=build_missing)
     classes = read_table(out_dir, CLASSES_FILE).to_pandas()
     trace_dir = Path(STAGES["trace"].path(run.keys))  # the trace the timeline was composed from
     memory = memory_table(read_table(trace_dir, MEMORY_FILE).to_pandas(), run.hardware.memory_capacity_bytes)
