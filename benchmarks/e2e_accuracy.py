@@ -110,21 +110,17 @@ def prediction_run(name: str, truth_dir: Path):
 def remeasure_profile(run) -> None:
     """Time the layout's ops again (`trainsim profile --remeasure`): the newest rows win."""
     from trainsim.profile.stage import write_profile_artifact
-    from trainsim.trace.stage import write_trace_artifact
 
-    trace, profile = (Path(STAGES[name].path(run.keys)) for name in ("trace", "profile"))
-    if not (trace / "manifest.json").is_file():
-        write_trace_artifact(run.model, run.parallelism, run.keys, trace)
+    trace = build_point(run, "trace").paths["trace"]  # traced where missing or made by other code
+    profile = Path(STAGES["profile"].path(run.keys))
     write_profile_artifact(run.hardware, run.keys, trace, Path(STAGES["profile"].database_path(run.keys)), profile,
                            remeasure=True)
 
 
 def recalibrate(run, calibrated: set[str]) -> None:
     """Calibrate the hardware's gloo model and system noise again, once per run and hardware."""
-    from trainsim.comm.calibration import write_calibration_artifact
-
     if run.keys["hardware"] not in calibrated:
-        write_calibration_artifact(run.hardware, run.keys, Path(STAGES["calibration"].path(run.keys)))
+        build_point(run, "calibration", force_target=True)
         calibrated.add(run.keys["hardware"])
 
 
