@@ -30,6 +30,12 @@ def test_stage_order_follows_the_declared_inputs_not_the_registry_order():
         pipeline.stage_order(cycle)
 
 
+def test_every_stage_but_the_on_demand_ones_has_a_builder():
+    """A stage added to the registry without a builder would be silently skipped by `trainsim compose`."""
+    assert set(pipeline.BUILDERS) == {name for name, stage in STAGES.items() if not stage.on_demand}
+    assert all(set(stage.fallback_inputs) <= set(stage.inputs) for stage in STAGES.values())
+
+
 @pytest.fixture
 def recorded(tmp_path, monkeypatch):
     """Every builder replaced by one that publishes an empty artifact (a manifest, and what the outdated checks

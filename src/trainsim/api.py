@@ -84,8 +84,9 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
             **options) -> Prediction:
     """Predict one training step of the composed config (the CLI's `trainsim compose`).
 
-    Missing artifacts (trace, kernel profile, calibration, slowdown model) are built and cached first,
-    so the default is the best prediction the project can make; `build_missing=False` builds only the
+    Missing or outdated artifacts (trace, kernel profile, calibration, slowdown model) are built and cached
+    first by the pipeline driver (pipeline.compose_point), so the default is the best prediction the project
+    can make; `build_missing=False` builds only the
     trace and profile and says in `warnings` what stood in for the rest. Raises ConfigError for an
     invalid config, naming the field, the value and what is accepted.
     """
