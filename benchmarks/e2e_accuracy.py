@@ -37,7 +37,7 @@ included). Prints `figure memory_error_pct_local_max` (largest |error| over layo
                                       [--reuse-ground-truth]
                                       [--layouts dp2 ...]
 First run traces 576 distinct vTrain shapes (~25 min on 2 cores, cached under
-artifacts/validation/vtrain/traces); later runs take ~11-17 min (five fits, one per
+artifacts/validation/traces); later runs take ~11-17 min (five fits, one per
 host dispatch time of the grid). The NCCL calibration of a100-80g-vtrain is built first when missing.
 """
 
@@ -50,8 +50,8 @@ import time
 from pathlib import Path
 
 from trainsim.config import compose_run
+from trainsim.pipeline import build_point, compose_point
 from trainsim.registry import STAGES
-from trainsim.timeline.stage import compose_run_artifacts
 from trainsim.validation import activation_memory, vtrain
 from trainsim.validation.ground_truth import (
     ROUTING_FILE,
@@ -110,21 +110,17 @@ def prediction_run(name: str, truth_dir: Path):
 def remeasure_profile(run) -> None:
     """Time the layout's ops again (`trainsim profile --remeasure`): the newest rows win."""
     from trainsim.profile.stage import write_profile_artifact
-    from trainsim.trace.stage import write_trace_artifact
 
-    trace, profile = (Path(STAGES[name].path(run.keys)) for name in ("trace", "profile"))
-    if not (trace / "manifest.json").is_file():
-        write_trace_artifact(run.model, run.parallelism, run.keys, trace)
+    trace = build_point(run, "trace").paths["trace"]  # traced where missing or made by other code
+    profile = Path(STAGES["profile"].path(run.keys))
     write_profile_artifact(run.hardware, run.keys, trace, Path(STAGES["profile"].database_path(run.keys)), profile,
                            remeasure=True)
 
 
 def recalibrate(run, calibrated: set[str]) -> None:
     """Calibrate the hardware's gloo model and system noise again, once per run and hardware."""
-    from trainsim.comm.calibration import write_calibration_artifact
-
     if run.keys["hardware"] not in calibrated:
-        write_calibration_artifact(run.hardware, run.keys, Path(STAGES["calibration"].path(run.keys)))
+        build_point(run, "calibration", force_target=True)
         calibrated.add(run.keys["hardware"])
 
 
@@ -139,9 +135,9 @@ def bracketed_prediction(name: str, calibrated: set[str], truth_dir: Path) -> tu
     recalibrate(run, calibrated)
     truth = write_ground_truth_artifact(run.hardware, run.model, run.parallelism, run.keys, truth_dir)
     run = prediction_run(name, truth_dir)
-    before, _ = compose_run_artifacts(run)
+    before, _ = compose_point(run)
     remeasure_profile(run)
-    after, _ = compose_run_artifacts(run)
+    after, _ = compose_point(run)
     return truth, before, after["step_time_s"], 100 * (after["step_time_s"] / before["step_time_s"] - 1)
 
 
@@ -154,7 +150,7 @@ def local_part(reuse: bool, layouts: list[str]) -> list[tuple[str, float, str]]:
         truth_dir = Path(STAGES["ground_truth"].path(run.keys))
         if reuse and (truth_dir / "manifest.json").is_file():
             truth = read_ground_truth(truth_dir)
-            predicted, _ = compose_run_artifacts(prediction_run(name, truth_dir))
+            predicted, _ = compose_point(prediction_run(name, truth_dir))
             after_s = predicted["step_time_s"]  # one prediction: the mean below is that prediction
         else:
             truth, predicted, after_s, drift = bracketed_prediction(name, calibrated, truth_dir)
@@ -173,6 +169,7 @@ def local_part(reuse: bool, layouts: list[str]) -> list[tuple[str, float, str]]:
 
 
 def vtrain_part() -> list[tuple[str, float, str]]:
+    build_point(vtrain.base_run(), "calibration")  # built where missing
     result = vtrain.evaluate()
     table = result.table
     out = Path("artifacts/validation/vtrain")

@@ -63,7 +63,7 @@ def published_ops() -> pd.DataFrame:
     """The distinct ops of the H100 tables' row traces (traced on first use, as scale_accuracy.py does)."""
     from trainsim.validation.published import TABLES as PUBLISHED
     from trainsim.validation.published import RowRun, read_table, row_configs, trace_rows
-    from trainsim.validation.vtrain import _trace_tables
+    from trainsim.validation.traces import trace_tables
 
     base = compose_run([f"hardware={HARDWARE}", "model=gpt-small", "parallelism=single"])
     runs = []
@@ -71,7 +71,7 @@ def published_ops() -> pd.DataFrame:
         rows = read_table(name)
         runs += [RowRun(*row_configs(PUBLISHED[name], row, base.model, base.parallelism), Path())
                  for _, row in rows[rows["skip_reason"].isna()].iterrows()]
-    ops = pd.concat([_trace_tables(run.directory)[2] for run in trace_rows(runs)])
+    ops = pd.concat([trace_tables(run.directory)[2] for run in trace_rows(runs)])
     return ops.drop_duplicates("signature").reset_index(drop=True)
 
 

@@ -86,15 +86,15 @@ def compose_slowdowns(predictor: SlowdownPredictor, overrides: list[str]) -> tup
     """s the composer's model predicts for every overlapped (compute kernel, collective) pair of one
     composed step (trace and kernel profile built or read at the registry's paths), and how many
     categorical values it had never seen."""
-    from trainsim.registry import STAGES
+    from trainsim.pipeline import build_point
     from trainsim.timeline.compose import compose_step
-    from trainsim.timeline.stage import comm_model, compose_run_artifacts, load_profile
+    from trainsim.timeline.stage import comm_model, load_profile
     from trainsim.trace.stage import GRAPH_FILE, RANK_CLASSES_FILE
     from trainsim.what_if import scaled_compute_times
 
     run = compose_run(overrides)
-    compose_run_artifacts(run, build_missing=False)
-    trace, profile = (Path(STAGES[name].path(run.keys)) for name in ("trace", "profile"))
+    built = build_point(run, "profile")
+    trace, profile = built.paths["trace"], built.paths["profile"]
     graph = read_table(trace, GRAPH_FILE).to_pandas()
     compute = scaled_compute_times(load_profile(profile)[0], graph[graph["kind"] == "compute"], run.hardware)
     recording = _Recording(predictor, run.hardware)

@@ -43,8 +43,8 @@ def agreement(base: list[str], budget: int, table, label: str) -> list[float]:
     """|fast - full| / full in % for the fastest, median and slowest layouts that fit, the deepest pipeline and
     the fastest with expert tensor parallelism."""
     from trainsim.config import compose_run
+    from trainsim.pipeline import compose_point
     from trainsim.search.run import STATUS_OK, cluster_for, layout_overrides
-    from trainsim.timeline.stage import compose_run_artifacts
 
     run = compose_run(base, check="layout")
     ok = table[table["status"] == STATUS_OK].sort_values("step_time_s").reset_index(drop=True)
@@ -57,7 +57,7 @@ def agreement(base: list[str], budget: int, table, label: str) -> list[float]:
     for i in sorted(picks):
         row = ok.iloc[i]
         started = time.perf_counter()
-        summary, _ = compose_run_artifacts(compose_run(base + layout_overrides(row, nodes)))
+        summary, _ = compose_point(compose_run(base + layout_overrides(row, nodes)))
         wall = time.perf_counter() - started
         error = 100 * (row["step_time_s"] / summary["step_time_s"] - 1)
         errors.append(abs(error))

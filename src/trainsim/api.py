@@ -84,20 +84,22 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
             **options) -> Prediction:
     """Predict one training step of the composed config (the CLI's `trainsim compose`).
 
-    Missing artifacts (trace, kernel profile, calibration, slowdown model) are built and cached first,
-    so the default is the best prediction the project can make; `build_missing=False` builds only the
+    Missing or outdated artifacts (trace, kernel profile, calibration, slowdown model) are built and cached
+    first by the pipeline driver (pipeline.compose_point), so the default is the best prediction the project
+    can make; `build_missing=False` builds only the
     trace and profile and says in `warnings` what stood in for the rest. Raises ConfigError for an
     invalid config, naming the field, the value and what is accepted.
     """
     from trainsim.artifacts import read_table
     from trainsim.config import compose_run
+    from trainsim.pipeline import compose_point
     from trainsim.registry import STAGES
     from trainsim.report.efficiency import efficiency
-    from trainsim.timeline.stage import CLASSES_FILE, compose_run_artifacts
+    from trainsim.timeline.stage import CLASSES_FILE
     from trainsim.trace.stage import MEMORY_FILE
 
     run = compose_run(overrides_from(overrides, options), check="layout")
-    summary, out_dir = compose_run_artifacts(run, Path(output) if output else None, build_missing=build_missing)
+    summary, out_dir = compose_point(run, Path(output) if output else None, build_missing=build_missing)
     classes = read_table(out_dir, CLASSES_FILE).to_pandas()
     trace_dir = Path(STAGES["trace"].path(run.keys))  # the trace the timeline was composed from
     memory = memory_table(read_table(trace_dir, MEMORY_FILE).to_pandas(), run.hardware.memory_capacity_bytes)

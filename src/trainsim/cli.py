@@ -255,7 +255,7 @@ def _search_setup(args):
     """The run, the search space of the command line, and the hardware's calibration (built when missing
     unless --quick)."""
     from trainsim.config import compose_run
-    from trainsim.registry import STAGES
+    from trainsim.pipeline import artifact_paths, build_point, exists
     from trainsim.search.layouts import SearchSpace
 
     run = compose_run(args.overrides, check="layout")
@@ -263,12 +263,10 @@ def _search_setup(args):
                         recompute=tuple(args.recompute), min_world_size=args.min_gpus, cp_sizes=tuple(args.cp_sizes),
                         zero_stages=tuple(args.zero_stages), ep_sizes=tuple(args.ep_sizes),
                         etp_sizes=tuple(args.etp_sizes))
-    calibration = Path(STAGES["calibration"].path(run.keys))
-    if not args.quick and not (calibration / "manifest.json").is_file():
-        from trainsim.comm.calibration import write_calibration_artifact
-
+    calibration = artifact_paths(run.keys)["calibration"]
+    if not args.quick and not exists(calibration):
         with status(f"calibrating the collectives of {run.hardware.name} (cached in {calibration})"):
-            write_calibration_artifact(run.hardware, run.keys, calibration)
+            build_point(run, "calibration")
     return run, space, calibration
 
 

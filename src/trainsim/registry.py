@@ -39,6 +39,9 @@ class Stage:
     """Built only when its output is asked for (never by `rule all`): a slow real run, not a prediction."""
     optional_inputs: tuple[str, ...] = ()
     """Upstream stages read when their artifact exists (Snakemake then re-runs on its change); never built for it."""
+    fallback_inputs: tuple[str, ...] = ()
+    """Inputs (among `inputs`) the stage can do without, a weaker stand-in taking their place (which its output
+    says): `trainsim compose --quick` builds none of them (pipeline.py). Snakemake and DVC build them all."""
     dvc_files: tuple[str, ...] = ()
     """Files of the output listed one by one as DVC outs (needed when some are metrics or plots: DVC
     refuses a metrics file inside a directory out). Empty: the output directory is one out."""
@@ -120,6 +123,7 @@ STAGES: dict[str, Stage] = {
         summary="event-driven timeline of one step: step time, breakdown per rank class, critical path, "
                 "memory verdict, Chrome trace",
         inputs=("trace", "profile", "calibration", "slowdown_model"),
+        fallback_inputs=("calibration", "slowdown_model"),
     ),
     "ground_truth": Stage(
         name="ground_truth",

@@ -10,7 +10,8 @@ import pytest
 
 from trainsim.config import compose_run
 from trainsim.registry import STAGES, leaf_stages
-from trainsim.validation import vtrain
+from trainsim.validation import traces, vtrain
+from trainsim.validation.fitting import with_kernel_params
 from trainsim.validation.ground_truth import (
     NOT_MEASURED,
     GroundTruthError,
@@ -115,14 +116,14 @@ def test_vtrain_fit_split_is_fixed():
     assert first.loc[first["fit"], "measured_ms"].iloc[0] == pytest.approx(372.160408)
 
 
-def test_vtrain_trace_cache_is_keyed_by_the_tracer_code(tmp_path, monkeypatch):
+def test_validation_trace_cache_is_keyed_by_the_tracer_code(tmp_path, monkeypatch):
     """A trace cached by older workload or tracer code is not reused: the key includes their source."""
     run = vtrain.base_run()
     model, par = vtrain.row_configs(run.model, run.parallelism, vtrain.read_rows().iloc[0])
-    before = vtrain._trace_file(model, par, tmp_path)
-    assert vtrain._trace_file(model, dataclasses.replace(par, global_batch_size=64), tmp_path) == before
-    monkeypatch.setattr(vtrain, "tracer_code_digest", lambda: "edited-workload")
-    assert vtrain._trace_file(model, par, tmp_path) != before
+    before = traces.trace_directory(model, par, tmp_path)
+    assert traces.trace_directory(model, dataclasses.replace(par, global_batch_size=64), tmp_path) == before
+    monkeypatch.setattr(traces, "tracer_code_digest", lambda: "edited-workload")
+    assert traces.trace_directory(model, par, tmp_path) != before
 
 
 # the kernel-model parameters and host dispatch time `benchmarks/e2e_accuracy.py` fitted on the fit rows,
@@ -143,7 +144,7 @@ def test_vtrain_accuracy_guard(tmp_path):
     run = vtrain.base_run()
     hw = run.hardware
     assert vtrain.kernel_model_params(hw) == pytest.approx(FITTED) and hw.host_dispatch_s == HOST_DISPATCH_S
-    moved = vtrain.hw_with(hw, {"matmul_efficiency": 0.5, "kind_efficiency.optimizer": 2.0, "host_dispatch_s": 0.0})
+    moved = with_kernel_params(hw, {"matmul_efficiency": 0.5, "kind_efficiency.optimizer": 2.0, "host_dispatch_s": 0.0})
     assert vtrain.kernel_model_params(moved) == pytest.approx({**FITTED, "matmul_efficiency": 0.5,
                                                                "kind_efficiency.optimizer": 2.0})
     assert moved.host_dispatch_s == 0.0 and moved.kernel_model.kind_efficiency["elementwise"] == FITTED[

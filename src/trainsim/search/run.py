@@ -26,6 +26,7 @@ from trainsim.comm.model import CommModel
 from trainsim.config.compose import Run, stable_hash
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.errors import ArtifactError, ConfigError
+from trainsim.pipeline import exists
 from trainsim.progress import progress
 from trainsim.registry import STAGES
 from trainsim.report.efficiency import TRAINING_TOTALS, efficiency, training_totals
@@ -163,7 +164,7 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
         raise ConfigError(f"no layout of {run.model.name} fits the constraints on {budget} GPUs "
                           f"(search space {space})")
     costs, slices_s = load_slice_costs(run.model, layouts, hw, run.keys, cache)
-    calibrated = calibration_dir is not None and (Path(calibration_dir) / "manifest.json").is_file()
+    calibrated = calibration_dir is not None and exists(calibration_dir)  # pipeline.build_point builds it
     comm = comm_model(hw, calibration_dir if calibrated else None)  # a corrupt calibration is an error
     started = time.perf_counter()
     table = evaluate_layouts(layouts, costs, run.model, hw, comm, jobs)

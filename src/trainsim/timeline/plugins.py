@@ -131,6 +131,6 @@ BUILTIN_RULES = {"data": data_rule, "call_point": call_point_rule, "blocking_com
 
 def replaced_builtins() -> bool:
     """True once a registered schedule or rule stands in for a built-in one: a timeline composed before, with
-    the built-ins, then no longer shows what composing would (timeline/stage.py composes again)."""
-    return any(name in _SCHEDULES for name in BUILTIN_SCHEDULES) or \
+    the built-ins, then no longer shows what composing would (pipeline.timeline_is_current composes again)."""
+    return any(name in _SCHEDULES for name in SCHEDULES) or \
         any(_RULES.get(name) is not fn for name, fn in BUILTIN_RULES.items())

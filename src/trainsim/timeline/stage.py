@@ -24,7 +24,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trainsim.artifacts import atomic_artifact, is_current, read_manifest, read_table
+from trainsim.artifacts import atomic_artifact, read_manifest, read_table
 from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size
 from trainsim.config.devices import device_type_of
@@ -35,7 +35,6 @@ from trainsim.timeline.chrome import write_chrome_trace
 from trainsim.timeline.compose import StepTimeline, compose_step
 from trainsim.timeline.costs import CommCost, NoSlowdown, PredictorSlowdown, SlowdownEstimate
 from trainsim.timeline.outputs import class_table, node_kind_names, summary
-from trainsim.timeline.plugins import replaced_builtins
 from trainsim.timeline.provenance import prediction_inputs, run_values
 from trainsim.trace.stage import GRAPH_FILE, MEMORY_FILE, RANK_CLASSES_FILE
 from trainsim.what_if import scaled_compute_times
@@ -119,53 +118,3 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
                                  "rank_class": t.classes.class_of_rank.astype(np.int32)}), tmp / RANK_CLASSES_FILE)
         write_chrome_trace(t, tmp / CHROME_FILE)
     return result
-
-
-def compose_run_artifacts(run, output: Path | None = None, build_missing: bool = True) -> tuple[dict, Path]:
-    """What `trainsim compose` does: compose a run from the artifacts at the registry's paths, first
-    writing those that are missing (cached there for the next run), so that the default is the whole
-    pipeline's prediction. With `build_missing=False` only the trace and kernel profile are built; a
-    missing calibration or slowdown model is then left out, and summary.json's `inputs` warns of it.
-    Returns the summary and the timeline directory."""
-    from trainsim.comm.calibration import write_calibration_artifact
-    from trainsim.profile.stage import write_profile_artifact
-    from trainsim.registry import STAGES
-    from trainsim.slowdown.stage import write_dataset_artifact, write_model_artifact
-    from trainsim.slowdown.train import SCHEMA_VERSION as SLOWDOWN_SCHEMA_VERSION
-    from trainsim.trace.stage import tracer_code_digest, write_trace_artifact
-
-    keys, hw = run.keys, run.hardware
-    paths = {name: Path(stage.path(keys)) for name, stage in STAGES.items()}
-
-    def missing(name: str) -> bool:
-        return not (paths[name] / "manifest.json").is_file()
-
-    def outdated_slowdown() -> bool:
-        """A slowdown model of an older feature schema (built before an upgrade) is rebuilt, not refused."""
-        schema = paths["slowdown_model"] / "schema.json"
-        return schema.is_file() and json.loads(schema.read_text()).get("schema_version") != SLOWDOWN_SCHEMA_VERSION
-
-    def outdated_trace() -> bool:
-        """A trace made by other tracer or workload code (before an upgrade) is traced again, not reused."""
-        manifest = paths["trace"] / "manifest.json"
-        return json.loads(manifest.read_text())["config"].get("tracer_code") != tracer_code_digest()
-
-    retrace = missing("trace") or outdated_trace()
-    if retrace:
-        write_trace_artifact(run.model, run.parallelism, keys, paths["trace"])
-    if retrace or missing("profile"):
-        write_profile_artifact(hw, keys, paths["trace"], Path(STAGES["profile"].database_path(keys)), paths["profile"])
-    if build_missing and missing("calibration"):
-        write_calibration_artifact(hw, keys, paths["calibration"])
-    if build_missing and (missing("slowdown_model") or outdated_slowdown()):
-        if missing("slowdown_dataset") or outdated_slowdown():
-            write_dataset_artifact(hw, keys, paths["slowdown_dataset"])
-        write_model_artifact(hw, keys, paths["slowdown_dataset"], paths["slowdown_model"])
-    inputs = {name: paths[name] for name in STAGES["compose"].inputs
-              if name in paths and (paths[name] / "manifest.json").is_file()}
-    output = Path(output or paths["compose"])
-    config = timeline_config(hw, run.model, run.parallelism)
-    if not replaced_builtins() and is_current(output, stage="compose", config=config, config_keys=keys,
-                                              inputs=list(inputs.values())):
-        return json.loads((output / SUMMARY_FILE).read_text()), output  # only read: no replay, slowdown model
-    return write_timeline_artifact(run.hardware, run.model, run.parallelism, keys, inputs, output), output

@@ -33,8 +33,8 @@ import pandas as pd
 
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-
-CACHE = Path("artifacts/validation/published/traces")
+from trainsim.validation.fitting import SENSITIVITY_STEP, calibrated_comm, with_kernel_params
+from trainsim.validation.traces import TRACE_CACHE, analytical_step, is_traced, trace_directory, trace_jobs, traced
 
 
 @dataclass(frozen=True)
@@ -281,32 +281,17 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
     return model, par
 
 
-def trace_dir(model: ModelConfig, par: ParallelismConfig, cache: Path = CACHE) -> Path:
-    """Cached ex-situ trace of one row (traced on first use)."""
-    from trainsim.validation.vtrain import _trace_file, _trace_one
-    path = _trace_file(model, par, cache)
-    _trace_one((model, par, str(path)))
-    return path
-
-
 def compose_row(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, comm, slowdown=None):
-    """The composed step of one row with the analytical kernel model of `hw`."""
-    from trainsim.profile.analytical import predict_rows as analytical
-    from trainsim.timeline.compose import compose_step
-    from trainsim.validation.vtrain import _trace_tables
-
-    graph, rank_classes, ops = _trace_tables(trace_dir(model, par))
-    times = dict(zip(ops["signature"], analytical(ops, hw)))
-    return compose_step(graph, rank_classes, par, hw, times, comm, slowdown)
+    """The composed step of one row with the analytical kernel model of `hw` (its trace cached on first use)."""
+    return analytical_step(traced(model, par), par, hw, comm, slowdown)
 
 
-FITTED = ("matmul_efficiency", "fp8_matmul_efficiency", "memory_efficiency")
+FITTED_PER_GPU = ("matmul_efficiency", "fp8_matmul_efficiency", "memory_efficiency")
 """The kernel model's parameters fitted per GPU across the rows of its tables (hardware.kernel_model fields):
 what large bf16 and FP8 GEMMs and streaming kernels reach on that GPU. A parameter no row depends on (FP8 on a
 GPU without FP8 rows) stays as configured. Everything else is physics or a datasheet/kernel-benchmark number."""
-SENSITIVITY_STEP = 0.05
 CEILING_DTYPE = {"matmul_efficiency": "bf16", "fp8_matmul_efficiency": "float8_e4m3fn"}
-"""FITTED GEMM parameter -> the mamf dtype whose best measured throughput bounds it"""
+"""FITTED_PER_GPU GEMM parameter -> the mamf dtype whose best measured throughput bounds it"""
 
 
 @dataclass
@@ -316,36 +301,27 @@ class RowRun:
     directory: Path
 
 
-def with_kernel_params(hw: HardwareConfig, params: dict[str, float]) -> HardwareConfig:
-    return dataclasses.replace(hw, kernel_model=dataclasses.replace(hw.kernel_model, **params))
-
-
 def kernel_params(hw: HardwareConfig) -> np.ndarray:
-    """FITTED's values in effect on `hw` (an unset FP8 GEMM efficiency is the bf16 one)."""
+    """FITTED_PER_GPU's values in effect on `hw` (an unset FP8 GEMM efficiency is the bf16 one)."""
     from trainsim.profile.analytical import matmul_efficiency
 
     km = hw.kernel_model
     return np.array([matmul_efficiency(km, "fp8") if n == "fp8_matmul_efficiency" else getattr(km, n)
-                     for n in FITTED])
+                     for n in FITTED_PER_GPU])
 
 
 def step_seconds(run: RowRun, hw: HardwareConfig, comm) -> float:
-    from trainsim.profile.analytical import predict_rows as analytical
-    from trainsim.timeline.compose import compose_step
-    from trainsim.validation.vtrain import _trace_tables
-
-    graph, rank_classes, ops = _trace_tables(run.directory)
-    times = dict(zip(ops["signature"], analytical(ops, hw)))
-    return compose_step(graph, rank_classes, run.par, hw, times, comm).step_time_s
+    """The step time of one traced row with the analytical kernel model of `hw`."""
+    return analytical_step(run.directory, run.par, hw, comm).step_time_s
 
 
 def linearise(runs: list[RowRun], hw: HardwareConfig, comm) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's step time at `hw` and its derivative by each FITTED parameter's inverse ratio r = p0 / p
+    """Each row's step time at `hw` and its derivative by each FITTED_PER_GPU parameter's inverse ratio r = p0 / p
     (kernel time is proportional to 1/efficiency where that parameter binds), by finite differences."""
-    hw = with_kernel_params(hw, dict(zip(FITTED, kernel_params(hw))))
+    hw = with_kernel_params(hw, dict(zip(FITTED_PER_GPU, kernel_params(hw))))
     base = np.array([step_seconds(r, hw, comm) for r in runs])
-    slopes = np.zeros((len(runs), len(FITTED)))
-    for j, name in enumerate(FITTED):
+    slopes = np.zeros((len(runs), len(FITTED_PER_GPU)))
+    for j, name in enumerate(FITTED_PER_GPU):
         moved = with_kernel_params(hw, {name: getattr(hw.kernel_model, name) / (1 + SENSITIVITY_STEP)})
         slopes[:, j] = (np.array([step_seconds(r, moved, comm) for r in runs]) - base) / SENSITIVITY_STEP
     return base, slopes
@@ -366,13 +342,14 @@ def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
 
 
 def fit_ratios(base: np.ndarray, slopes: np.ndarray, measured: np.ndarray, hw: HardwareConfig) -> dict[str, float]:
-    """Least squares on log step time of the linearised rows, over the FITTED parameters some row depends on;
+    """Least squares on log step time of the linearised rows, over the FITTED_PER_GPU parameters some row depends on;
     efficiencies stay in [0.05, ceiling] (`matmul_ceiling` of the GEMMs' dtype, 1 for memory)."""
     from scipy.optimize import least_squares
 
     active = np.abs(slopes).sum(axis=0) > 0
     p0 = kernel_params(hw)[active]
-    ceiling = np.array([matmul_ceiling(hw, CEILING_DTYPE[n]) if n in CEILING_DTYPE else 1.0 for n in FITTED])[active]
+    ceiling = np.array([matmul_ceiling(hw, CEILING_DTYPE[n]) if n in CEILING_DTYPE else 1.0
+                        for n in FITTED_PER_GPU])[active]
     lower, upper = p0 / ceiling, p0 / 0.05  # ratio r = p0 / p: p <= ceiling <=> r >= p0 / ceiling
     slopes = slopes[:, active]
 
@@ -380,7 +357,7 @@ def fit_ratios(base: np.ndarray, slopes: np.ndarray, measured: np.ndarray, hw: H
         return np.log(np.maximum(base + slopes @ (r - 1), 1e-9)) - np.log(measured)
 
     fit = least_squares(residuals, np.clip(np.ones(len(p0)), lower, upper), bounds=(lower, upper))
-    return {name: float(p / r) for name, p, r in zip(np.array(FITTED)[active], p0, fit.x)}
+    return {name: float(p / r) for name, p, r in zip(np.array(FITTED_PER_GPU)[active], p0, fit.x)}
 
 
 @dataclass
@@ -388,23 +365,10 @@ class TableResult:
     rows: pd.DataFrame
     """per row: measured_s, predicted_s (leave-one-row-out), error_pct, and that fold's fitted parameters"""
     all_rows_fit: dict[str, float]
-    """FITTED from every row of the GPU's tables evaluated with it (what the hardware config carries)"""
+    """FITTED_PER_GPU from every row of the GPU's tables evaluated with it (what the hardware config carries)"""
     seconds: float
     skipped: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
     """rows that cannot be expressed yet, with their skip_reason (not in rows, the fit or the figures)"""
-
-
-def calibrated_comm(run):
-    """The run's hardware's calibrated collective model, calibrating first (seconds) when its artifact is
-    missing, as `trainsim compose` does."""
-    from trainsim.comm.calibration import write_calibration_artifact
-    from trainsim.registry import STAGES
-    from trainsim.timeline.stage import comm_model
-
-    directory = Path(STAGES["calibration"].path(run.keys))
-    if not (directory / "manifest.json").is_file():
-        write_calibration_artifact(run.hardware, run.keys, directory)
-    return comm_model(run.hardware, directory)
 
 
 FLASH_ATTENTION_RATES = DATA_DIR / "kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv"
@@ -429,11 +393,8 @@ def table_hardware(table: Table, hw: HardwareConfig) -> HardwareConfig:
 
 def trace_rows(runs: list[RowRun], workers: int = 2) -> list[RowRun]:
     """Each run with its cached trace directory, tracing the missing ones on `workers` processes."""
-    from trainsim.validation.vtrain import _trace_file, trace_jobs
-
-    runs = [dataclasses.replace(r, directory=_trace_file(r.model, r.par, CACHE)) for r in runs]
-    trace_jobs([(r.model, r.par, str(r.directory)) for r in runs if not (r.directory / "graph.parquet").is_file()],
-               CACHE, workers)
+    runs = [dataclasses.replace(r, directory=trace_directory(r.model, r.par, TRACE_CACHE)) for r in runs]
+    trace_jobs([(r.model, r.par, str(r.directory)) for r in runs if not is_traced(r.directory)], TRACE_CACHE, workers)
     return runs
 
 
@@ -449,18 +410,25 @@ class _LinearisedTable:
     seconds: float
 
 
+def table_run(name: str):
+    """The run a table's rows start from: its hardware (whose calibration composes them), gpt-small and a
+    single device, which each row's model and layout replace."""
+    from trainsim.config import compose_run
+
+    return compose_run([f"hardware={TABLES[name].hardware}", "model=gpt-small", "parallelism=single"])
+
+
 def _linearised_table(name: str, workers: int) -> _LinearisedTable:
-    """A table's runnable rows traced, and their step times linearised in FITTED at its hardware."""
+    """A table's runnable rows traced, and their step times linearised in FITTED_PER_GPU at its hardware."""
     import time
 
-    from trainsim.config import compose_run
 
     started = time.perf_counter()
     table = TABLES[name]
     table_rows = read_table(name)
     runnable = table_rows["skip_reason"].isna()
     rows, skipped = table_rows[runnable].reset_index(drop=True), table_rows[~runnable].reset_index(drop=True)
-    run = compose_run([f"hardware={table.hardware}", "model=gpt-small", "parallelism=single"])
+    run = table_run(name)
     comm = calibrated_comm(run)
     runs = [RowRun(*row_configs(table, row, run.model, run.parallelism), Path()) for _, row in rows.iterrows()]
     runs = trace_rows(runs, workers)
@@ -470,10 +438,11 @@ def _linearised_table(name: str, workers: int) -> _LinearisedTable:
 
 
 def evaluate_tables(names: list[str], workers: int = 2) -> dict[str, TableResult]:
-    """Leave-one-row-out over the rows that can run, pooled per GPU: each row is composed with FITTED fitted to
+    """Leave-one-row-out over the rows that can run, pooled per GPU: each row is composed with FITTED_PER_GPU fitted to
     every other row of the tables in `names` on the same hardware (its GEMM and memory efficiencies are the
     GPU's, whichever framework ran the row; FP8 GEMMs have their own). Rows with a skip_reason are returned in
-    TableResult.skipped, never silently dropped."""
+    TableResult.skipped, never silently dropped. Each table's hardware calibration must be there
+    (pipeline.build_point(table_run(name), 'calibration') builds it)."""
     import time
 
     tables = {name: _linearised_table(name, workers) for name in names}

@@ -7,10 +7,11 @@ Method (docs/validation.md):
   * each row becomes a run: hardware a100-80g-vtrain, the row's model dims and tp/pp/dp/micro/global batch,
     fp16, recompute full, 1f1b;
   * rows sharing (hidden, heads, layers, tp, pp, micro batch, dp) share one ex-situ trace (the global
-    batch only changes the number of micro-batches); traces are cached as parquet under
-    artifacts/validation/vtrain/traces/ so a second run skips tracing;
+    batch only changes the number of micro-batches); traces are cached as parquet in the validation's
+    trace cache (validation/traces.py, artifacts/validation/traces/) so a second run skips tracing;
   * kernel times come from the analytical model (profile/analytical.py) and collectives from the NCCL
-    model calibrated on the A100 nccl-tests tables (artifacts/calibration/a100-80g-vtrain when present);
+    model calibrated on the A100 nccl-tests tables (artifacts/calibration/a100-80g-vtrain, built by the
+    pipeline driver: `pipeline.build_point(base_run(), "calibration")`);
   * the analytical model's hardware-level parameters (matmul efficiency, memory efficiency, launch
     overhead) may be fitted on a fixed 20 % of the rows: every 5th row in file order (row index % 5 == 0).
     The fit is shared by all rows: no per-configuration correction.
@@ -19,20 +20,16 @@ Method (docs/validation.md):
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import json
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow.parquet as pq
 
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.trace.stage import tracer_code_digest
+from trainsim.validation.fitting import SENSITIVITY_STEP, calibrated_comm, with_kernel_params
+from trainsim.validation.traces import TRACE_CACHE, is_traced, trace_directory, trace_jobs, trace_tables
 
 CSV = DATA_DIR / "published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv"
 COLUMNS = ["gpus", "global_batch", "micro_batch", "hidden", "heads", "layers", "seq", "tp", "dp", "pp", "measured_ms"]
@@ -47,18 +44,15 @@ Training", MICRO 2024, arXiv:2312.12391 (the same paper reports 14.88 % on its 1
 HARDWARE = "a100-80g-vtrain"
 """a100-80g-dgx with the kernel model and host time fitted here: the effective rates of vTrain's software
 stack (Megatron-DeepSpeed, eager), not those of the Megatron runs a100-80g-dgx is fitted to."""
-CACHE = Path("artifacts/validation/vtrain/traces")
 FUSED_KINDS = ("elementwise", "optimizer", "normalization", "softmax_loss")
-FITTED = ("matmul_efficiency", "matmul_half_flops", "memory_efficiency", "memory_half_bytes", "launch_overhead_s",
-          *(f"kind_efficiency.{k}" for k in FUSED_KINDS))
+FITTED_FOR_VTRAIN = ("matmul_efficiency", "matmul_half_flops", "memory_efficiency", "memory_half_bytes",
+                     "launch_overhead_s", *(f"kind_efficiency.{k}" for k in FUSED_KINDS))
 """The analytical kernel model's hardware-level parameters fitted to the fit rows (KernelModelConfig fields;
 kind_efficiency.<kind>: bandwidth of a kind relative to plain elementwise kernels, above 1 where the
 framework fuses what the eager trace records as separate kernels, as Megatron does for bias-GeLU,
 scale-mask-softmax, layer norm and Adam)."""
 FIT_ROUNDS = 3
 """Linearise-and-fit rounds (each from the previous round's parameters)."""
-SENSITIVITY_STEP = 0.05
-"""Relative change of all kernel times used to measure each fit row's sensitivity to them."""
 HOST_DISPATCH_GRID_S = (0.0, 10e-6, 15e-6, 20e-6, 25e-6)
 """Host time per dispatched op (hardware.host_dispatch_s) tried by the fit; the kernel parameters are fitted
 for each and the value with the lowest fit-row MAPE is kept (eager PyTorch + Megatron: tens of us per op)."""
@@ -104,51 +98,18 @@ def base_run():
     return compose_run(row_overrides(first))
 
 
-def _trace_file(model: ModelConfig, par: ParallelismConfig, cache: Path) -> Path:
-    key = json.dumps([dataclasses.asdict(model), dataclasses.asdict(dataclasses.replace(par, global_batch_size=0)),
-                      tracer_code_digest()], sort_keys=True)
-    return cache / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}"
-
-
-def _trace_one(args) -> str:
-    model, par, out = args
-    from trainsim.trace import trace_layout
-    out = Path(out)
-    if not (out / "graph.parquet").is_file():
-        result = trace_layout(model, par)
-        tmp = out.with_suffix(".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        pq.write_table(result.graph, tmp / "graph.parquet")
-        pq.write_table(result.rank_classes, tmp / "rank_classes.parquet")
-        tmp.rename(out)
-    return str(out)
-
-
-def ensure_traces(rows: pd.DataFrame, model: ModelConfig, par: ParallelismConfig, cache: Path = CACHE,
+def ensure_traces(rows: pd.DataFrame, model: ModelConfig, par: ParallelismConfig, cache: Path = TRACE_CACHE,
                   workers: int = 2) -> dict[tuple, Path]:
     """Trace every distinct shape of `rows` once (cached); returns trace key -> directory."""
     jobs, dirs = [], {}
     for key, group in rows.groupby(TRACE_KEY, sort=False):
         m, p = row_configs(model, par, group.iloc[0])
-        path = _trace_file(m, p, cache)
+        path = trace_directory(m, p, cache)
         dirs[key] = path
-        if not (path / "graph.parquet").is_file():
+        if not is_traced(path):
             jobs.append((m, p, str(path)))
     trace_jobs(jobs, cache, workers)
     return dirs
-
-
-def trace_jobs(jobs: list[tuple], cache: Path, workers: int = 2) -> None:
-    """Trace each (model, parallelism, directory) job into `cache`, on `workers` processes when there are several."""
-    if not jobs:
-        return
-    cache.mkdir(parents=True, exist_ok=True)
-    if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            list(pool.map(_trace_one, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
-    else:
-        for job in jobs:
-            _trace_one(job)
 
 
 @dataclasses.dataclass
@@ -156,38 +117,17 @@ class Prediction:
     table: pd.DataFrame
     """rows with predicted_ms, error_pct and the prediction's breakdown."""
     kernel_model: dict
-    """Fitted parameters: the kernel model's FITTED fields and host_dispatch_s."""
+    """Fitted parameters: the kernel model's FITTED_FOR_VTRAIN fields and host_dispatch_s."""
     seconds: float
     host_grid_mape_pct: dict[float, float] = dataclasses.field(default_factory=dict)
     """Fit-row MAPE for each host dispatch time tried."""
 
 
-def hw_with(hw: HardwareConfig, params: dict) -> HardwareConfig:
-    """`hw` with kernel-model fields set ('kind_efficiency.<kind>' keys go into that dict) and, when given,
-    host_dispatch_s."""
-    host = {k: v for k, v in params.items() if k == "host_dispatch_s"}
-    fields = {k: v for k, v in params.items() if "." not in k and k not in host}
-    kinds = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("kind_efficiency.")}
-    km = hw.kernel_model
-    return dataclasses.replace(hw, **host, kernel_model=dataclasses.replace(
-        km, **fields, kind_efficiency={**km.kind_efficiency, **kinds}))
-
-
 def kernel_model_params(hw: HardwareConfig) -> dict[str, float]:
-    """The current values of FITTED on `hw`."""
+    """The current values of FITTED_FOR_VTRAIN on `hw`."""
     km = hw.kernel_model
     return {name: km.kind_efficiency.get(name.split(".", 1)[1], 1.0) if name.startswith("kind_efficiency.")
-            else getattr(km, name) for name in FITTED}
-
-
-@functools.lru_cache(maxsize=256)
-def _trace_tables(directory: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(graph, rank classes, distinct ops) of one cached trace, read once for all the fit's predictions
-    (the fit covers ~115 traces; callers must not modify the frames)."""
-    from trainsim.profile.stage import distinct_ops
-
-    graph = pq.read_table(directory / "graph.parquet").to_pandas()
-    return graph, pq.read_table(directory / "rank_classes.parquet").to_pandas(), distinct_ops(graph)
+            else getattr(km, name) for name in FITTED_FOR_VTRAIN}
 
 
 def predict_rows(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig,
@@ -200,7 +140,7 @@ def predict_rows(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par
 
     out = []
     for key, group in rows.groupby(TRACE_KEY, sort=False):
-        graph, rank_classes, ops = _trace_tables(trace_dirs[key])
+        graph, rank_classes, ops = trace_tables(trace_dirs[key])
         times = dict(zip(ops["signature"], time_scale * analytical(ops, hw)))
         for index, row in group.iterrows():
             m, p = row_configs(model, par, row)
@@ -239,13 +179,13 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
 
     ops_by_key = {}
     for key in rows.groupby(TRACE_KEY, sort=False).groups:
-        ops_by_key[key] = _trace_tables(trace_dirs[key])[2]
+        ops_by_key[key] = trace_tables(trace_dirs[key])[2]
     all_ops = pd.concat(ops_by_key.values()).drop_duplicates("signature").reset_index(drop=True)
     params = kernel_model_params(hw)
     measured = rows["measured_ms"].to_numpy() / 1e3
     stage_counts = None
     for _ in range(FIT_ROUNDS):
-        hw0 = hw_with(hw, params)
+        hw0 = with_kernel_params(hw, params)
         base = predict_rows(rows, hw0, model, par, trace_dirs, comm, counts=stage_counts is None)
         if stage_counts is None:
             stage_counts = list(base["counts"])
@@ -266,13 +206,13 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
         gain = np.clip(gain, 0.0, 1.0)
 
         def residuals(x, hw0=hw0, step0=step0, fixed0=fixed0, counts=counts, gain=gain):
-            trial = dict(zip(FITTED, np.exp(x)))
-            t = analytical(all_ops, hw_with(hw0, trial))
+            trial = dict(zip(FITTED_FOR_VTRAIN, np.exp(x)))
+            t = analytical(all_ops, with_kernel_params(hw0, trial))
             return np.log(np.maximum(step0 + gain * (counts @ t - fixed0), 1e-6)) - np.log(measured)
 
-        x0 = np.log(np.clip([params[n] for n in FITTED], LOWER, UPPER))
+        x0 = np.log(np.clip([params[n] for n in FITTED_FOR_VTRAIN], LOWER, UPPER))
         fit = least_squares(residuals, x0, bounds=(np.log(LOWER), np.log(UPPER)))
-        params = dict(zip(FITTED, (float(v) for v in np.exp(fit.x))))
+        params = dict(zip(FITTED_FOR_VTRAIN, (float(v) for v in np.exp(fit.x))))
     return params
 
 
@@ -285,7 +225,8 @@ def fit_with_host(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, pa
     for host_s in HOST_DISPATCH_GRID_S:
         hw_h = dataclasses.replace(hw, host_dispatch_s=host_s)
         params = {**fit_kernel_model(rows, hw_h, model, par, trace_dirs, comm), "host_dispatch_s": host_s}
-        mape = error_summary(predict_rows(rows, hw_with(hw, params), model, par, trace_dirs, comm))["mape_pct"]
+        predicted = predict_rows(rows, with_kernel_params(hw, params), model, par, trace_dirs, comm)
+        mape = error_summary(predicted)["mape_pct"]
         tried[host_s] = mape
         if best is None or mape < best[0]:
             best = (mape, params)
@@ -294,9 +235,10 @@ def fit_with_host(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, pa
 
 def evaluate(rows: pd.DataFrame | None = None, fit: bool = True, calibration: Path | None = None,
              workers: int = 2) -> Prediction:
-    """Fit (on the fit split) and predict all rows; the table's `fit` column tells the splits apart."""
+    """Fit (on the fit split) and predict all rows; the table's `fit` column tells the splits apart. The
+    collectives come from `calibration` when given, else from the hardware's calibration artifact (built by
+    the pipeline driver beforehand)."""
     from trainsim.timeline.stage import comm_model
-    from trainsim.validation.published import calibrated_comm
 
     start = time.perf_counter()
     rows = read_rows() if rows is None else rows
@@ -307,7 +249,7 @@ def evaluate(rows: pd.DataFrame | None = None, fit: bool = True, calibration: Pa
     params, host_grid = {**kernel_model_params(hw), "host_dispatch_s": hw.host_dispatch_s}, {}
     if fit and rows["fit"].any():
         params, host_grid = fit_with_host(rows[rows["fit"]], hw, run.model, run.parallelism, dirs, comm)
-    table = predict_rows(rows, hw_with(hw, params), run.model, run.parallelism, dirs, comm)
+    table = predict_rows(rows, with_kernel_params(hw, params), run.model, run.parallelism, dirs, comm)
     return Prediction(table, params, time.perf_counter() - start, host_grid)
 
 
