@@ -14,14 +14,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 """(importing module, imported module) -> why it may go up. At most 2; none is needed today."""
-ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
-    ("trainsim.validation.published", "_trace_file"): "validation/ is rewritten onto one trace cache (issue 47, 2)",
-    ("trainsim.validation.published", "_trace_one"): "validation/ is rewritten onto one trace cache (issue 47, 2)",
-    ("trainsim.validation.published", "_trace_tables"): "validation/ is rewritten onto one trace cache (issue 47, 2)",
-    ("tests.test_search", "_play"): "search/estimate.py is rewritten onto the one pipeline driver (issue 47, 2)",
-    ("tests.test_search", "_collective_seconds"): "search/estimate.py is rewritten onto the one pipeline driver "
-                                                  "(issue 47, 2)",
-}
+ALLOWED_PRIVATE: dict[tuple[str, str], str] = {}
 """(importing module, private name) -> why, until the named rewrite lands."""
 FORBIDDEN_PEERS = {("comm", "slowdown"), ("comm", "workloads")}
 """Imports the layers allow but the design does not: the collective model stands without the slowdown model

@@ -64,13 +64,13 @@ def test_pipeline_played_out_matches_the_textbook_bubble(schedule, v):
 @pytest.mark.parametrize("schedule, v, pp", [("1f1b", 1, 2), ("1f1b", 1, 8), ("interleaved-1f1b", 2, 4),
                                              ("interleaved-1f1b", 3, 8)])
 def test_long_pipelines_are_extrapolated_exactly(schedule, v, pp):
-    from trainsim.search.estimate import _play
+    from trainsim.search.estimate import play_schedule
 
     m = 12 * pp  # uneven stages and a P2P cost: the periodic steady state still holds
     forward = {(s, c): (1.0 + 0.3 * s) / v for s in range(pp) for c in range(v)}
     backward = {(s, c): (2.0 + 0.5 * (s == pp - 1)) / v for s in range(pp) for c in range(v)}
     fast = play_pipeline(forward, backward, 0.05, pp, v, schedule, m)
-    exact = _play(forward, backward, 0.05, pp, v, schedule, m)
+    exact = play_schedule(forward, backward, 0.05, pp, v, schedule, m)
     for got, want in zip(fast, exact, strict=True):
         assert got == pytest.approx(want, rel=1e-9)
 
@@ -81,7 +81,7 @@ def test_overlapped_all_to_alls_hide_under_the_paired_pass(pp, schedule, v):
     inputs first; interleaved, the order it gives is even a little faster here); each combined pass is shorter by
     its halves' all-to-alls, as far as the other half's compute lasts; long pipelines are still extrapolated
     exactly."""
-    from trainsim.search.estimate import _play
+    from trainsim.search.estimate import play_schedule
 
     m = 12 * max(pp, 2)
     chunks = [(s, c) for s in range(pp) for c in range(v)]
@@ -93,7 +93,7 @@ def test_overlapped_all_to_alls_hide_under_the_paired_pass(pp, schedule, v):
     assert plain * 0.98 < reordered <= plain + 0.05 + 1e-9
     exchange = {(kind, s, c): 0.3 / v for kind in "FB" for s, c in chunks}
     fast = play_pipeline(forward, backward, 0.05, pp, v, schedule, m, exchange_s=exchange)
-    exact = _play(forward, backward, 0.05, pp, v, schedule, m, exchange_s=exchange)
+    exact = play_schedule(forward, backward, 0.05, pp, v, schedule, m, exchange_s=exchange)
     for got, want in zip(fast, exact, strict=True):
         assert got == pytest.approx(want, rel=1e-9)
     pairs = m - 1 if pp == 1 else None  # (pp = 1: one pass per micro-batch, all but the first and last combined)
@@ -435,7 +435,7 @@ def test_fast_path_bounds_each_pass_by_host_dispatch():
 
 
 def test_fast_path_adds_the_noise_wait_before_each_tensor_parallel_collective():
-    from trainsim.search.estimate import _collective_seconds
+    from trainsim.search.estimate import pass_collective_seconds
 
     class Comm:  # 1 ms per collective; the last rank arrives 10 % of a segment late
         def collective_seconds(self, collective, message_bytes, num_ranks, num_nodes):
@@ -445,7 +445,7 @@ def test_fast_path_adds_the_noise_wait_before_each_tensor_parallel_collective():
             return 0.1 * segment_s
 
     # 4 collectives after 0.5 s of compute each
-    assert _collective_seconds({"all_reduce:1024": 3, "all_gather:64": 1}, Comm(), 2, 1, 2.0) == \
+    assert pass_collective_seconds({"all_reduce:1024": 3, "all_gather:64": 1}, Comm(), 2, 1, 2.0) == \
         pytest.approx(4e-3 + 4 * 0.05)
 
 

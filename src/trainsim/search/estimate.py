@@ -64,7 +64,7 @@ class LayoutEstimate:
     oom: bool
 
 
-def _collective_seconds(counts: dict[str, int], comm: CommModel, size: int, nodes: int, compute_s: float) -> float:
+def pass_collective_seconds(counts: dict[str, int], comm: CommModel, size: int, nodes: int, compute_s: float) -> float:
     """A pass's collectives over a group of `size` ranks on `nodes` nodes, each after an equal share of its
     compute (the system noise wait of trainsim/comm/noise.py, as the composer adds it)."""
     total, calls = 0.0, sum(counts.values())
@@ -131,17 +131,20 @@ def play_pipeline(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: i
     """
     short, long = 2 * pp, 3 * pp
     if schedule == "gpipe" or num_microbatches <= long:  # GPipe's memory of m forwards is not periodic in m
-        return _play(forward_s, backward_s, p2p_s, pp, v, schedule, num_microbatches, host_s, exchange_s)
-    a, b = (_play(forward_s, backward_s, p2p_s, pp, v, schedule, m, host_s, exchange_s) for m in (short, long))
+        return play_schedule(forward_s, backward_s, p2p_s, pp, v, schedule, num_microbatches, host_s, exchange_s)
+    a, b = (play_schedule(forward_s, backward_s, p2p_s, pp, v, schedule, m, host_s, exchange_s) for m in (short, long))
     scale = (num_microbatches - long) / (long - short)
     ends = [e_b + (e_b - e_a) * scale for e_a, e_b in zip(a[0], b[0], strict=True)]
     starts = [s_b + (s_b - s_a) * scale for s_a, s_b in zip(a[1], b[1], strict=True)]
     return ends, starts, b[2]
 
 
-def _play(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, schedule: str,
-          num_microbatches: int, host_s: dict | None = None,
-          exchange_s: dict | None = None) -> tuple[list[float], list[float], list[float]]:
+def play_schedule(forward_s: dict, backward_s: dict, p2p_s: float, pp: int, v: int, schedule: str,
+                  num_microbatches: int, host_s: dict | None = None,
+                  exchange_s: dict | None = None) -> tuple[list[float], list[float], list[float]]:
+    """Play one pipeline schedule from per-pass times, without the event engine: each stage's passes in
+    schedule order, a pass starting when its stage is free and its input arrived (p2p_s after the sender).
+    Returns per stage the end of its last pass, and the start and duration of its last backward."""
     groups = [passes(pipeline_actions(schedule, pp, s, num_microbatches, v, exchange_s is not None))
               for s in range(pp)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
@@ -290,13 +293,13 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         compute = part.forward_s if forward else part.backward_s
         counts = part.forward_collectives if forward else part.backward_collectives
         host = part.host_ops.get("forward" if forward else "backward", 0) * hw.host_dispatch_s
-        comm_s = _collective_seconds(counts, comm, par.tp, tp_nodes, compute) if par.tp > 1 else 0.0
+        comm_s = pass_collective_seconds(counts, comm, par.tp, tp_nodes, compute) if par.tp > 1 else 0.0
         # token dispatch and combine (and the expert-tensor-parallel gathers): the layer waits for them
         by_kind = _by_group_kind(part.forward_experts if forward else part.backward_experts)
         for kind, counts in by_kind.items():
-            comm_s += _collective_seconds(counts, comm, *expert_groups[kind], compute)
-        exchange_s = _collective_seconds({k: n for k, n in by_kind.get("ep", {}).items() if k.startswith("all_to_all")},
-                                         comm, *expert_groups["ep"], compute)
+            comm_s += pass_collective_seconds(counts, comm, *expert_groups[kind], compute)
+        all_to_alls = {k: n for k, n in by_kind.get("ep", {}).items() if k.startswith("all_to_all")}
+        exchange_s = pass_collective_seconds(all_to_alls, comm, *expert_groups["ep"], compute)
         if par.cp > 1:
             comm_s += _context_parallel_seconds(part.forward_cp if forward else part.backward_cp, comm, par.cp,
                                                 cp_nodes, part.forward_attention_s if forward else
