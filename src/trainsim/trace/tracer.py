@@ -195,7 +195,8 @@ def _trace_group(model_cfg: ModelConfig, par: ParallelismConfig, ranks: list[int
                  plan: RoutingPlan | None) -> list[_TracedStage]:
     """The stages of `ranks` (one stage, different token counts): the first traced, the others derived from it
     where they can be, else traced."""
-    stages = _trace_rank(model_cfg, par, ranks[0], plan, tuple(ranks[1:]))
+    stages = _trace_rank(model_cfg, par, ranks[0], plan, tuple(ranks[1:]) if DERIVE_CLASSES else ())
+    stages += [None] * (len(ranks) - len(stages))
     return [stage or _trace_rank(model_cfg, par, rank, plan)[0] for stage, rank in zip(stages, ranks)]
 
 
@@ -212,6 +213,10 @@ def expert_classes(plan: RoutingPlan | None, ep: int, etp: int = 1) -> list[int]
     seen: dict[bytes, int] = {}
     return [seen.setdefault(plan.rank_signature(r, ep, etp), len(seen)) for r in range(ep * etp)]
 
+
+DERIVE_CLASSES = True
+"""Classes of one stage that differ only in their token counts are derived from one traced step (trace/variants.py);
+False traces each of them in full (what the derivation is checked against)."""
 
 PARALLEL_MIN_TRACES = 16
 """From this many distinct traces on (a skewed MoE routing: one per stage and expert-parallel rank), they run in
