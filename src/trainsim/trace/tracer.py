@@ -103,8 +103,14 @@ def _fake_kernels() -> torch.library.Library:
     return library
 
 
-def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, plan: RoutingPlan | None = None,
-                others: tuple[int, ...] = ()) -> list[_TracedStage | None]:
+def _trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
+                plan: RoutingPlan | None = None) -> _TracedStage:
+    """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
+    return _trace_ranks(model_cfg, par, rank, plan)[0]
+
+
+def _trace_ranks(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, plan: RoutingPlan | None = None,
+                 others: tuple[int, ...] = ()) -> list[_TracedStage | None]:
     """Events and memory of one rank, traced on fake tensors inside a fake world of full size; then those of
     `others`, ranks of the same stage that differ from it only in their token counts, derived from its trace
     (trace/variants.py; None for one that cannot be: trace it in full)."""
@@ -195,9 +201,9 @@ def _trace_group(model_cfg: ModelConfig, par: ParallelismConfig, ranks: list[int
                  plan: RoutingPlan | None) -> list[_TracedStage]:
     """The stages of `ranks` (one stage, different token counts): the first traced, the others derived from it
     where they can be, else traced."""
-    stages = _trace_rank(model_cfg, par, ranks[0], plan, tuple(ranks[1:]) if DERIVE_CLASSES else ())
+    stages = _trace_ranks(model_cfg, par, ranks[0], plan, tuple(ranks[1:]) if DERIVE_CLASSES else ())
     stages += [None] * (len(ranks) - len(stages))
-    return [stage or _trace_rank(model_cfg, par, rank, plan)[0] for stage, rank in zip(stages, ranks)]
+    return [stage or _trace_rank(model_cfg, par, rank, plan) for stage, rank in zip(stages, ranks)]
 
 
 def _stage_shape(pp_rank: int, pp: int) -> tuple[bool, bool]:
