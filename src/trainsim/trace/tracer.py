@@ -154,8 +154,8 @@ def _trace_ranks(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, plan
                 transient_bytes=max(recorder.allocations.peak_transient_bytes()
                                     - sum(recorder.saved_activation_bytes.values()), 0) + gathered,
             )
-            if not others:
-                return [traced]
+            if not others or plan is None:
+                return [traced, *[None] * len(others)]
             tokens = int(plan.counts[0, 0].sum()) // model_cfg.moe_top_k  # a rank's tokens: each picks top-k
             return [traced, *_derive_others(rm, recorder, traced, others, layout, gathered, tokens)]
     finally:
@@ -259,8 +259,9 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
 
     Classes are pipeline stages (their schedules differ), split by expert-parallel rank where an MoE model's
     routing plan gives ranks different token counts. Middle stages build identical layers, so one of them is
-    traced and the others get its events with groups and peers renamed. Many distinct traces run in `jobs`
-    processes (0: one per core; see PARALLEL_MIN_TRACES).
+    traced and the others get its events with groups and peers renamed. The expert classes of a stage run the
+    same ops on other sizes: one is traced, the others are derived from it (trace/variants.py). Many distinct
+    traces run in `jobs` processes (0: one per core; see PARALLEL_MIN_TRACES).
     """
     if dist.is_initialized():
         raise TraceError("ex-situ tracing needs its own (fake) process group; call it in a process where "

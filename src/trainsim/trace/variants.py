@@ -58,15 +58,14 @@ def _alone(module: nn.Module) -> Iterator[None]:
         hooks.append((inner, dict(inner._forward_pre_hooks), dict(inner._forward_hooks)))
         inner._forward_pre_hooks.clear()
         inner._forward_hooks.clear()
-        for name, p in list(inner._parameters.items()):
-            if p is not None:
-                params.append((inner, name, p))
-                inner._parameters[name] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+        for name, p in list(inner.named_parameters(recurse=False)):
+            params.append((inner, name, p))
+            setattr(inner, name, nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad))
     try:
         yield
     finally:
         for inner, name, p in params:
-            inner._parameters[name] = p
+            setattr(inner, name, p)
         for inner, pre, post in hooks:
             inner._forward_pre_hooks.update(pre)
             inner._forward_hooks.update(post)
