@@ -122,7 +122,7 @@ def _trace_ranks(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, plan
         kind = layout.token_group_kind
         routing = (PlannedCounts(plan, groups[kind], layout.token_source(rank), model_cfg.moe_force_routing, kind)
                    if plan is not None else None)
-        with FakeTensorMode():
+        with FakeTensorMode() as fake_mode:
             torch.manual_seed(0)
             rm = build_rank_model(model_cfg, par, rank, groups, routing)
             shape = (par.micro_batch_size, model_cfg.seq_length)
@@ -157,6 +157,8 @@ def _trace_ranks(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, plan
             if not others or plan is None:
                 return [traced, *[None] * len(others)]
             tokens = int(plan.counts[0, 0].sum()) // model_cfg.moe_top_k  # a rank's tokens: each picks top-k
+            # each class's exchanges have sizes of their own: caching fake ops by shape costs more than it finds
+            fake_mode.cache_enabled = False
             return [traced, *_derive_others(rm, recorder, traced, others, layout, gathered, tokens)]
     finally:
         dist.destroy_process_group()

@@ -84,7 +84,7 @@ def run_alone(layers: list[tuple[object, list[MoE]]], layout, rank: int, tokens:
                                           plan.of_layer(moe.layer))
             copies = torch.empty((exchange.order.shape[0], moe.router.shape[1]), dtype=moe.router.dtype,
                                  requires_grad=True)
-            with observing(recorder), recorder, _alone(moe.experts), region:
+            with _alone(moe.experts), observing(recorder), recorder, region:
                 with recorder.section("forward", 0, 0):
                     out = moe.dispatch(moe.experts_on(moe.dispatch(copies, exchange), exchange), exchange.reverse())
                 with recorder.section("backward", 0, 0):
