@@ -14,7 +14,7 @@ and layers. Targets on 2 cores: <= 1 s, <= 5 s, <= 30 s. Then two points where r
 `compose_seconds_straggler_8192gpu` (the 8,192-GPU layout with one rank 20 % slower; target <= 5 s) and
 `compose_seconds_moe_skewed_8192gpu` (DeepSeek-V3 at 8,192 GPUs with Zipf-skewed routing, 1,024 rank
 classes; target <= 30 s; its trace time is printed as `trace_seconds_moe_skewed_8192gpu`; `--skip-moe`
-leaves it out).
+leaves it out, `--only moe-skewed` runs only it).
 """
 
 from __future__ import annotations
@@ -120,11 +120,31 @@ HEADER = (f"{'point':>22} {'GPUs':>6} {'classes':>7} {'m':>6} {'kernels':>12} {'
           f"{'compose':>8} {'outputs':>8} {'step s':>9}")
 
 
+def _moe_skewed(work: Path, figures: list) -> None:
+    """The DeepSeek-V3 point: its trace (figure trace_seconds_moe_skewed_8192gpu) and its compose."""
+    print("\nDeepSeek-V3 on 8,192 H800 (PP16 EP64 DP512, ZeRO-1), Zipf 1.0 routing: a class per stage and "
+          "expert-parallel rank")
+    data, trace_s = prepare(work, MOE_SKEWED)
+    print(HEADER)
+    figures.append(("compose_seconds_moe_skewed_8192gpu", fresh(data, MOE_SKEWED)))
+    print(_row("deepseek-v3 zipf:1.0", figures[-1][1]))
+    figures.append(("trace_seconds_moe_skewed_8192gpu", {"seconds": trace_s}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-moe", action="store_true", help="leave out the DeepSeek-V3 point (its trace is long)")
+    parser.add_argument("--only", choices=["moe-skewed"],
+                        help="run only this point (moe-skewed: the DeepSeek-V3 trace and compose figures)")
     args = parser.parse_args()
     figures = []
+    if args.only == "moe-skewed":
+        with tempfile.TemporaryDirectory() as tmp:
+            _moe_skewed(Path(tmp), figures)
+        print()
+        for name, r in figures:
+            print(f"figure {name} {r['seconds']:.2f} s")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         inputs = {parallelism: prepare(work, gpt(parallelism))[0] for _, parallelism in LAYOUTS}
@@ -153,17 +173,10 @@ def main() -> None:
                         fresh(inputs["pp16-tp8-dp64"], gpt("pp16-tp8-dp64", STRAGGLER))))
         print(_row("one straggler", figures[-1][1]))
         if not args.skip_moe:
-            print("\nDeepSeek-V3 on 8,192 H800 (PP16 EP64 DP512, ZeRO-1), Zipf 1.0 routing: a class per stage and "
-                  "expert-parallel rank")
-            data, trace_s = prepare(work, MOE_SKEWED)
-            print(HEADER)
-            figures.append(("compose_seconds_moe_skewed_8192gpu", fresh(data, MOE_SKEWED)))
-            print(_row("deepseek-v3 zipf:1.0", figures[-1][1]))
+            _moe_skewed(work, figures)
     print()
     for name, r in figures:
         print(f"figure {name} {r['seconds']:.2f} s")
-    if not args.skip_moe:
-        print(f"figure trace_seconds_moe_skewed_8192gpu {trace_s:.1f} s")
     for _, r in figures[:len(LAYOUTS)]:
         gpus = r["gpus"]
         print(f"figure compose_speedup_vs_echo_{gpus}gpu {ECHO_SECONDS[gpus] / r['seconds']:.0f} x "

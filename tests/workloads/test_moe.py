@@ -517,6 +517,29 @@ def test_many_distinct_traces_run_in_worker_processes_with_the_same_result(monke
     assert parallel.memory.equals(serial.memory)
 
 
+@pytest.mark.parametrize("overrides", [["parallelism.ep=2", "parallelism.pp=2", "model.moe_routing=zipf:2"],
+                                       ["parallelism.ep=4", "model.moe_capacity_factor=1.0",
+                                        "model.moe_routing=dirichlet:0.3"]])
+def test_classes_derived_from_one_traced_step_equal_their_own_traces(monkeypatch, overrides):
+    """The expert-parallel ranks of a stage with a skewed routing are derived from one traced step (their token
+    exchanges run alone with their own counts): graph and memory are those of tracing each rank in full."""
+    from trainsim.trace import tracer, variants
+
+    model, par = _model_and_layout([*MOE, "model.num_experts=8", "model.num_layers=2", "parallelism=dp2",
+                                    "parallelism.dp=4", "parallelism.global_batch_size=8",
+                                    "hardware.devices_per_node=8", *overrides])
+    derived = []
+    derive = variants.derive
+    monkeypatch.setattr(variants, "derive", lambda *args: derived.append(derive(*args)) or derived[-1])
+    fast = trace_layout(model, par, jobs=1)
+    classes = fast.rank_classes.to_pandas()["rank_class"].nunique()
+    assert classes == 4 and len(derived) == classes - par.pp and all(d is not None for d in derived)
+    monkeypatch.setattr(tracer, "DERIVE_CLASSES", False)
+    full = trace_layout(model, par, jobs=1)
+    pd.testing.assert_frame_equal(fast.graph.to_pandas(), full.graph.to_pandas())  # names a differing column
+    assert fast.memory.equals(full.memory) and fast.rank_classes.equals(full.rank_classes)
+
+
 def test_a_combined_forward_frees_the_rows_each_all_to_all_sent(tmp_path):
     """The step output an exchange sends stays in the pass for its backward's autograd history alone: its storage
     is freed once the exchange has completed, and the backward still gives the gradients of the unfreed graph."""

@@ -118,12 +118,15 @@ class StepAllocations:
         self._bytes: dict[int, int] = {}
         self._ids = itertools.count()
         self._watched: dict[int, weakref.ref] = {}  # the weak references (a dropped one would never call back)
+        self.origin: dict[int, tuple[int, int]] = {}
+        """allocation id -> (event id of the recorded op that made it, index among the op's tensor outputs)"""
 
-    def note(self, outputs: list[torch.Tensor], input_keys) -> None:
+    def note(self, outputs: list[torch.Tensor], input_keys, event: int | None = None) -> None:
         """`input_keys()`: the storage keys of the op's inputs (asked for only when an output's storage is new
-        to the step: views and in-place results on tracked storages, the common case, need no look)."""
+        to the step: views and in-place results on tracked storages, the common case, need no look). `event`:
+        the id the op's event will have, if it is recorded."""
         inputs = None
-        for t in outputs:
+        for index, t in enumerate(outputs):
             key = t.untyped_storage()._cdata
             entry = self._alive.get(key)
             if entry is None:
@@ -132,6 +135,8 @@ class StepAllocations:
                     continue
                 entry = self._alive[key] = [next(self._ids), 0]
                 self._bytes[entry[0]] = t.untyped_storage().nbytes()
+                if event is not None:
+                    self.origin[entry[0]] = (event, index)
                 self._log.append((entry[0], self._bytes[entry[0]]))
             entry[1] += 1
             ref = weakref.ref(t, lambda ref, key=key, allocation=entry[0]: self._release(ref, key, allocation))
@@ -153,13 +158,23 @@ class StepAllocations:
         if entry is not None:
             self._log.append((entry[0], -self._bytes[entry[0]]))
 
-    def peak_transient_bytes(self) -> int:
-        """Most bytes alive at once of the storages freed within the step."""
+    def allocation_of(self, t: torch.Tensor) -> int | None:
+        """The allocation id of `t`'s storage, if the step made it and it is alive."""
+        entry = self._alive.get(t.untyped_storage()._cdata)
+        return entry[0] if entry is not None else None
+
+    def sizes(self) -> dict[int, int]:
+        """allocation id -> bytes."""
+        return dict(self._bytes)
+
+    def peak_transient_bytes(self, sizes: dict[int, int] | None = None) -> int:
+        """Most bytes alive at once of the storages freed within the step; `sizes` (allocation id -> bytes) in
+        place of the allocations' own (another rank class's, of the same step structure)."""
         persistent = {entry[0] for entry in self._alive.values()}
         live = peak = 0
         for allocation, delta in self._log:
             if allocation not in persistent:
-                live += delta
+                live += delta if sizes is None else (sizes[allocation] if delta > 0 else -sizes[allocation])
                 peak = max(peak, live)
         return peak
 
@@ -189,6 +204,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._kernel_notes: dict[str, float] = {}  # observer.kernel_notes: recorded in op_args
         self._group_ranks_cache: dict[int, list[int]] = {}
         self.saved_activation_bytes: dict[int, int] = {}  # chunk -> bytes saved for backward
+        # (chunk, allocation id or None if the step did not make it, bytes) of each storage counted there
+        self.saved_allocations: list[tuple[int, int | None, int]] = []
         self.allocations = StepAllocations()
         self._saved_storages: set[int] = set()  # storages of micro-batch 0 counted in saved_activation_bytes
         self._storage_refs: dict[int, weakref.ref] = {}  # the storages _last_writer and _saved_storages name
@@ -286,6 +303,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             key = self._watch(t)
             if key not in self._saved_storages:
                 self._saved_storages.add(key)
+                self.saved_allocations.append((self._chunk, self.allocations.allocation_of(t),
+                                               t.untyped_storage().nbytes()))
                 self.saved_activation_bytes[self._chunk] = (
                     self.saved_activation_bytes.get(self._chunk, 0) + t.untyped_storage().nbytes()
                 )
@@ -297,10 +316,13 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         start = time.perf_counter()  # ~100 ns; recording the op (JSON of its arguments) costs far more
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
+        recorded = func.namespace not in SKIPPED_NAMESPACES and (func.namespace == "c10d"
+                                                                 or not self._in_communication)
         self.allocations.note([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)],
                               lambda: {_storage_key(t) for t in tree_flatten((args, kwargs))[0]
-                                       if isinstance(t, torch.Tensor)})
-        if func.namespace not in SKIPPED_NAMESPACES and (func.namespace == "c10d" or not self._in_communication):
+                                       if isinstance(t, torch.Tensor)},
+                              len(self.events) if recorded else None)
+        if recorded:
             if func.namespace == "c10d" and self._stands_for is not None:
                 args = (*self._stands_for, *args[2:])
             self._record(func, args, kwargs, out)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -27,6 +29,7 @@ from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
 from trainsim.parallel.layout import Layout
 from trainsim.parallel.schedules import combined_pairs, step_actions, trace_actions
+from trainsim.trace import variants
 from trainsim.trace.expand import rename_for_rank
 from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
 from trainsim.trace.recorder import ExecutionRecorder, tensor_bytes
@@ -103,6 +106,14 @@ def _fake_kernels() -> torch.library.Library:
 def trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
                 plan: RoutingPlan | None = None) -> _TracedStage:
     """Events and memory of one rank, traced on fake tensors inside a fake world of full size."""
+    return _trace_ranks(model_cfg, par, rank, plan)[0]
+
+
+def _trace_ranks(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, plan: RoutingPlan | None = None,
+                 others: tuple[int, ...] = ()) -> list[_TracedStage | None]:
+    """Events and memory of one rank, traced on fake tensors inside a fake world of full size; then those of
+    `others`, ranks of the same stage that differ from it only in their token counts, derived from its trace
+    (trace/variants.py; None for one that cannot be: trace it in full)."""
     _fake_kernels()
     layout = layout_of(par)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
@@ -111,7 +122,7 @@ def trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
         kind = layout.token_group_kind
         routing = (PlannedCounts(plan, groups[kind], layout.token_source(rank), model_cfg.moe_force_routing, kind)
                    if plan is not None else None)
-        with FakeTensorMode():
+        with FakeTensorMode() as fake_mode:
             torch.manual_seed(0)
             rm = build_rank_model(model_cfg, par, rank, groups, routing)
             shape = (par.micro_batch_size, model_cfg.seq_length)
@@ -127,7 +138,10 @@ def trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
                 raise TraceError(f"tracing the step of rank {rank} (pp_rank {layout.position(rank).pp_rank}) "
                                  f"of {model_cfg.name} with {par.name} failed: {exc}") from exc
             params = rm.parameters()
-            return _TracedStage(
+            # what the step holds beyond the micro-batch's saved activations (FSDP's gathered weights are resized
+            # storages no op shows: counted from the units' sizes)
+            gathered = gathered_weight_bytes(rm.chunks, par.zero_stage, DTYPES[par.precision])
+            traced = _TracedStage(
                 rank=rank,
                 events=recorder.events,
                 # FP8 training keeps an FP8 copy (and its transpose) of each weight for the step
@@ -137,13 +151,61 @@ def trace_rank(model_cfg: ModelConfig, par: ParallelismConfig, rank: int,
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
                 saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),
                 # what the step holds at its worst moment beyond the micro-batch's saved activations
-                # (FSDP's gathered weights are resized storages no op shows: counted from the units' sizes)
                 transient_bytes=max(recorder.allocations.peak_transient_bytes()
-                                    - sum(recorder.saved_activation_bytes.values()), 0)
-                + gathered_weight_bytes(rm.chunks, par.zero_stage, DTYPES[par.precision]),
+                                    - sum(recorder.saved_activation_bytes.values()), 0) + gathered,
             )
+            if not others or plan is None:
+                return [traced, *[None] * len(others)]
+            tokens = int(plan.counts[0, 0].sum()) // model_cfg.moe_top_k  # a rank's tokens: each picks top-k
+            # each class's exchanges have sizes of their own: caching fake ops by shape costs more than it finds
+            fake_mode.cache_enabled = False
+            return [traced, *_derive_others(rm, recorder, traced, others, layout, gathered, tokens)]
     finally:
         dist.destroy_process_group()
+
+
+def _derive_others(rm, recorder: ExecutionRecorder, traced: _TracedStage, others: tuple[int, ...], layout: Layout,
+                   gathered: int, tokens: int) -> list[_TracedStage | None]:
+    """The stages of `others` from the traced one (trace/variants.py), each with the traced rank's groups; the
+    MoE layers run alone on `tokens` tokens."""
+    layers = variants.moe_layers(rm.chunks)
+    if not any(moes for _, moes in layers) or rm.par.moe_token_dispatcher != "alltoall":
+        return [None] * len(others)
+    ep = next(moes[0].ep for _, moes in layers if moes)
+    out: list[_TracedStage | None] = []
+    try:
+        base = variants.run_alone(layers, layout, traced.rank, tokens)
+        for rank in others:
+            with _routed_as(ep, layout, rank):
+                change = variants.substitution(base, variants.run_alone(layers, layout, traced.rank, tokens))
+            derived = variants.derive(recorder, change) if change is not None else None
+            out.append(None if derived is None else dataclasses.replace(
+                traced, events=derived.events, saved_bytes_per_chunk=derived.saved_bytes_per_chunk,
+                transient_bytes=max(derived.peak_transient_bytes - sum(derived.saved_bytes_per_chunk.values()), 0)
+                + gathered))
+    except (RuntimeError, ValueError, TypeError, AttributeError):  # a layer that will not run alone
+        return [None] * len(others)
+    return out
+
+
+@contextlib.contextmanager
+def _routed_as(ep, layout: Layout, rank: int):
+    """The MoE layers route as `rank` does: its token source's counts, its experts."""
+    previous = ep.rank, ep.etp_rank, ep.counts.source
+    ep.rank, ep.etp_rank, ep.counts.source = layout.ep_rank(rank), layout.etp_rank(rank), layout.token_source(rank)
+    try:
+        yield
+    finally:
+        ep.rank, ep.etp_rank, ep.counts.source = previous
+
+
+def _trace_group(model_cfg: ModelConfig, par: ParallelismConfig, ranks: list[int],
+                 plan: RoutingPlan | None) -> list[_TracedStage]:
+    """The stages of `ranks` (one stage, different token counts): the first traced, the others derived from it
+    where they can be, else traced."""
+    stages = _trace_ranks(model_cfg, par, ranks[0], plan, tuple(ranks[1:]) if DERIVE_CLASSES else ())
+    stages += [None] * (len(ranks) - len(stages))
+    return [stage or trace_rank(model_cfg, par, rank, plan) for stage, rank in zip(stages, ranks)]
 
 
 def _stage_shape(pp_rank: int, pp: int) -> tuple[bool, bool]:
@@ -160,6 +222,10 @@ def expert_classes(plan: RoutingPlan | None, ep: int, etp: int = 1) -> list[int]
     return [seen.setdefault(plan.rank_signature(r, ep, etp), len(seen)) for r in range(ep * etp)]
 
 
+DERIVE_CLASSES = True
+"""Classes of one stage that differ only in their token counts are derived from one traced step (trace/variants.py);
+False traces each of them in full (what the derivation is checked against)."""
+
 PARALLEL_MIN_TRACES = 16
 """From this many distinct traces on (a skewed MoE routing: one per stage and expert-parallel rank), they run in
 worker processes: their fork server (trainsim/processes.py) first imports torch for seconds, which fewer traces
@@ -168,14 +234,26 @@ do not repay."""
 
 def _start_traces(model_cfg: ModelConfig, par: ParallelismConfig, plan: RoutingPlan | None,
                   todo: dict[tuple, int], jobs: int):
-    """shape -> a zero-argument function giving its _TracedStage: traced in `jobs` spawned processes where
-    there are many, else traced when asked."""
-    jobs = min(jobs or os.cpu_count() or 1, len(todo))
-    if jobs < 2 or len(todo) < PARALLEL_MIN_TRACES:
-        return {shape: functools.partial(trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}, None
-    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=processes.context())
-    futures = {shape: pool.submit(trace_rank, model_cfg, par, rep, plan) for shape, rep in todo.items()}
-    return {shape: future.result for shape, future in futures.items()}, pool
+    """shape -> a zero-argument function giving its _TracedStage. The shapes of one stage (the same first
+    element: they differ only in their token counts) are traced together (_trace_group), in `jobs` spawned
+    processes where there are many, else when asked."""
+    groups: dict = collections.defaultdict(list)
+    for shape, rep in todo.items():
+        groups[shape[0]].append((shape, rep))
+    jobs = min(jobs or os.cpu_count() or 1, len(groups))
+    pool = None
+    if jobs >= 2 and len(todo) >= PARALLEL_MIN_TRACES:
+        pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=processes.context())
+    calls = {}
+    for members in groups.values():
+        ranks = [rep for _, rep in members]
+        if pool is not None:
+            result = pool.submit(_trace_group, model_cfg, par, ranks, plan).result
+        else:
+            result = functools.cache(functools.partial(_trace_group, model_cfg, par, ranks, plan))
+        for index, (shape, _) in enumerate(members):
+            calls[shape] = functools.partial(lambda result, index: result()[index], result, index)
+    return calls, pool
 
 
 def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, jobs: int = 0) -> TraceResult:
@@ -183,8 +261,9 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
 
     Classes are pipeline stages (their schedules differ), split by expert-parallel rank where an MoE model's
     routing plan gives ranks different token counts. Middle stages build identical layers, so one of them is
-    traced and the others get its events with groups and peers renamed. Many distinct traces run in `jobs`
-    processes (0: one per core; see PARALLEL_MIN_TRACES).
+    traced and the others get its events with groups and peers renamed. The expert classes of a stage run the
+    same ops on other sizes: one is traced, the others are derived from it (trace/variants.py). Many distinct
+    traces run in `jobs` processes (0: one per core; see PARALLEL_MIN_TRACES).
     """
     if dist.is_initialized():
         raise TraceError("ex-situ tracing needs its own (fake) process group; call it in a process where "
@@ -208,7 +287,7 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
     try:
         for pp_rank, cls, representative, shape in classes:
             start = time.perf_counter()
-            stage = traced.get(shape) or traces.pop(shape)()  # a finished trace is not kept by its future
+            stage = traced.get(shape) or traces.pop(shape)()  # (a stage's traces go with its last call)
             uses[shape] -= 1
             if uses[shape]:  # kept for the classes that reuse it
                 traced[shape] = stage

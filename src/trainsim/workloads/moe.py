@@ -158,7 +158,9 @@ def _regroup(x: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
     if counts.shape[0] == 1 or counts.shape[1] == 1:
         return x
     order = _regroup_order(counts)
-    return _Regroup.apply(x, torch.tensor(order, device=x.device), torch.tensor(np.argsort(order), device=x.device))
+    inverse = np.empty_like(order)  # the permutation's inverse (np.argsort's, in linear time)
+    inverse[order] = np.arange(len(order))
+    return _Regroup.apply(x, torch.tensor(order, device=x.device), torch.tensor(inverse, device=x.device))
 
 
 def expert_weight_shapes(cfg: ModelConfig, local_experts: int,
@@ -289,19 +291,24 @@ class MoE(nn.Module):
     def dispatch_preprocess(self, x: torch.Tensor):
         """Steps 1-2 with the all-to-all dispatcher: (token copies sorted by expert, probs, logits, TokenExchange)."""
         tokens, probs, indices, logits, counts, everyone = self._route_and_count(x)
-        num_tokens, k, ep = tokens.shape[0], self.top_k, self.ep
         order = indices.flatten().argsort(stable=True)  # token copies grouped by expert
+        exchange = self.token_exchange(order, counts, everyone)
+        return tokens.index_select(0, exchange.order // self.top_k), probs, logits, exchange
+
+    def token_exchange(self, order: torch.Tensor, counts: list[int], everyone: np.ndarray) -> TokenExchange:
+        """The exchange of the token copies `order` (by expert), with this source's `counts` per expert and every
+        source's [sources, E]; with a capacity factor, the late copies of full experts dropped."""
+        ep = self.ep
         if self.capacity_factor > 0:
-            capacity = math.ceil(num_tokens * k / self.num_experts * self.capacity_factor)
+            capacity = math.ceil(order.shape[0] / self.num_experts * self.capacity_factor)
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
             order = torch.cat([order[int(s):int(s) + min(c, capacity)] for s, c in zip(starts, counts)])
             everyone = np.minimum(everyone, capacity)
         sent = everyone[ep.counts.source].reshape(ep.size, self.local_experts)  # [destination rank, its expert]
         mine = slice(ep.rank * self.local_experts, (ep.rank + 1) * self.local_experts)
         by_source = everyone[:, mine].reshape(ep.size, ep.etp, self.local_experts)  # [ep rank, etp rank, my expert]
-        exchange = TokenExchange(order, counts, sent.sum(axis=1).tolist(), by_source,
+        return TokenExchange(order, counts, sent.sum(axis=1).tolist(), by_source,
                              by_source[:, ep.etp_rank].sum(axis=1).tolist())
-        return tokens.index_select(0, order // k), probs, logits, exchange
 
     def dispatch(self, x: torch.Tensor, exchange: TokenExchange) -> torch.Tensor:
         """Step 3's all-to-all (step 5's with exchange.reverse())."""
