@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
@@ -80,6 +81,9 @@ class _TracedStage:
     optimizer_state_bytes: int
     saved_bytes_per_chunk: dict[int, int]
     transient_bytes: int
+    changed_rows: list[int] | None = None
+    """Derived from the traced step of `rank`: the rows of `events` whose values (variants.VALUE_FIELDS) differ
+    from it; None: traced itself."""
 
 
 @functools.cache
@@ -180,7 +184,8 @@ def _derive_others(rm, recorder: ExecutionRecorder, traced: _TracedStage, others
                 change = variants.substitution(base, variants.run_alone(layers, layout, traced.rank, tokens))
             derived = variants.derive(recorder, change) if change is not None else None
             out.append(None if derived is None else dataclasses.replace(
-                traced, events=derived.events, saved_bytes_per_chunk=derived.saved_bytes_per_chunk,
+                traced, events=derived.events, changed_rows=derived.changed_rows,
+                saved_bytes_per_chunk=derived.saved_bytes_per_chunk,
                 transient_bytes=max(derived.peak_transient_bytes - sum(derived.saved_bytes_per_chunk.values()), 0)
                 + gathered))
     except (RuntimeError, ValueError, TypeError, AttributeError):  # a layer that will not run alone
@@ -256,6 +261,43 @@ def _start_traces(model_cfg: ModelConfig, par: ParallelismConfig, plan: RoutingP
     return calls, pool
 
 
+def _with_rows(table: pa.Table, rows: list[int], columns: dict[str, list]) -> pa.Table:
+    """`table` with `columns`' values at `rows` (in order) in place of its own."""
+    if not rows:
+        return table
+    at = np.arange(table.num_rows)
+    at[rows] = table.num_rows + np.arange(len(rows))
+    at = pa.array(at)
+    for name, values in columns.items():
+        i = table.schema.get_field_index(name)
+        column = table.column(i).combine_chunks()
+        table = table.set_column(i, table.field(i),
+                                 pa.concat_arrays([column, pa.array(values, type=column.type)]).take(at))
+    return table
+
+
+def _class_table(stage: _TracedStage, tables: dict[int, pa.Table], layout: Layout, representative: int,
+                 class_id: int) -> pa.Table:
+    """The graph rows of class `class_id` (represented by `representative`) from `stage`: a derived stage's are
+    the table of its traced step (`tables`, by rank: kept there) with its changed rows, not a table of its own
+    events (a thousand classes' worth of DataFrames); then renamed to the representative's groups and peers."""
+    table = tables.get(stage.rank) if stage.changed_rows is not None else None
+    if table is None:
+        table = events_table(pd.DataFrame(stage.events), rank_class=class_id)
+        if stage.changed_rows is None:
+            tables[stage.rank] = table
+    else:
+        rows = stage.changed_rows
+        table = _with_rows(table, rows, {field: [stage.events[row][field] for row in rows]
+                                         for field in variants.VALUE_FIELDS})
+    if stage.rank != representative:
+        rows = np.flatnonzero(table["group_kind"].is_valid().to_numpy(zero_copy_only=False)).tolist()
+        comm = table.select(["group_kind", "group_ranks", "peer"]).take(rows).to_pandas()
+        renamed = rename_for_rank(comm, layout, stage.rank, representative)
+        table = _with_rows(table, rows, {"group_ranks": list(renamed["group_ranks"]), "peer": list(renamed["peer"])})
+    return table.set_column(0, "rank_class", pa.array(np.full(table.num_rows, class_id, dtype=np.int32)))
+
+
 def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, jobs: int = 0) -> TraceResult:
     """Trace one representative rank per class; `progress(done, total)` is called after each class.
 
@@ -283,6 +325,7 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
     traces, pool = _start_traces(model_cfg, par, plan, todo, jobs)
     uses = collections.Counter(shape for *_, shape in classes)
     traced: dict[tuple, _TracedStage] = {}
+    tables: dict[int, pa.Table] = {}  # rank -> the table of its traced step
     graphs, memories, seconds = [], [], []
     try:
         for pp_rank, cls, representative, shape in classes:
@@ -293,11 +336,8 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
                 traced[shape] = stage
             else:
                 traced.pop(shape, None)
-            events = pd.DataFrame(stage.events)
-            if stage.rank != representative:
-                events = rename_for_rank(events, layout, stage.rank, representative)
             class_id = pp_rank * per_stage + cls
-            graphs.append(events_table(events, rank_class=class_id))
+            graphs.append(_class_table(stage, tables, layout, representative, class_id))
             memories.append(memory_row(
                 class_id,
                 parameter_bytes=stage.parameter_bytes,

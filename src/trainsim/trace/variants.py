@@ -131,9 +131,11 @@ def substitution(base: ExecutionRecorder, other: ExecutionRecorder) -> Substitut
 
 @dataclass
 class Derived:
-    """Another class's step: the traced step's events with its values, its saved and its peak bytes."""
+    """Another class's step: the traced step's events with its values (those of `changed_rows` replaced), its
+    saved and its peak bytes."""
 
     events: list[dict]
+    changed_rows: list[int]
     saved_bytes_per_chunk: dict[int, int]
     peak_transient_bytes: int
 
@@ -142,8 +144,8 @@ def derive(recorder: ExecutionRecorder, change: Substitution) -> Derived | None:
     """The traced step of `recorder` with `change` applied; None where the step holds a changed op a different
     number of times than the layers alone do."""
     seen: collections.Counter = collections.Counter()
-    events, made = [], {}
-    for event in recorder.events:
+    events, made, changed_rows = [], {}, []
+    for row, event in enumerate(recorder.events):
         key = event_key(event)
         entry = change.values.get(key)
         if entry is None:
@@ -151,6 +153,7 @@ def derive(recorder: ExecutionRecorder, change: Substitution) -> Derived | None:
             continue
         seen[key] += 1
         values, made[event["id"]] = entry
+        changed_rows.append(row)
         events.append({**event, **dict(zip(VALUE_FIELDS, values))})
     if seen != change.occurrences:
         return None
@@ -163,4 +166,4 @@ def derive(recorder: ExecutionRecorder, change: Substitution) -> Derived | None:
     saved: dict[int, int] = {}
     for chunk, allocation, nbytes in recorder.saved_allocations:
         saved[chunk] = saved.get(chunk, 0) + (sizes[allocation] if allocation is not None else nbytes)
-    return Derived(events, saved, recorder.allocations.peak_transient_bytes(sizes))
+    return Derived(events, changed_rows, saved, recorder.allocations.peak_transient_bytes(sizes))
