@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainsim.artifacts.store import MANIFEST
 from trainsim.registry import STAGES, Stage
-
-MANIFEST = "manifest.json"
 
 
 def stage_order(stages: dict[str, Stage] = STAGES) -> list[str]:
@@ -241,11 +240,3 @@ def compose_point(run, output: Path | None = None, build_missing: bool = True) -
     from trainsim.timeline.stage import SUMMARY_FILE
 
     return json.loads((built.paths["compose"] / SUMMARY_FILE).read_text()), built.paths["compose"]
-
-
-def calibration_dir(run, build_missing: bool = True) -> Path | None:
-    """The run's hardware's NCCL calibration artifact, calibrating first (seconds) when it is missing and
-    `build_missing`; None when it is missing and not to be built."""
-    built = build_point(run, "calibration") if build_missing else None
-    path = built.paths["calibration"] if built else artifact_paths(run.keys)["calibration"]
-    return path if exists(path) else None

@@ -158,3 +158,28 @@ def test_real_builders_make_a_quick_point_and_reuse_it(project_copy, monkeypatch
     again = pipeline.build_point(run, "compose", build_missing=False, force_target=True)
     assert again.built == ["compose"]
     assert again.results["compose"]["step_time_s"] == first.results["compose"]["step_time_s"]
+
+
+@pytest.mark.slow
+def test_a_current_timeline_is_read_not_composed_again(project_copy, monkeypatch):
+    """A repeated compose of an unchanged point reads its timeline; edited code (or a replaced built-in
+    schedule) composes again."""
+    from trainsim.artifacts import store
+    from trainsim.timeline import plugins
+
+    monkeypatch.chdir(project_copy)
+    monkeypatch.setattr(store, "code_version", lambda: "0.1.0+0123456789ab")  # a clean checkout's commit
+    composed = []
+    compose = pipeline.BUILDERS["compose"]
+    monkeypatch.setitem(pipeline.BUILDERS, "compose", lambda *args: composed.append(1) or compose(*args))
+    run = compose_run(["model=gpt-tiny", "parallelism=dp2", "hardware=a100-80g-dgx"], check="layout")
+    summary, out = pipeline.compose_point(run, build_missing=False)
+    again, _ = pipeline.compose_point(run, build_missing=False)
+    assert len(composed) == 1 and again["step_time_s"] == summary["step_time_s"]
+    monkeypatch.setattr(plugins, "replaced_builtins", lambda: True)
+    pipeline.compose_point(run, build_missing=False)
+    assert len(composed) == 2
+    monkeypatch.setattr(plugins, "replaced_builtins", lambda: False)
+    monkeypatch.setattr(store, "code_version", lambda: "0.1.0+0123456789ab-dirty")  # edited since its commit
+    pipeline.compose_point(run, build_missing=False)
+    assert len(composed) == 3

@@ -126,6 +126,28 @@ def test_validation_trace_cache_is_keyed_by_the_tracer_code(tmp_path, monkeypatc
     assert traces.trace_directory(model, par, tmp_path) != before
 
 
+
+def test_two_writers_of_one_cached_trace_keep_the_first(tmp_path, monkeypatch):
+    """A row traced by two processes at once: the one that finishes second finds the entry published, keeps
+    it, and leaves no temporary directory behind."""
+    import pyarrow as pa
+
+    import trainsim.trace
+
+    run = vtrain.base_run()
+    out = traces.trace_directory(run.model, run.parallelism, tmp_path)
+    table = pa.table({"x": [1]})
+
+    def traced_meanwhile_by_another(model, par):
+        out.mkdir(parents=True)
+        (out / traces.GRAPH_FILE).write_text("the other writer's")
+        return type("Result", (), {"graph": table, "rank_classes": table})()
+
+    monkeypatch.setattr(trainsim.trace, "trace_layout", traced_meanwhile_by_another)
+    assert traces.trace_into((run.model, run.parallelism, str(out))) == str(out)
+    assert (out / traces.GRAPH_FILE).read_text() == "the other writer's"
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
 # the kernel-model parameters and host dispatch time `benchmarks/e2e_accuracy.py` fitted on the fit rows,
 # which conf/hardware/a100-80g-vtrain.yaml holds (docs/validation.md)
 FITTED = {"matmul_efficiency": 1.0, "matmul_half_flops": 3.45e10, "memory_efficiency": 0.202,

@@ -13,6 +13,8 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
+import shutil
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -36,19 +38,24 @@ def trace_directory(model: ModelConfig, par: ParallelismConfig, cache: Path = TR
 
 def trace_into(job: tuple[ModelConfig, ParallelismConfig, str]) -> str:
     """Trace one (model, layout, directory) job unless its directory holds the trace; returns the directory.
-    The entry is written beside it and renamed into place, so a reader never sees half of one. (One tuple
-    argument: the job a process pool maps.)"""
+    The entry is written beside it and renamed into place, so a reader never sees half of one, and of two
+    writers of one entry the first to finish is kept. (One tuple argument: the job a process pool maps.)"""
     from trainsim.trace import trace_layout  # torch: only where a trace is made
 
     model, par, out = job
     out = Path(out)
     if not (out / GRAPH_FILE).is_file():
         result = trace_layout(model, par)
-        tmp = out.with_suffix(".tmp")
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per writer: two may trace the same row
         tmp.mkdir(parents=True, exist_ok=True)
         pq.write_table(result.graph, tmp / GRAPH_FILE)
         pq.write_table(result.rank_classes, tmp / RANK_CLASSES_FILE)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / GRAPH_FILE).is_file():
+                raise
+            shutil.rmtree(tmp)  # another writer published the same trace first
     return str(out)
 
 
