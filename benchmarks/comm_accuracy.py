@@ -1,10 +1,16 @@
 """Accuracy of the collective model against measured collectives, next to the alpha-beta baseline.
 
+What each figure holds out, and what it fits without (nothing data-dependent a held-out figure uses was
+learned from its held-out data; tests/comm/test_leakage.py poisons the held-out data to check):
   1. Every nccl-tests file in data/nccl-tests: fit on every other message size, predict the
-     rest; MAPE for messages >= 1 MiB and < 1 MiB, model and baseline.
+     rest; MAPE for messages >= 1 MiB and < 1 MiB, model and baseline. The fit starts from network
+     priors learned on the clusters that never read the file (comm/network_fit.py priors_without: a
+     cluster's own log leaves that cluster out, a single-node file every cluster whose intra-node side it
+     fits), not from network_priors.yaml, which has seen every file.
      Baselines: alpha-beta (latency + busfactor * size / busbw, both fitted) and NCCL's own tuner
      model (its constants, bus bandwidth fitted; comm/nccl_tuner.py).
-  2. Scale: vTrain's single-node A100 all-reduce tables, fit on 2 and 4 GPUs, predict 8.
+  2. Scale: vTrain's single-node A100 all-reduce tables, fit on 2 and 4 GPUs, predict 8 (network priors
+     learned without the 8-GPU table).
   3. Across clusters: each measured multi-node cluster (comm/network_fit.py CLUSTERS: AWS p4de and p5
      over EFA, OCI over RoCE, CoreWeave and Azure over InfiniBand) predicted from its hardware description
      alone, with the network priors learned on the other clusters (leave-one-cluster-out), next to an
@@ -12,13 +18,18 @@
   4. Scale here: gloo sweep on this machine, fit on 2 ranks, predict 3 and 4 (per collective).
   5. All-to-all (MoE token dispatch): NCCL's all-to-all on Azure NDm A100 v4 (1 x 8, 2 x 1 and 2 x 8 GPUs;
      1 KiB latency, 1 and 4 GiB bus bandwidth; the mscclpp summary in data/nccl-tests) predicted by the
-     a100-80g-selene config (the same network), which is never fitted to an all-to-all: every point is
-     held out. Baseline: the same model pricing it as a ring (an all-gather of the same size). Beside it the
-     all-to-all's structure alone: the cluster's measured all-gather of the same size times the model's
-     all-to-all / all-gather ratio (what the all-to-all adds, without the link calibration both share).
+     uncalibrated a100-80g-selene model (the same network): datasheet rates, NCCL constants and network
+     priors learned on the other clusters, so nothing of this file (its all-reduce included) is fitted and
+     every point is held out. Baseline: the same model pricing it as a ring (an all-gather of the same
+     size). Beside it the all-to-all's structure alone: the cluster's measured all-gather of the same size
+     times the model's all-to-all / all-gather ratio (what the all-to-all adds, without the link
+     calibration both share; the measured all-gather is this figure's input, the ratio is held out).
      gloo's all-to-all on this machine, fit on every other size, predicts the rest (part 4's sweep).
+Not held out: the intra-node prior NVLINK_EFFICIENCY (comm/network.py) was read off the vTrain 8-GPU and
+the H200 8-GPU tables; it is only the start and weak pull of fits 1 and 2, and 5's NVLink rate.
 The `_all` figures are means over files (each file counts once, whatever its number of sizes), the
-`_cross_cluster` ones over clusters. Priors come from the hardware config describing the file's cluster.
+`_cross_cluster` ones over clusters. The hardware config describing a file's cluster gives its datasheet
+priors.
 
     python benchmarks/comm_accuracy.py [--data data/nccl-tests] [--skip-gloo]
 """
@@ -39,11 +50,20 @@ from trainsim.comm.calibration import (
     read_calibration_file,
 )
 from trainsim.comm.fit import AlphaBeta, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
-from trainsim.comm.model import prior_params
+from trainsim.comm.model import CommModel, prior_params
 from trainsim.comm.nccl_tuner import fit_nccl_tuner
 from trainsim.comm.network import domain_bandwidth
-from trainsim.comm.network_fit import LEVELS, Cluster, held_out, load_clusters
+from trainsim.comm.network_fit import (
+    LEVELS,
+    MSCCLPP_SECTIONS,
+    Cluster,
+    held_out,
+    load_clusters,
+    mscclpp_nccl_all_reduce,
+    priors_without,
+)
 from trainsim.config import compose_run
+from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile
 from trainsim.errors import ConfigError
 
@@ -60,8 +80,11 @@ def hardware_for(name: str):
     return compose_run([f"hardware={key}"], check="layout").hardware
 
 
-def fit_and_score(train: pd.DataFrame, test: pd.DataFrame, hw, collective: str) -> dict:
-    fit = fit_collective(train, prior_params(hw, collective), channel_choices(hw))
+def fit_and_score(train: pd.DataFrame, test: pd.DataFrame, hw, collective: str,
+                  network_priors: dict | None = None) -> dict:
+    """Fit on `train` from the priors (network hop: `network_priors`, learned without `test`), score `test`;
+    'params' and 'predicted' are the fit and its predictions of `test`."""
+    fit = fit_collective(train, prior_params(hw, collective, network_priors=network_priors), channel_choices(hw))
     model, baseline = predict_table(fit.params, test), fit_alpha_beta(train, collective).predict(test)
     tuner = fit_nccl_tuner(train, collective, hw.nccl.version).predict(test)
     measured = test["time_s"].to_numpy()
@@ -72,28 +95,34 @@ def fit_and_score(train: pd.DataFrame, test: pd.DataFrame, hw, collective: str) 
             "base_small": mape_pct(baseline[~large], measured[~large]),
             "tuner_large": mape_pct(tuner[large], measured[large]),
             "model_all": mape_pct(model, measured), "base_all": mape_pct(baseline, measured),
-            "channels": fit.params.channels, "rows": len(test)}
+            "channels": fit.params.channels, "rows": len(test), "params": fit.params, "predicted": model}
 
 
-def per_file(data: Path) -> pd.DataFrame:
+def held_out_sizes(path: Path, clusters: list[Cluster]) -> dict:
+    """One file fitted on every other size, from network priors learned on the clusters that never read it
+    (a cluster's own log leaves that cluster out), predicting the other sizes."""
+    table = read_calibration_file(CalibrationFile(path=str(path)))
+    train = every_other_size(table)
+    return fit_and_score(table[train], table[~train].reset_index(drop=True), hardware_for(path.name),
+                         table["collective"].iloc[0], priors_without(clusters, [path]))
+
+
+def per_file(data: Path, clusters: list[Cluster]) -> pd.DataFrame:
     rows = []
     for path in sorted(data.iterdir()):
         try:
-            table = read_calibration_file(CalibrationFile(path=str(path)))
+            rows.append({"file": path.name, **held_out_sizes(path, clusters)})
         except ConfigError as exc:
             print(f"skipped {path.name}: {str(exc).splitlines()[0][:120]}")
-            continue
-        train = every_other_size(table)
-        rows.append({"file": path.name, **fit_and_score(table[train], table[~train], hardware_for(path.name),
-                                                         table["collective"].iloc[0])})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).drop(columns=["params", "predicted"])
 
 
-def vtrain_scale(data: Path) -> dict:
-    tables = {n: read_calibration_file(CalibrationFile(path=str(data / f"a100-{n}gpu-nvlink_allreduce_vtrain-lut.csv")))
-              for n in (2, 4, 8)}
+def vtrain_scale(data: Path, clusters: list[Cluster]) -> dict:
+    """Fit on vTrain's 2- and 4-GPU tables, predict the 8-GPU one (network priors learned without it)."""
+    paths = {n: data / f"a100-{n}gpu-nvlink_allreduce_vtrain-lut.csv" for n in (2, 4, 8)}
+    tables = {n: read_calibration_file(CalibrationFile(path=str(p))) for n, p in paths.items()}
     train = pd.concat([tables[2], tables[4]], ignore_index=True)
-    return fit_and_score(train, tables[8], hardware_for("a100"), "all_reduce")
+    return fit_and_score(train, tables[8], hardware_for("a100"), "all_reduce", priors_without(clusters, [paths[8]]))
 
 
 def _signed_errors(name: str, predicted, table: pd.DataFrame) -> dict:
@@ -123,14 +152,14 @@ def alpha_beta_cross_cluster(clusters: list[Cluster]) -> pd.DataFrame:
         latency = float(np.exp(np.mean([np.log(fits[o.name][0]) for o in group])))
         ratio = float(np.exp(np.mean([np.log(fits[o.name][1]) for o in group])))
         predicted = AlphaBeta("all_reduce", latency, ratio * domain_bandwidth(c.hardware)).predict(c.table)
-        rows.append(_signed_errors(c.name, predicted, c.table) | {"level": f"{level} {c.keys()[level]}"})
+        rows.append(_signed_errors(c.name, predicted, c.table) | {"level": f"{level} {c.keys()[level]}",
+                                                                   "latency_us": 1e6 * latency, "ratio": ratio})
     return pd.DataFrame(rows)
 
 
-def cross_cluster() -> pd.DataFrame:
+def cross_cluster(clusters: list[Cluster]) -> pd.DataFrame:
     """Leave-one-cluster-out over the measured multi-node clusters: model (network priors learned on the
     others, comm/network_fit.py) next to the alpha-beta baseline on the same protocol."""
-    clusters = load_clusters()
     model = held_out(clusters)
     baseline = alpha_beta_cross_cluster(clusters).set_index("case")
     model["base_large"] = model["cluster"].map(baseline["mape_large"])
@@ -153,28 +182,30 @@ def gloo_scale() -> tuple[pd.DataFrame, dict]:
     return pd.DataFrame(rows), sizes
 
 
-def all_to_all_public() -> pd.DataFrame:
-    """Every NCCL all-to-all point of the mscclpp summary (section 5), held out (nothing is fitted to an
-    all-to-all): predicted by the a100-80g-selene config ('predicted'; the same network, calibrated elsewhere),
-    the same model pricing it as a ring, an all-gather of the same size ('as_ring'), and the cluster's measured
-    all-gather of the same size times the model's all-to-all / all-gather ratio ('structure': the all-to-all's
-    own structure, without the link calibration both share)."""
-    from trainsim.comm.network_fit import MSCCLPP_SECTIONS, mscclpp_nccl_all_reduce
-    from trainsim.config.data_path import resolve_data_path
-    from trainsim.timeline.stage import comm_model
+AZURE_SUMMARY = "data/nccl-tests/a100-ndmv4-azure-1node-2node_summary_mscclpp.txt"
 
-    path = resolve_data_path("data/nccl-tests/a100-ndmv4-azure-1node-2node_summary_mscclpp.txt", "comm_accuracy")
+
+def all_to_all_public(clusters: list[Cluster]) -> pd.DataFrame:
+    """Every NCCL all-to-all point of the mscclpp summary (section 5), held out: predicted by the uncalibrated
+    a100-80g-selene model ('predicted'; the same network; datasheet rates, NCCL constants and network priors
+    learned on the other clusters, never on this file), the same model pricing it as a ring, an all-gather of
+    the same size ('as_ring'), and the cluster's measured all-gather of the same size times the model's
+    all-to-all / all-gather ratio ('structure': the all-to-all's own structure, without the link calibration
+    both share)."""
+    path = resolve_data_path(AZURE_SUMMARY, "comm_accuracy")
+    priors = priors_without(clusters, [path])
     rows = []
     for section, (ranks, nodes) in MSCCLPP_SECTIONS.items():
         hw = compose_run(["hardware=a100-80g-selene", f"hardware.num_nodes={nodes}"], check="layout").hardware
-        model = comm_model(hw, None)
+        model = CommModel.from_hardware(hw, priors)
         gathers = mscclpp_nccl_all_reduce(path, section, ranks, "all_gather").set_index("message_bytes")["time_s"]
         for r in mscclpp_nccl_all_reduce(path, section, ranks, "all_to_all").itertuples():
             predicted = model.collective_seconds("all_to_all", r.message_bytes, ranks, nodes)
             ring = model.collective_seconds("all_gather", r.message_bytes, ranks, nodes)
             structure = gathers[r.message_bytes] * predicted / ring
             rows.append({"section": section, "bytes": r.message_bytes, "measured_ms": 1e3 * r.time_s,
-                         "predicted_ms": 1e3 * predicted, "error_pct": 100 * (predicted / r.time_s - 1),
+                         "predicted_ms": 1e3 * predicted, "ring_ms": 1e3 * ring,
+                         "error_pct": 100 * (predicted / r.time_s - 1),
                          "ring_error_pct": 100 * (ring / r.time_s - 1),
                          "structure_error_pct": 100 * (structure / r.time_s - 1)})
     return pd.DataFrame(rows)
@@ -187,7 +218,8 @@ def main() -> None:
     args = parser.parse_args()
     pd.set_option("display.width", 200)
     start = time.perf_counter()
-    files = per_file(args.data)
+    clusters = load_clusters()
+    files = per_file(args.data, clusters)
     print("\nHeld-out sizes (fit on every other size), MAPE %:")
     print(files.round(2).to_string(index=False))
     print(f"figure comm_mape_pct_large_all {files['model_large'].mean():.2f} %")
@@ -197,12 +229,12 @@ def main() -> None:
     print(f"figure nccl_tuner_mape_pct_large_all {files['tuner_large'].mean():.2f} %")
     beats = (files["model_all"] < files["base_all"]).sum()
     print(f"figure comm_files_better_than_baseline {beats}/{len(files)} files")
-    scale = vtrain_scale(args.data)
+    scale = vtrain_scale(args.data, clusters)
     print(f"\nvTrain A100 all-reduce, fit on 2+4 GPUs, predict 8: model {scale['model_all']:.2f} %, "
           f"alpha-beta {scale['base_all']:.2f} %")
     print(f"figure comm_mape_pct_scale_vtrain8 {scale['model_all']:.2f} %")
     print(f"figure baseline_mape_pct_scale_vtrain8 {scale['base_all']:.2f} %")
-    cross = cross_cluster()
+    cross = cross_cluster(clusters)
     print("\nEach multi-node cluster predicted from its description, network priors learned on the others "
           "(MAPE %, bias % at >= 1 MiB):")
     print(cross.round(2).to_string(index=False))
@@ -211,9 +243,9 @@ def main() -> None:
     print(f"figure comm_mape_pct_cross_cluster_small {cross['mape_small'].mean():.2f} %")
     print(f"figure comm_clusters_better_than_baseline {(cross['mape_large'] < cross['base_large']).sum()}/{len(cross)} "
           "clusters")
-    alltoall = all_to_all_public()
-    print("\nNCCL all-to-all on Azure NDm A100 v4, predicted by a100-80g-selene (never fitted to an all-to-all), as a "
-          "ring, and anchored on the cluster's own all-gather (error %):")
+    alltoall = all_to_all_public(clusters)
+    print("\nNCCL all-to-all on Azure NDm A100 v4, predicted by a100-80g-selene (uncalibrated, network priors "
+          "learned without Azure), as a ring, and anchored on the cluster's own all-gather (error %):")
     print(alltoall.round(3).to_string(index=False))
     print(f"figure comm_mape_pct_alltoall {alltoall['error_pct'].abs().mean():.2f} %")
     print(f"figure baseline_mape_pct_alltoall_as_ring {alltoall['ring_error_pct'].abs().mean():.2f} %")

@@ -386,14 +386,17 @@ def choose(params: CollectiveParams, size: int, num_ranks: int, num_nodes: int) 
     return pairs[int(chosen[0])]
 
 
-def prior_params(hw: HardwareConfig, collective: str, channels: int | None = None) -> CollectiveParams:
+def prior_params(hw: HardwareConfig, collective: str, channels: int | None = None,
+                 network_priors: dict | None = None) -> CollectiveParams:
     """Datasheet and NCCL-constant starting values (also the model of a hardware never calibrated).
 
     Per-step latencies are NCCL's hwLatencies (ring row; NVLINK intra-node on GPUs, PCI elsewhere, NET
     inter-node), scaled per hop so that Simple's equals the configured hop latency where one is set (a
     slower link slows every protocol's step alike); launch latency is NCCL's baseLatencies; per-channel
     bandwidth is the link's datasheet rate split over the channels times the protocol's payload
-    fraction; local buffer work (delta) is LOCAL_ACCESSES at memory bandwidth.
+    fraction; local buffer work (delta) is LOCAL_ACCESSES at memory bandwidth. The network hop takes
+    the learned prior of `network_priors` (network_priors.yaml's levels; default that file): a held-out
+    figure passes priors learned without its held-out data (network_fit.priors_without).
     """
     nccl = hw.nccl
     constants = release_constants(nccl.version)
@@ -405,7 +408,7 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     channels = channels or nccl.max_channels or 16
     cuda = hw.device_kind == "cuda"
     intra_kind = "NVLINK" if cuda else "PCI"
-    prior = network_prior(hw)
+    prior = network_prior(hw, network_priors)
     link_bandwidth = {"intra": (hw.intra_node_bandwidth_bytes_per_s or 5e9) * (NVLINK_EFFICIENCY if cuda else 1.0)}
     values = {"delta": LOCAL_ACCESSES[collective] / (hw.memory_bandwidth_bytes_per_s or 2e10)}
     for algorithm in algorithms:
@@ -459,18 +462,20 @@ class CommModel:
     """
 
     def __init__(self, hardware: HardwareConfig, fits: dict[str, CollectiveParams], source: str,
-                 noise: SystemNoise | None = None):
+                 noise: SystemNoise | None = None, network_priors: dict | None = None):
         self.hardware = hardware
         self.fits = fits
         self.noise = noise
         """Measured system noise (noise.py); None: ranks arrive together."""
+        self.network_priors = network_priors
+        """Network priors of uncalibrated collectives (prior_params); None: network_priors.yaml."""
         self.source = (source + ("" if is_identity(hardware.what_if) else f"; what-if {hardware.what_if}")
                        + (f"; system noise sigma(T) = {noise.scale:.3g} T^{noise.exponent:.2f}" if noise else ""))
         self._scaled: dict[str, CollectiveParams] = {}
 
     @classmethod
-    def from_hardware(cls, hw: HardwareConfig) -> CommModel:
-        return cls(hw, {}, source="uncalibrated: datasheet rates and NCCL constants")
+    def from_hardware(cls, hw: HardwareConfig, network_priors: dict | None = None) -> CommModel:
+        return cls(hw, {}, source="uncalibrated: datasheet rates and NCCL constants", network_priors=network_priors)
 
     @classmethod
     def load(cls, calibration_dir: Path, hw: HardwareConfig) -> CommModel:
@@ -496,7 +501,7 @@ class CommModel:
     def _params(self, collective: str) -> CollectiveParams:
         if collective in self.fits:
             return self.fits[collective]
-        prior = prior_params(self.hardware, collective)
+        prior = prior_params(self.hardware, collective, network_priors=self.network_priors)
         closest = ("all_gather", "all_reduce") if collective == "all_to_all" else ("all_reduce",)  # same bytes moved
         donor = next((self.fits[c] for c in closest if c in self.fits), next(iter(self.fits.values()), None))
         if donor is not None:

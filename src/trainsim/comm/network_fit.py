@@ -99,6 +99,12 @@ class Cluster:
     def predict(self, efficiency: float, alpha_s: float) -> np.ndarray:
         return predict_table(with_network_hop(self.base, self.hardware, efficiency, alpha_s), self.table)
 
+    def data_files(self) -> set[Path]:
+        """Every file learning from this cluster reads: its log and its hardware's calibration files (whose
+        single-node rows fit its intra-node side)."""
+        entries = [self.source.log, *self.hardware.calibration.files]
+        return {resolve_data_path(e.path, "network_fit.CLUSTERS") for e in entries}
+
 
 MSCCLPP_COLUMNS = {"all_reduce": "NCCL AllReduce", "all_gather": "NCCL AllGather", "all_to_all": "NCCL AllToAll"}
 MSCCLPP_SECTIONS = {"1 node, 8 gpus/node": (8, 1), "2 nodes, 1 gpu/node": (2, 2), "2 nodes, 8 gpus/node": (16, 2)}
@@ -193,6 +199,14 @@ def fit_levels(clusters: list[Cluster]) -> dict[str, dict[str, dict]]:
             table[level][key] = {"bandwidth_efficiency": round(efficiency, 4), "alpha_s": float(f"{alpha:.4g}"),
                                  "clusters": [c.name for c in members], "error_pct": float("nan")}
     return table
+
+
+def priors_without(clusters: list[Cluster], paths) -> dict:
+    """Network priors (network_priors.yaml's levels, without error bands) learned only from the clusters
+    whose data include none of `paths`: what a held-out fit of those files may start from. A file of a
+    measured cluster drops that cluster, a single-node file every cluster whose intra-node side it fits."""
+    held = {Path(p).name for p in paths}  # by name: the same file wherever a benchmark reads it from
+    return fit_levels([c for c in clusters if not {f.name for f in c.data_files()} & held])
 
 
 def held_out(clusters: list[Cluster]) -> pd.DataFrame:

@@ -1,0 +1,184 @@
+"""Held-out collective figures (benchmarks/comm_accuracy.py) never fit what they hold out (issue 52).
+
+Each test poisons measured times (x5) as every reader hands them out (calibration files, nccl-tests logs,
+the mscclpp summary), then reruns the figure's own code: poisoning the held-out part must leave the fits
+and the predictions of the held-out rows where they were, poisoning a training part must move them (so a
+leak would show). Clusters are the cheap ones of network_fit.CLUSTERS (no single-node fit to redo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trainsim.comm import calibration, network_fit
+from trainsim.comm.fit import every_other_size
+from trainsim.comm.network_fit import CLUSTERS, load_clusters
+
+pytestmark = pytest.mark.leakage
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "data" / "nccl-tests"
+P5 = "h100-16gpu-2node-aws-p5-efa3200_allreduce.txt"
+COREWEAVE = "h100-64gpu-8node-coreweave-ndr-ib-sharp_allreduce.txt"
+AZURE = "a100-ndmv4-azure-1node-2node_summary_mscclpp.txt"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("comm_accuracy", REPO / "benchmarks" / "comm_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sources(*names: str, overrides: tuple[str, ...] = ()) -> tuple:
+    return tuple(dataclasses.replace(s, overrides=s.overrides + overrides) for s in CLUSTERS if s.name in names)
+
+
+def h100_clusters():
+    """AWS p5 and CoreWeave: neither has a single-node file, so loading them fits nothing."""
+    return load_clusters(sources("aws-p5-efa", "coreweave-h100-ib-ndr"))
+
+
+def poison(monkeypatch, bench, file_name: str, rows: str = "all") -> list[int]:
+    """Every reader returns `file_name`'s rows ('all', or 'held_out': the sizes every_other_size leaves out of
+    training) with five times their measured time. Returns the count of rows poisoned so far (one entry)."""
+    poisoned = [0]
+
+    def wrap(read):
+        def reader(*args, **kwargs):
+            table = read(*args, **kwargs).copy()
+            mine = table["source"].map(lambda s: Path(s).name == file_name).to_numpy(bool, copy=True)
+            if rows == "held_out":
+                mine &= ~every_other_size(table)
+            table.loc[mine, "time_s"] *= 5
+            poisoned[0] += int(mine.sum())
+            return table
+        return reader
+
+    for module, name in ((calibration, "read_calibration_file"), (network_fit, "read_calibration_file"),
+                         (network_fit, "mscclpp_nccl_all_reduce"), (bench, "read_calibration_file"),
+                         (bench, "mscclpp_nccl_all_reduce")):
+        monkeypatch.setattr(module, name, wrap(getattr(module, name)))
+    return poisoned
+
+
+def same(a, b) -> bool:
+    return np.allclose(np.asarray(a, float), np.asarray(b, float), rtol=1e-9, atol=0)
+
+
+def params_and_predictions(result: dict) -> np.ndarray:
+    values = result["params"].values
+    return np.concatenate([[values[k] for k in sorted(values)], result["predicted"]])
+
+
+def test_held_out_sizes_of_a_file_never_reach_its_fit_or_its_network_priors(bench, monkeypatch):
+    """comm_mape_pct_large_all / small_all: the p5 log fitted on every other size, from network priors learned
+    without it (here CoreWeave's). Its held-out sizes must not move the fit; CoreWeave's log must."""
+    def run():
+        return params_and_predictions(bench.held_out_sizes(DATA / P5, h100_clusters()))
+
+    clean = run()
+    with monkeypatch.context() as m:
+        hits = poison(m, bench, P5, "held_out")
+        assert same(run(), clean) and hits[0] > 0
+    with monkeypatch.context() as m:
+        poison(m, bench, COREWEAVE)
+        assert not same(run(), clean)
+
+
+def test_vtrain_8gpu_table_never_reaches_the_scale_fit(bench, monkeypatch):
+    """comm_mape_pct_scale_vtrain8: fitted on vTrain's 2- and 4-GPU tables; the 8-GPU one must not move it.
+    One channel count instead of the search over six (which reads the same rows), to fit 1,024 rows faster."""
+    monkeypatch.setattr(bench, "channel_choices", lambda hw: (2,))
+
+    def run():
+        return params_and_predictions(bench.vtrain_scale(DATA, h100_clusters()))
+
+    clean = run()
+    with monkeypatch.context() as m:
+        hits = poison(m, bench, "a100-8gpu-nvlink_allreduce_vtrain-lut.csv")
+        assert same(run(), clean) and hits[0] > 0
+    with monkeypatch.context() as m:
+        poison(m, bench, "a100-2gpu-nvlink_allreduce_vtrain-lut.csv")
+        assert not same(run(), clean)
+
+
+def test_held_out_cluster_never_reaches_its_network_prior_or_the_baseline(bench, monkeypatch):
+    """comm_mape_pct_cross_cluster (and its alpha-beta baseline): p5 predicted from priors learned on the other
+    cluster; p5's own log must not move them, CoreWeave's must."""
+    def run():
+        clusters = h100_clusters()
+        model = bench.cross_cluster(clusters).set_index("cluster").loc["aws-p5-efa"]
+        baseline = bench.alpha_beta_cross_cluster(clusters).set_index("case").loc["aws-p5-efa"]
+        return [*model[["efficiency", "alpha_us"]], *baseline[["latency_us", "ratio"]]]
+
+    clean = run()
+    with monkeypatch.context() as m:
+        hits = poison(m, bench, P5)
+        assert same(run(), clean) and hits[0] > 0
+    with monkeypatch.context() as m:
+        poison(m, bench, COREWEAVE)
+        assert not same(run(), clean)
+
+
+def test_azure_file_never_reaches_the_all_to_all_predictions(bench, monkeypatch):
+    """comm_mape_pct_alltoall, its as-ring baseline and alltoall_structure's ratio: the Azure all-to-all priced
+    with priors learned without Azure's file (its all-reduce included). Azure is loaded without its
+    single-node files (nothing to fit); the file itself is what must be left out."""
+    def run():
+        clusters = [*load_clusters(sources("azure-ndmv4-ib-hdr", overrides=("hardware.calibration.files=[]",))),
+                    *h100_clusters()]
+        rows = bench.all_to_all_public(clusters)
+        return pd.concat([rows["predicted_ms"], rows["ring_ms"]]).to_numpy()
+
+    clean = run()
+    with monkeypatch.context() as m:
+        hits = poison(m, bench, AZURE)
+        assert same(run(), clean) and hits[0] > 0
+    with monkeypatch.context() as m:
+        poison(m, bench, COREWEAVE)
+        assert not same(run(), clean)
+
+
+def synthetic_gloo_sweep() -> pd.DataFrame:
+    """A gloo sweep's table (2-4 ranks, all-reduce and all-to-all) with times a ring model gives, so the test
+    needs no processes: what matters is which rows the fits read."""
+    rows = []
+    for collective, scale in (("all_reduce", 1.0), ("all_to_all", 1.3)):
+        for ranks in (2, 3, 4):
+            for size in 1 << np.arange(10, 22, 2):
+                seconds = scale * (40e-6 * ranks + 2 * (ranks - 1) / ranks * size / 2e9)
+                rows.append({"collective": collective, "algorithm": "gloo", "protocol": "gloo", "num_ranks": ranks,
+                             "num_nodes": 1, "message_bytes": int(size), "time_s": seconds,
+                             "source": "local sweep (gloo)"})
+    return pd.DataFrame(rows)
+
+
+def test_gloo_fits_never_read_their_held_out_ranks_or_sizes(bench, monkeypatch):
+    """comm_mape_pct_scale_gloo / alltoall_gloo (fit on 2 ranks, predict 3 and 4) and
+    alltoall_gloo_heldout_sizes (the all-to-all fit on every other size): poisoning what each predicts leaves it
+    where it was, poisoning 2 ranks moves both."""
+    sweep = synthetic_gloo_sweep()
+
+    def run(poisoned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        table = sweep.copy()
+        table.loc[poisoned, "time_s"] *= 5
+        monkeypatch.setattr(bench, "local_sweep", lambda hw: table)
+        scale, sizes = bench.gloo_scale()
+        return np.concatenate(scale.apply(params_and_predictions, axis=1).tolist()), params_and_predictions(sizes)
+
+    clean_scale, clean_sizes = run(np.zeros(len(sweep), bool))
+    alltoall = (sweep["collective"] == "all_to_all").to_numpy()
+    held_sizes = np.zeros(len(sweep), bool)
+    held_sizes[np.flatnonzero(alltoall)[~every_other_size(sweep[alltoall].reset_index(drop=True))]] = True
+    assert same(run((sweep["num_ranks"] > 2).to_numpy())[0], clean_scale)
+    assert same(run(held_sizes)[1], clean_sizes)
+    moved_scale, moved_sizes = run((sweep["num_ranks"] == 2).to_numpy())
+    assert not same(moved_scale, clean_scale) and not same(moved_sizes, clean_sizes)
