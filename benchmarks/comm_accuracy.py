@@ -3,14 +3,15 @@
 What each figure holds out, and what it fits without (nothing data-dependent a held-out figure uses was
 learned from its held-out data; tests/comm/test_leakage.py poisons the held-out data to check):
   1. Every nccl-tests file in data/nccl-tests: fit on every other message size, predict the
-     rest; MAPE for messages >= 1 MiB and < 1 MiB, model and baseline. The fit starts from network
-     priors learned on the clusters that never read the file (comm/network_fit.py priors_without: a
-     cluster's own log leaves that cluster out, a single-node file every cluster whose intra-node side it
-     fits), not from network_priors.yaml, which has seen every file.
+     rest; MAPE for messages >= 1 MiB and < 1 MiB, model and baseline. The fit starts from priors
+     learned without the file: network priors from the clusters that never read it (comm/network_fit.py
+     priors_without: a cluster's own log leaves that cluster out, a single-node file every cluster whose
+     intra-node side it fits), not network_priors.yaml, which has seen every file; the NVLink efficiency
+     from the other NVLink sources (comm/nvlink_fit.py; the vTrain 8-GPU table is one).
      Baselines: alpha-beta (latency + busfactor * size / busbw, both fitted) and NCCL's own tuner
      model (its constants, bus bandwidth fitted; comm/nccl_tuner.py).
-  2. Scale: vTrain's single-node A100 all-reduce tables, fit on 2 and 4 GPUs, predict 8 (network priors
-     learned without the 8-GPU table).
+  2. Scale: vTrain's single-node A100 all-reduce tables, fit on 2 and 4 GPUs, predict 8 (priors learned
+     without the 8-GPU table, as in 1).
   3. Across clusters: each measured multi-node cluster (comm/network_fit.py CLUSTERS: AWS p4de and p5
      over EFA, OCI over RoCE, CoreWeave and Azure over InfiniBand) predicted from its hardware description
      alone, with the network priors learned on the other clusters (leave-one-cluster-out), next to an
@@ -25,8 +26,6 @@ learned from its held-out data; tests/comm/test_leakage.py poisons the held-out 
      times the model's all-to-all / all-gather ratio (what the all-to-all adds, without the link
      calibration both share; the measured all-gather is this figure's input, the ratio is held out).
      gloo's all-to-all on this machine, fit on every other size, predicts the rest (part 4's sweep).
-Not held out: the intra-node prior NVLINK_EFFICIENCY (comm/network.py) was read off the vTrain 8-GPU and
-the H200 8-GPU tables; it is only the start and weak pull of fits 1 and 2, and 5's NVLink rate.
 The `_all` figures are means over files (each file counts once, whatever its number of sizes), the
 `_cross_cluster` ones over clusters. The hardware config describing a file's cluster gives its datasheet
 priors.
@@ -62,6 +61,7 @@ from trainsim.comm.network_fit import (
     mscclpp_nccl_all_reduce,
     priors_without,
 )
+from trainsim.comm.nvlink_fit import nvlink_efficiency
 from trainsim.config import compose_run
 from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile
@@ -80,11 +80,17 @@ def hardware_for(name: str):
     return compose_run([f"hardware={key}"], check="layout").hardware
 
 
-def fit_and_score(train: pd.DataFrame, test: pd.DataFrame, hw, collective: str,
-                  network_priors: dict | None = None) -> dict:
-    """Fit on `train` from the priors (network hop: `network_priors`, learned without `test`), score `test`;
-    'params' and 'predicted' are the fit and its predictions of `test`."""
-    fit = fit_collective(train, prior_params(hw, collective, network_priors=network_priors), channel_choices(hw))
+def held_out_prior(hw, collective: str, clusters: list[Cluster], paths: list[Path]):
+    """hw's prior parameters with the learned ones (network hop, NVLink efficiency) learned without `paths`."""
+    return prior_params(hw, collective, network_priors=priors_without(clusters, paths),
+                        nvlink_efficiency=nvlink_efficiency(without=paths))
+
+
+def fit_and_score(train: pd.DataFrame, test: pd.DataFrame, hw, prior) -> dict:
+    """Fit on `train` from `prior` (learned without `test`), score `test`; 'params' and 'predicted' are the fit
+    and its predictions of `test`."""
+    collective = prior.collective
+    fit = fit_collective(train, prior, channel_choices(hw))
     model, baseline = predict_table(fit.params, test), fit_alpha_beta(train, collective).predict(test)
     tuner = fit_nccl_tuner(train, collective, hw.nccl.version).predict(test)
     measured = test["time_s"].to_numpy()
@@ -103,8 +109,9 @@ def held_out_sizes(path: Path, clusters: list[Cluster]) -> dict:
     (a cluster's own log leaves that cluster out), predicting the other sizes."""
     table = read_calibration_file(CalibrationFile(path=str(path)))
     train = every_other_size(table)
-    return fit_and_score(table[train], table[~train].reset_index(drop=True), hardware_for(path.name),
-                         table["collective"].iloc[0], priors_without(clusters, [path]))
+    hw = hardware_for(path.name)
+    prior = held_out_prior(hw, table["collective"].iloc[0], clusters, [path])
+    return fit_and_score(table[train], table[~train].reset_index(drop=True), hw, prior)
 
 
 def per_file(data: Path, clusters: list[Cluster]) -> pd.DataFrame:
@@ -122,7 +129,8 @@ def vtrain_scale(data: Path, clusters: list[Cluster]) -> dict:
     paths = {n: data / f"a100-{n}gpu-nvlink_allreduce_vtrain-lut.csv" for n in (2, 4, 8)}
     tables = {n: read_calibration_file(CalibrationFile(path=str(p))) for n, p in paths.items()}
     train = pd.concat([tables[2], tables[4]], ignore_index=True)
-    return fit_and_score(train, tables[8], hardware_for("a100"), "all_reduce", priors_without(clusters, [paths[8]]))
+    hw = hardware_for("a100")
+    return fit_and_score(train, tables[8], hw, held_out_prior(hw, "all_reduce", clusters, [paths[8]]))
 
 
 def _signed_errors(name: str, predicted, table: pd.DataFrame) -> dict:
@@ -175,10 +183,10 @@ def gloo_scale() -> tuple[pd.DataFrame, dict]:
     rows = []
     for collective, table in measurements.groupby("collective"):
         train, test = table[table["num_ranks"] == 2], table[table["num_ranks"] > 2].reset_index(drop=True)
-        rows.append({"collective": collective, **fit_and_score(train, test, hw, collective)})
+        rows.append({"collective": collective, **fit_and_score(train, test, hw, prior_params(hw, collective))})
     alltoall = measurements[measurements["collective"] == "all_to_all"].reset_index(drop=True)
     train = every_other_size(alltoall)
-    sizes = fit_and_score(alltoall[train], alltoall[~train].reset_index(drop=True), hw, "all_to_all")
+    sizes = fit_and_score(alltoall[train], alltoall[~train].reset_index(drop=True), hw, prior_params(hw, "all_to_all"))
     return pd.DataFrame(rows), sizes
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trainsim.comm import calibration, network_fit
+from trainsim.comm import calibration, network_fit, nvlink_fit
 from trainsim.comm.fit import every_other_size
 from trainsim.comm.network_fit import CLUSTERS, load_clusters
 
@@ -63,7 +63,8 @@ def poison(monkeypatch, bench, file_name: str, rows: str = "all") -> list[int]:
         return reader
 
     for module, name in ((calibration, "read_calibration_file"), (network_fit, "read_calibration_file"),
-                         (network_fit, "mscclpp_nccl_all_reduce"), (bench, "read_calibration_file"),
+                         (network_fit, "mscclpp_nccl_all_reduce"), (nvlink_fit, "read_calibration_file"),
+                         (bench, "read_calibration_file"),
                          (bench, "mscclpp_nccl_all_reduce")):
         monkeypatch.setattr(module, name, wrap(getattr(module, name)))
     return poisoned
@@ -94,8 +95,9 @@ def test_held_out_sizes_of_a_file_never_reach_its_fit_or_its_network_priors(benc
 
 
 def test_vtrain_8gpu_table_never_reaches_the_scale_fit(bench, monkeypatch):
-    """comm_mape_pct_scale_vtrain8: fitted on vTrain's 2- and 4-GPU tables; the 8-GPU one must not move it.
-    One channel count instead of the search over six (which reads the same rows), to fit 1,024 rows faster."""
+    """comm_mape_pct_scale_vtrain8: fitted on vTrain's 2- and 4-GPU tables, from priors learned without the
+    8-GPU one (which is also an NVLink-efficiency source); the 8-GPU table must not move it. One channel count
+    instead of the search over six (which reads the same rows), to fit 1,024 rows faster."""
     monkeypatch.setattr(bench, "channel_choices", lambda hw: (2,))
 
     def run():

@@ -168,3 +168,11 @@ def test_network_priors_file_is_what_the_measured_clusters_give():
             for name in ("bandwidth_efficiency", "alpha_s", "error_pct"):
                 assert stored[level][key][name] == pytest.approx(entry[name], rel=0.02, abs=0.2 if name == "error_pct"
                                                                  else 0), (level, key, name)
+
+
+def test_nvlink_efficiency_is_what_its_sources_give():
+    """NVLINK_EFFICIENCY is the output of its fitting script (comm/nvlink_fit.py), not a number typed in."""
+    from trainsim.comm.network import NVLINK_EFFICIENCY
+    from trainsim.comm.nvlink_fit import nvlink_efficiency
+
+    assert NVLINK_EFFICIENCY == nvlink_efficiency()

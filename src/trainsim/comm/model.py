@@ -387,7 +387,7 @@ def choose(params: CollectiveParams, size: int, num_ranks: int, num_nodes: int) 
 
 
 def prior_params(hw: HardwareConfig, collective: str, channels: int | None = None,
-                 network_priors: dict | None = None) -> CollectiveParams:
+                 network_priors: dict | None = None, nvlink_efficiency: float | None = None) -> CollectiveParams:
     """Datasheet and NCCL-constant starting values (also the model of a hardware never calibrated).
 
     Per-step latencies are NCCL's hwLatencies (ring row; NVLINK intra-node on GPUs, PCI elsewhere, NET
@@ -395,8 +395,9 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     slower link slows every protocol's step alike); launch latency is NCCL's baseLatencies; per-channel
     bandwidth is the link's datasheet rate split over the channels times the protocol's payload
     fraction; local buffer work (delta) is LOCAL_ACCESSES at memory bandwidth. The network hop takes
-    the learned prior of `network_priors` (network_priors.yaml's levels; default that file): a held-out
-    figure passes priors learned without its held-out data (network_fit.priors_without).
+    the learned prior of `network_priors` (network_priors.yaml's levels; default that file), NVLink the
+    learned `nvlink_efficiency` (default NVLINK_EFFICIENCY): a held-out figure passes priors learned
+    without its held-out data (network_fit.priors_without, nvlink_fit.nvlink_efficiency).
     """
     nccl = hw.nccl
     constants = release_constants(nccl.version)
@@ -409,7 +410,8 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
     cuda = hw.device_kind == "cuda"
     intra_kind = "NVLINK" if cuda else "PCI"
     prior = network_prior(hw, network_priors)
-    link_bandwidth = {"intra": (hw.intra_node_bandwidth_bytes_per_s or 5e9) * (NVLINK_EFFICIENCY if cuda else 1.0)}
+    nvlink = NVLINK_EFFICIENCY if nvlink_efficiency is None else nvlink_efficiency
+    link_bandwidth = {"intra": (hw.intra_node_bandwidth_bytes_per_s or 5e9) * (nvlink if cuda else 1.0)}
     values = {"delta": LOCAL_ACCESSES[collective] / (hw.memory_bandwidth_bytes_per_s or 2e10)}
     for algorithm in algorithms:
         base = constants["base_latency_us"].get(algorithm, constants["base_latency_us"]["ring"])

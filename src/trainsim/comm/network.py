@@ -33,7 +33,8 @@ NVLINK_EFFICIENCY = 0.94
 """Achieved fraction of NVLink's datasheet rate per direction, once the local buffer work of the model's delta
 term (3 bytes at memory bandwidth per byte) is taken out of the measured ring bus bandwidth: A100 229 GB/s of
 300 (vTrain's 8-GPU table, 1 GiB) -> 0.947, H200 367 GB/s of 450 (ml-engineering's 8-GPU table, 16 GiB, 4.8 TB/s
-HBM3e) -> 0.939 (data/nccl-tests). The intra-node prior of a GPU without a single-node measurement."""
+HBM3e) -> 0.939 (data/nccl-tests); their mean, as `python -m trainsim.comm.nvlink_fit` computes it. The intra-node
+prior of a GPU without a single-node measurement."""
 
 
 def domain_size(hw: HardwareConfig) -> int:
