@@ -184,3 +184,27 @@ def test_gloo_fits_never_read_their_held_out_ranks_or_sizes(bench, monkeypatch):
     assert same(run(held_sizes)[1], clean_sizes)
     moved_scale, moved_sizes = run((sweep["num_ranks"] == 2).to_numpy())
     assert not same(moved_scale, clean_scale) and not same(moved_sizes, clean_sizes)
+
+
+def test_calibration_held_out_error_starts_from_no_learned_prior(monkeypatch):
+    """fit.json's held-out error (reports, provenance): fitted on every other size of the p5 log, it must not
+    start from the learned priors, which saw every size. Learned priors as if learned on poisoned rows must
+    leave it where it was; poisoning its training sizes must move it."""
+    from trainsim.comm import model
+    from trainsim.comm.calibration import heldout_errors, read_calibration_file
+    from trainsim.comm.network import NetworkPrior
+    from trainsim.config import compose_run
+    from trainsim.config.schema import CalibrationFile
+
+    hw = compose_run(["hardware=h100-80g-p5"], check="layout").hardware
+    table = read_calibration_file(CalibrationFile(path=str(DATA / P5)))
+    clean = heldout_errors(table, hw, "all_reduce")
+    learned = model.network_prior
+    poisoned = NetworkPrior("all", "all", 0.2, 1e-3, (), 0.0)
+    with monkeypatch.context() as m:  # network_priors.yaml and NVLINK_EFFICIENCY as if learned on poisoned rows
+        m.setattr(model, "network_prior", lambda hw, table=None: learned(hw, table) if table is not None else poisoned)
+        m.setattr(model, "NVLINK_EFFICIENCY", 0.5)
+        assert heldout_errors(table, hw, "all_reduce") == clean
+    training_poisoned = table.copy()
+    training_poisoned.loc[every_other_size(table), "time_s"] *= 5
+    assert heldout_errors(training_poisoned, hw, "all_reduce")["model_mape_pct_large"] != clean["model_mape_pct_large"]
