@@ -105,8 +105,8 @@ def fit_and_score(train: pd.DataFrame, test: pd.DataFrame, hw, prior) -> dict:
 
 
 def held_out_sizes(path: Path, clusters: list[Cluster]) -> dict:
-    """One file fitted on every other size, from network priors learned on the clusters that never read it
-    (a cluster's own log leaves that cluster out), predicting the other sizes."""
+    """One file fitted on every other size, from priors learned without it (held_out_prior: network priors
+    from the clusters that never read it, the NVLink efficiency from the other sources), predicting the rest."""
     table = read_calibration_file(CalibrationFile(path=str(path)))
     train = every_other_size(table)
     hw = hardware_for(path.name)
@@ -125,7 +125,7 @@ def per_file(data: Path, clusters: list[Cluster]) -> pd.DataFrame:
 
 
 def vtrain_scale(data: Path, clusters: list[Cluster]) -> dict:
-    """Fit on vTrain's 2- and 4-GPU tables, predict the 8-GPU one (network priors learned without it)."""
+    """Fit on vTrain's 2- and 4-GPU tables, predict the 8-GPU one (priors learned without it)."""
     paths = {n: data / f"a100-{n}gpu-nvlink_allreduce_vtrain-lut.csv" for n in (2, 4, 8)}
     tables = {n: read_calibration_file(CalibrationFile(path=str(p))) for n, p in paths.items()}
     train = pd.concat([tables[2], tables[4]], ignore_index=True)
