@@ -15,10 +15,13 @@ calls, from what the composer has (op, FLOPs, bytes, solo time, collective, devi
 `slowdown_within10_pct_compose_features`: out-of-fold predictions of a 5-fold cross-validation over all
 404 overlapped A100 kernels, folded by kernel group (kernel name and solo duration in quarter-octave
 bins: the same layer's kernel in every layer never sits on both sides), nested hyperparameter choice
-as the a100-80g-dgx model. `slowdown_mean_ratio_compose_vs_train_{a100,h100}`: the model (trained on
-the 80 % part) composes GPT-2 small on 2 GPUs with DDP (the workload of the training data) on
-a100-80g-dgx and on h100-sxm-dgx; the mean s it predicts for the overlapped kernels there, over the
-mean s it predicts for the training kernels (`_vs_measured_`: over their measured mean).
+as the a100-80g-dgx model; `no_slowdown_within10_pct_compose_features`: s = 0 for the same kernels. Both
+are the score the model artifact records (metrics.json `held_out_groups`) and `hardware.slowdown.use=auto`
+compares: the model is applied only where it is the higher.
+`slowdown_mean_ratio_compose_vs_train_{a100,h100}`: the model (trained on the 80 % part) composes GPT-2
+small on 2 GPUs with DDP (the workload of the training data) on a100-80g-dgx and on h100-sxm-dgx; the
+mean s it predicts for the overlapped kernels there, over the mean s it predicts for the training
+kernels (`_vs_measured_`: over their measured mean).
 
 local: the local-cpu dataset, read from artifacts/slowdown/local-cpu when the pipeline has built it,
 else measured now with the local-cpu settings (about 30 s on 2 cores).

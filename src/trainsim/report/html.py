@@ -72,7 +72,7 @@ def _made_from(data: dict[str, Any]) -> dict[str, str]:
     collectives = (f"NCCL model calibrated on {', '.join(Path(f).name for f in sources)}" if sources
                    else "collectives from datasheet rates")
     overlap = (f"overlap slowdown trained on {', '.join(Path(f).name for f in slowdown.get('files', []))}"
-               if slowdown.get("modelled") else "no overlap slowdown")
+               if slowdown.get("modelled") else slowdown.get("choice", "no overlap slowdown model"))
     return {"kernels": f"compute kernels {backends}{fitted}", "collectives": collectives, "overlap": overlap}
 
 
