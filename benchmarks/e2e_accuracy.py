@@ -170,6 +170,7 @@ def local_part(reuse: bool, layouts: list[str]) -> list[tuple[str, float, str]]:
 
 def vtrain_part() -> list[tuple[str, float, str]]:
     build_point(vtrain.base_run(), "calibration")  # built where missing
+    build_point(vtrain.base_run(), "slowdown_model")  # decides the overlap slowdown a compose applies there
     result = vtrain.evaluate()
     table = result.table
     out = Path("artifacts/validation/vtrain")

@@ -22,7 +22,8 @@ Prints per row and
                                             carries)
   figure predict_seconds_cached_fresh_process <v> s   `trainsim compose --quick` of one point in a new
                                             process with every input cached
-The overlap-slowdown model is not applied here (communication overlap is composed, its kernel slowdown is not).
+Rows are composed with the overlap slowdown `trainsim compose` applies on their hardware (validation/fitting.py
+pipeline_slowdown; hardware.slowdown.use=auto: none while the model loses to it on unseen kernel groups).
 
     python benchmarks/scale_accuracy.py [--tables megatron2021_a100 mcore2024_h100] [--skip-timing] [--page OUT.html]
 Builds missing NCCL calibrations (seconds); the first run traces 19 layouts (~3 min on 2 cores).
@@ -69,8 +70,9 @@ def main() -> None:
     print("assumed where the sources are silent:")
     for name, text in ASSUMPTIONS.items():
         print(f"  {name}: {text}")
-    for name in args.tables:  # the tables' NCCL calibrations, built where missing
+    for name in args.tables:  # the tables' NCCL calibrations and slowdown models, built where missing
         build_point(table_run(name), "calibration")
+        build_point(table_run(name), "slowdown_model")
     evaluated = evaluate_tables(args.tables)
     for name, result in evaluated.items():
         rows = result.rows

@@ -181,8 +181,10 @@ def _inputs_lines(inputs: dict) -> list[str]:
     counts = ", ".join(f"{n} {backend}" for backend, n in kernels.get("backends", {}).items())
     model = f"kernel model: {kernels['kernel_model']}" if "kernel_model" in kernels else ""
     lines.append("kernels: " + "; ".join(part for part in (counts, model) if part))
-    if slowdown["modelled"]:
-        lines.append(f"slowdown: trained on {', '.join(slowdown['files']) or slowdown['source']} "
+    if "choice" in slowdown:
+        lines.append(slowdown["choice"])
+    if "artifact" in slowdown:
+        lines.append(f"slowdown model: trained on {', '.join(slowdown['files']) or slowdown['source']} "
                      f"({slowdown['rows']} kernels; CV duration error {slowdown['cv_duration_mape_pct']} %)")
     return lines + [f"[yellow]warning:[/yellow] {w}" for w in inputs["warnings"]]
 

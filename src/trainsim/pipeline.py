@@ -6,8 +6,8 @@ reasons. The order is derived from each stage's declared inputs (registry.Stage.
 
 A stage of the target's input closure is built when it is needed and stale:
   * stale: its artifact is missing (no manifest.json) or outdated (made by other tracer or workload code, or a
-    slowdown model of an older feature schema: rebuilt after an upgrade, not refused), or one of its inputs is
-    built in this call;
+    slowdown model of an older feature schema or without its unseen-kernel-group score: rebuilt after an
+    upgrade, not refused), or one of its inputs is built in this call;
   * needed: it is the target, or a stage built in this call reads it. A present, current artifact is used as
     it is, so its own inputs are not looked at (a slowdown model whose dataset was deleted is still used).
 `build_missing=False` (`--quick`) ignores the target's `fallback_inputs` (registry.Stage): a compose then
@@ -73,10 +73,23 @@ def slowdown_outdated(paths: dict[str, Path]) -> bool:
     return json.loads(schema.read_text()).get("schema_version") != SCHEMA_VERSION
 
 
+def slowdown_model_outdated(paths: dict[str, Path]) -> bool:
+    """As slowdown_outdated, and a model trained before its score on unseen kernel groups was recorded is
+    retrained (hardware.slowdown.use=auto decides on that score; the dataset stays)."""
+    if slowdown_outdated(paths):
+        return True
+    metrics = paths["slowdown_model"] / "metrics.json"
+    if not metrics.is_file():
+        return False
+    from trainsim.slowdown.train import HELD_OUT_GROUPS
+
+    return HELD_OUT_GROUPS not in json.loads(metrics.read_text())
+
+
 OUTDATED: dict[str, Callable[[dict[str, Path]], bool]] = {
     "trace": trace_outdated,
     "slowdown_dataset": slowdown_outdated,
-    "slowdown_model": slowdown_outdated,
+    "slowdown_model": slowdown_model_outdated,
 }
 """Stage -> check whether its present artifact was made by code the current one no longer reads."""
 

@@ -142,6 +142,7 @@ def test_every_schema_field_has_a_docstring():
                                      "analytical"),
     ("hardware.slowdown.source=download", "hardware.slowdown.source='download' is not supported; accepted: "
                                           "measure, import"),
+    ("hardware.slowdown.use=always", "hardware.slowdown.use='always' is not supported; accepted: auto, model, none"),
 ])
 def test_unmodelled_values_are_rejected_naming_field_value_and_supported(override, message):
     with pytest.raises(ConfigError) as err:

@@ -40,7 +40,7 @@ def test_every_stage_but_the_on_demand_ones_has_a_builder():
 def recorded(tmp_path, monkeypatch):
     """Every builder replaced by one that publishes an empty artifact (a manifest, and what the outdated checks
     read) and records the call: which stages were built, in which order, from which inputs."""
-    from trainsim.slowdown.train import SCHEMA_VERSION
+    from trainsim.slowdown.train import HELD_OUT_GROUPS, SCHEMA_VERSION
 
     monkeypatch.chdir(tmp_path)
     calls: list[tuple[str, dict[str, Path]]] = []
@@ -53,6 +53,7 @@ def recorded(tmp_path, monkeypatch):
             (output / "manifest.json").write_text(json.dumps({"stage": name, "config": config}))
             if name == "slowdown_model":
                 (output / "schema.json").write_text(json.dumps({"schema_version": SCHEMA_VERSION}))
+                (output / "metrics.json").write_text(json.dumps({HELD_OUT_GROUPS: {}}))
             return {"step_time_s": 1.0} if name == "compose" else None
         return build
 
@@ -113,6 +114,10 @@ def test_outdated_artifacts_are_rebuilt_with_what_depends_on_them(recorded, run)
     (paths["slowdown_model"] / "schema.json").write_text(json.dumps({"schema_version": 1}))
     pipeline.compose_point(run)
     assert built(recorded) == ["slowdown_dataset", "slowdown_model", "compose"]
+    # a model without its score on unseen kernel groups (what use=auto decides on) is retrained, its dataset kept
+    (paths["slowdown_model"] / "metrics.json").write_text(json.dumps({"cv": {}}))
+    pipeline.compose_point(run)
+    assert built(recorded) == ["slowdown_model", "compose"]
 
 
 def test_quick_builds_only_trace_and_profile_and_composes_from_what_exists(recorded, run):

@@ -3,6 +3,7 @@ ground truth shown as measured or "not measured", and a corrupt input stopping t
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 import subprocess
@@ -63,8 +64,8 @@ def test_page_renders_whole_in_chromium(a100_project, tmp_path):
     assert tables["comm-table"] == len(json.loads((_artifact(a100_project, "calibration") / "fit.json")
                                                   .read_text())["collectives"])
     assert tables["provenance-table"] == 5  # trace, profile, calibration, slowdown model, compose
-    # calibration, one row per calibrated collective, kernel model, slowdown model
-    assert tables["inputs-table"] == 3 + tables["comm-table"]
+    # calibration, one row per calibrated collective, kernel model, overlap slowdown used, slowdown model
+    assert tables["inputs-table"] == 4 + tables["comm-table"]
     assert (tmp_path / "page.png").stat().st_size > 10_000
     # the step's Chrome trace, downloaded and gunzipped by the browser: every event of the compose artifact's
     trace = json.loads((_artifact(a100_project, "compose") / "trace.json").read_text())
@@ -74,7 +75,10 @@ def test_page_renders_whole_in_chromium(a100_project, tmp_path):
     text = page.read_text()  # every figure names what its numbers were made from
     assert text.count("<figcaption>") == len(rendered["images"])
     assert "NCCL model calibrated on a100-2gpu-nvlink_allreduce_vtrain-lut.csv" in text
-    assert "overlap slowdown trained on echo_gpt2" in text
+    # which overlap slowdown the compose applied and why (auto: the model loses to none on unseen kernel groups)
+    summary = json.loads((_artifact(a100_project, "compose") / "summary.json").read_text())
+    choice = summary["inputs"]["slowdown"]["choice"]
+    assert choice.startswith("overlap slowdown: none (auto: XGBoost ") and html.escape(choice) in text
 
 
 @pytest.mark.slow

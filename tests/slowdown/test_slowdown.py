@@ -27,7 +27,10 @@ from trainsim.slowdown.predictor import (
     stretched_duration,
 )
 from trainsim.slowdown.stage import build_dataset, write_dataset_artifact, write_model_artifact
-from trainsim.slowdown.train import train_slowdown_model
+from trainsim.slowdown.train import HELD_OUT_GROUPS, train_slowdown_model
+from trainsim.timeline.costs import NoSlowdown, PredictorSlowdown
+from trainsim.timeline.provenance import slowdown_inputs
+from trainsim.timeline.stage import slowdown_model
 
 A100_CSV = DATA_DIR / "overlap-slowdown/echo_gpt2_ddp_2gpu_a100_kernel_overlap_slowdown.csv"
 
@@ -44,10 +47,7 @@ def a100_result(a100):
 
 @pytest.fixture(scope="module")
 def model_dir(a100_result, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models") / "a100"
-    with atomic_artifact(out, stage="slowdown_model", config={}, config_keys={"hardware": "a100"}) as tmp:
-        save_model(a100_result, tmp)
-    return out
+    return _model_artifact(a100_result, tmp_path_factory.mktemp("models") / "a100")
 
 
 def _csv_with(tmp_path: Path, edits: dict[int, dict[str, str]], rows: int = 12) -> Path:
@@ -107,20 +107,79 @@ def test_zero_overlap_is_counted_and_never_a_target():
     assert list(valid["slowdown"]) == [1.0, 0.0, 0.0]  # (1.5 - 1) / (0.5 * 1); zero overlap: 0, not NaN
 
 
-def test_model_beats_the_constant_factor_baseline_on_held_out_a100_kernels(a100_result):
+def test_model_is_scored_against_no_slowdown_on_unseen_kernel_groups(a100, a100_result):
+    """The figure hardware.slowdown.use=auto decides on, at the level benchmarks/slowdown_accuracy.py measures:
+    every overlapped kernel predicted by a model that never saw its kernel group, against s = 0 for the same
+    kernels; and the model never trains on a kernel group it is scored on."""
     metrics = a100_result.metrics
     assert metrics["rows"] == {"ok": 404, "zero_overlap": 215, "targets": 404, "train": 323, "holdout": 81}
-    for part in ("cv", "holdout"):
-        model, baseline = metrics[part]["model"], metrics[part]["baseline"]
-        for share in ("within_5_pct", "within_10_pct", "within_15_pct"):
-            assert model[share] > baseline[share]
-        assert model["duration_rmse_s"] < baseline["duration_rmse_s"]
-        assert abs(model["summed_error_pct"]) < abs(baseline["summed_error_pct"])
-    # deterministic on fixed public data: a regression of the method fails here (measured: 60.1 %, +0.4 %)
-    assert metrics["cv"]["model"]["within_10_pct"] >= 55.0
-    assert abs(metrics["cv"]["model"]["summed_error_pct"]) < 3.0
+    scores = metrics[HELD_OUT_GROUPS]
+    assert scores["kernels"] == 404 and scores["folds"] == 5 and scores["groups"] >= 50
+    targets = a100[a100["status"] == "ok"]
+    error = (targets["solo_duration_s"] / targets["overlapped_duration_s"] - 1).abs()  # what s = 0 predicts
+    assert scores["none"]["within_10_pct"] == pytest.approx(100 * (error < 0.10).mean())
+    # deterministic on fixed public data: Echo's settings on unseen kernel groups, measured 2026-11-28 at 54.2 %
+    # within 10 % (summed -0.6 %); a regression of the method fails here
+    assert scores["model"]["within_10_pct"] >= 50.0 and abs(scores["model"]["summed_error_pct"]) < 3.0
+    # ... and they lose to no slowdown (71.0 %), so hardware.slowdown.use=auto composes without the model. The day
+    # a change makes the model win, this line fails: the default flips, and docs/slowdown.md must say so.
+    assert scores["model"]["within_10_pct"] < scores["none"]["within_10_pct"]
     importances = a100_result.importances
     assert set(importances["feature"]) == set(FEATURES) and importances["gain_share"].sum() == pytest.approx(1.0)
+
+
+def _with_use(hw, use: str):
+    return dataclasses.replace(hw, slowdown=dataclasses.replace(hw.slowdown, use=use))
+
+
+def _model_artifact(result, directory: Path) -> Path:
+    with atomic_artifact(directory, stage="slowdown_model", config={}, config_keys={"hardware": "a100"}) as tmp:
+        save_model(result, tmp)
+    return directory
+
+
+def test_auto_composes_without_the_model_where_it_loses_to_no_slowdown(model_dir, a100, a100_result):
+    """The real A100 data and Echo's settings: the model loses on unseen kernel groups, so the compose stage's
+    slowdown (the function every accuracy benchmark composes with too) is none, and its provenance says why."""
+    hw = compose_run(["hardware=a100-80g-dgx"]).hardware
+    assert hw.slowdown.use == "auto"  # the default
+    assert isinstance(slowdown_model(hw, model_dir), NoSlowdown)
+    inputs, warnings = slowdown_inputs(hw, model_dir, "A100")
+    scores = a100_result.metrics[HELD_OUT_GROUPS]
+    assert not inputs["modelled"] and inputs["use"] == "auto" and warnings == []
+    assert inputs["choice"].startswith("overlap slowdown: none (auto: XGBoost ")
+    assert f"none {scores['none']['within_10_pct']:.0f} %" in inputs["choice"]
+    # use=model applies it regardless (and says so); use=none never, with or without an artifact
+    forced = slowdown_model(_with_use(hw, "model"), model_dir)
+    ok = a100[a100["status"] == "ok"].head(50)
+    compute = ok.rename(columns={"solo_duration_s": "duration_s"})[["op", "flops", "bytes_moved", "duration_s"]]
+    assert (forced.slowdown(compute, ok[["collective", "message_bytes", "num_ranks"]]) > 0).any()
+    assert slowdown_inputs(_with_use(hw, "model"), model_dir, "A100")[0]["modelled"]
+    assert isinstance(slowdown_model(_with_use(hw, "none"), model_dir), NoSlowdown)
+    assert slowdown_inputs(_with_use(hw, "none"), None, "A100") == (
+        {"modelled": False, "use": "none", "choice": "overlap slowdown: none (hardware.slowdown.use=none)"}, [])
+    with pytest.raises(ConfigError, match="hardware.slowdown.use='sometimes'; accepted: auto, model, none"):
+        slowdown_model(_with_use(hw, "sometimes"), model_dir)
+
+
+def test_auto_applies_the_model_where_it_beats_no_slowdown(a100, tmp_path):
+    """The A100 kernels with a slowdown that follows each kernel's memory-bandwidth share (s = 3 x share, as a
+    GPU whose overlap cost is set by memory traffic would show): learnable across kernel groups, so the model
+    trained on it beats no slowdown on unseen groups and auto applies it."""
+    rows = a100.copy()
+    share = dataset_features(rows)["memory_bandwidth_fraction"].clip(0, 1).to_numpy()
+    ok = (rows["status"] == "ok").to_numpy()
+    rows.loc[ok, "slowdown"] = 3 * share[ok]
+    rows.loc[ok, "overlapped_duration_s"] = stretched_duration(rows.loc[ok, "solo_duration_s"],
+                                                               rows.loc[ok, "overlap_fraction"], 3 * share[ok])
+    result = train_slowdown_model(rows, SlowdownModelConfig(n_estimators=30, max_depth=6, nthread=1))
+    scores = result.metrics[HELD_OUT_GROUPS]
+    assert scores["model"]["within_10_pct"] > scores["none"]["within_10_pct"]
+    model_dir = _model_artifact(result, tmp_path / "model")
+    hw = compose_run(["hardware=a100-80g-dgx"]).hardware
+    assert isinstance(slowdown_model(hw, model_dir), PredictorSlowdown)
+    inputs, _ = slowdown_inputs(hw, model_dir, "A100")
+    assert inputs["modelled"] and inputs["choice"].startswith("overlap slowdown: XGBoost model (auto: XGBoost ")
 
 
 def test_predictor_reproduces_the_holdout_and_refuses_a_missing_feature(model_dir, a100, a100_result):

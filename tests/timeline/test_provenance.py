@@ -25,7 +25,9 @@ def project(tmp_path_factory):
 def test_every_gpu_config_composes_with_its_calibration_and_slowdown_model(hardware, project, monkeypatch):
     monkeypatch.chdir(project)
     hw = compose_run([f"hardware={hardware}"]).hardware
-    p = trainsim.predict("model=gpt-tiny", "parallelism=dp2", f"hardware={hardware}", *FAST_SLOWDOWN)
+    # use=model: the model is applied on every GPU config (auto would pick none on Echo's data, test_slowdown.py)
+    p = trainsim.predict("model=gpt-tiny", "parallelism=dp2", f"hardware={hardware}", *FAST_SLOWDOWN,
+                         "hardware.slowdown.use=model")
     calibration = p.inputs["calibration"]
     assert calibration["calibrated"] == bool(hw.calibration.files)
     if hw.calibration.files:
@@ -35,6 +37,8 @@ def test_every_gpu_config_composes_with_its_calibration_and_slowdown_model(hardw
         assert any("uncalibrated" in w for w in p.warnings)
         assert p.summary["models"]["comm"].startswith("CommModel (uncalibrated")
     assert p.inputs["slowdown"]["modelled"] and p.inputs["slowdown"]["files"] == hw.slowdown.import_files
+    assert p.summary["models"]["slowdown"] == "xgboost"
+    assert p.inputs["slowdown"]["choice"].startswith("overlap slowdown: XGBoost model (hardware.slowdown.use=model; ")
     assert p.inputs["kernels"]["analytical_ops"] > 0
     assert p.inputs["kernels"]["kernel_model"] == (hw.kernel_model.fitted_on or "schema defaults (not fitted)")
     kernel_warnings = [w for w in p.warnings if w.startswith("kernels:")]

@@ -37,6 +37,9 @@ PROFILE_BACKENDS = ("auto", "measure", "analytical")
 MEASURED_BACKENDS = ("cpu", "cuda")
 """Profile backends that time kernels on a device (the others model them)."""
 SLOWDOWN_SOURCES = ("measure", "import")
+SLOWDOWN_USES = ("auto", "model", "none")
+"""hardware.slowdown.use: the learned overlap slowdown only where it beats none on unseen kernel groups (auto),
+always (model), or never (none); slowdown/choice.py."""
 
 # kernels
 FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64", "fp8")

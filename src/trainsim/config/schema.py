@@ -240,6 +240,9 @@ class SlowdownModelConfig:
 class SlowdownConfig:
     """Overlap-slowdown dataset (stage 4) and its XGBoost model (stage 5); see trainsim/slowdown/."""
 
+    use: str = "auto"
+    """Whether a compose applies the learned slowdown: 'auto' (only when it beats no slowdown on kernel groups
+    it never saw, scored when the model is trained), 'model' (always) or 'none' (never); docs/slowdown.md."""
     source: str = "measure"
     """'measure' (compute ops solo and overlapped with collectives on this machine's device) or
     'import' (Echo-format CSVs listed in import_files)."""

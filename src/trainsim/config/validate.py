@@ -25,6 +25,7 @@ from trainsim.config.choices import (
     RECOMPUTE_MODES,
     SCHEDULES,
     SLOWDOWN_SOURCES,
+    SLOWDOWN_USES,
     ZERO_STAGES,
 )
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig, WhatIfConfig
@@ -291,6 +292,7 @@ def validate_hardware(hw: HardwareConfig) -> None:
         raise ConfigError(f"hardware.comm_backend='{hw.comm_backend}' cannot run on CPU devices; use 'gloo'")
     _one_of("hardware", "profile_backend", hw.profile_backend, PROFILE_BACKENDS)
     _one_of("hardware", "slowdown.source", hw.slowdown.source, SLOWDOWN_SOURCES)
+    _one_of("hardware", "slowdown.use", hw.slowdown.use, SLOWDOWN_USES)
     _validate_rates(hw)
     if not 0.0 <= hw.host_dispatch_s < 1.0:
         raise ConfigError(f"hardware.host_dispatch_s={hw.host_dispatch_s} must be seconds per op in [0, 1) "

@@ -72,12 +72,17 @@ def _made_from(data: dict[str, Any]) -> dict[str, str]:
     collectives = (f"NCCL model calibrated on {', '.join(Path(f).name for f in sources)}" if sources
                    else "collectives from datasheet rates")
     overlap = (f"overlap slowdown trained on {', '.join(Path(f).name for f in slowdown.get('files', []))}"
-               if slowdown.get("modelled") else "no overlap slowdown model")
+               if slowdown.get("modelled") else slowdown.get("choice", "no overlap slowdown model"))
     return {"kernels": f"compute kernels {backends}{fitted}", "collectives": collectives, "overlap": overlap}
 
 
 def _predicted_by(data: dict[str, Any]) -> str:
     return "; ".join(_made_from(data).values())
+
+
+def inputs_slowdown_choice(summary: dict[str, Any]) -> str | None:
+    """The overlap slowdown used and why (provenance's `choice`), else the model's name (older timelines)."""
+    return summary.get("inputs", {}).get("slowdown", {}).get("choice") or summary.get("models", {}).get("slowdown")
 
 
 def setup_section(data: dict[str, Any]) -> str:
@@ -94,7 +99,7 @@ def setup_section(data: dict[str, Any]) -> str:
     backends = {"compute kernels": ", ".join(f"{k}: {v} ops" for k, v in summary.get("compute_backends", {}).items()),
                 "profile backend": data["profile"].get("backend"),
                 "communication": summary.get("models", {}).get("comm"),
-                "overlap slowdown": summary.get("models", {}).get("slowdown"),
+                "overlap slowdown": inputs_slowdown_choice(summary),
                 "measured step time": data["end_to_end"]["measured"] and data["ground_truth_dir"] or NOT_MEASURED}
     inputs = summary.get("inputs", {})
     warnings = "".join(f"<li>{html.escape(w)}</li>" for w in inputs.get("warnings", []))
@@ -116,9 +121,11 @@ def inputs_used(inputs: dict[str, Any]) -> str:
         rows[f"{name} held-out error (>= 1 MiB / smaller)"] = (f"{entry['heldout_mape_pct_large']} % / "
                                                                f"{entry['heldout_mape_pct_small']} %")
     rows["kernel model"] = kernels.get("kernel_model", "not used (all kernels measured)")
-    rows["slowdown model"] = (f"trained on {', '.join(slowdown['files']) or slowdown['source']} ({slowdown['rows']} "
-                              f"kernels), CV duration error {slowdown['cv_duration_mape_pct']} %"
-                              if slowdown["modelled"] else "none")
+    rows["overlap slowdown"] = slowdown.get("choice", "applied" if slowdown["modelled"] else "none")
+    if "artifact" in slowdown:
+        trained_on = ", ".join(slowdown["files"]) or slowdown["source"]
+        rows["slowdown model"] = (f"trained on {trained_on} ({slowdown['rows']} kernels), CV duration error "
+                                  f"{slowdown['cv_duration_mape_pct']} %")
     return "<h3>Inputs of this prediction</h3>" + _kv_table(rows, "inputs-table")
 
 
@@ -215,10 +222,12 @@ def slowdown_section(data: dict[str, Any]) -> str:
     if "slowdown" not in data:
         return "<p class='missing'>no slowdown model artifact</p>"
     slow = data["slowdown"]
+    choice = data["summary"].get("inputs", {}).get("slowdown", {}).get("choice")
     rows = [{"split": split, "predictor": who, **values}
             for split, block in slow["metrics"].items() for who, values in block.items()]
     holdout = slow["metrics"].get("holdout") or next(iter(slow["metrics"].values()))
-    return (table_html(pd.DataFrame(rows), "slowdown-table")
+    return ((f"<p id='slowdown-choice'>{html.escape(choice)}</p>" if choice else "")
+            + table_html(pd.DataFrame(rows), "slowdown-table")
             + figure_html(figures.slowdown_accuracy_figure(holdout), "slowdown-figure", "slowdown accuracy",
                           "hold-out kernels of the slowdown model's data (its metrics.json): "
                           + _made_from(data)["overlap"])

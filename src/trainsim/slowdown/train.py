@@ -13,6 +13,10 @@ t = (1 - r) * solo + r * solo * (1 + s) (method.md 1.3) against the measured one
 5 / 10 / 15 %, RMSE, and the signed error of the summed duration; the same for the baseline, one mean
 slowdown per device type fitted on the training part (the constant factor Proteus applies).
 
+Then the figure `hardware.slowdown.use=auto` decides on (`held_out_group_scores`): the same model settings
+cross-validated over all overlapped kernels folded by kernel group (`grouped_cv`, nested tuning, the composer's
+features), against predicting no slowdown for the same kernels, as benchmarks/slowdown_accuracy.py measures.
+
 With `duration_weighting`, each kernel's weight is (r * solo / overlapped)^p (p = 2 for squared,
 1 for absolute error): the loss on s then equals the loss on the relative overlapped duration, which
 is what the metrics measure, and kernels whose slowdown is ill-determined (tiny r) stop dominating.
@@ -38,6 +42,8 @@ if TYPE_CHECKING:  # imported where a model is trained or run: config validation
 
 SCHEMA_VERSION = 2  # 2: features computable at compose (no Nsight metrics, device numbers for device_type)
 WITHIN = (5, 10, 15)
+HELD_OUT_GROUPS = "held_out_groups"
+"""metrics.json key of held_out_group_scores: the model against no slowdown on unseen kernel groups."""
 ABSOLUTE_OBJECTIVES = ("reg:absoluteerror", "reg:quantileerror", "reg:pseudohubererror")
 
 
@@ -239,6 +245,14 @@ def grouped_cv(dataset: pd.DataFrame, cfg: SlowdownModelConfig, folds: int = 5,
     return out
 
 
+def held_out_group_scores(folds: pd.DataFrame) -> dict:
+    """The model's out-of-fold predictions on unseen kernel groups (a grouped_cv frame) against predicting
+    no slowdown for the same kernels: what `hardware.slowdown.use=auto` decides on (slowdown/choice.py)."""
+    return {"kernels": int(len(folds)), "groups": int(folds["group"].nunique()), "folds": int(folds["fold"].nunique()),
+            "model": duration_metrics(folds, folds["predicted_slowdown"].to_numpy(dtype=float)),
+            "none": duration_metrics(folds, np.zeros(len(folds)))}
+
+
 def _importances(booster: xgb.Booster, features: list[str]) -> pd.DataFrame:
     gain, weight = booster.get_score(importance_type="gain"), booster.get_score(importance_type="weight")
     total_gain = sum(gain.values()) or 1.0
@@ -268,7 +282,7 @@ def train_slowdown_model(dataset: pd.DataFrame, cfg: SlowdownModelConfig) -> Tra
         model_pred[fold] = _predict(_fit(x_all.iloc[fit_on], y[fit_on], w[fit_on], fold_cfg), x_all.iloc[fold])
         base_pred[fold] = baseline_predict(baseline_factors(targets.iloc[fit_on]), targets["device_type"].iloc[fold])
         split[fold] = f"cv{k}"
-    grid_size = len(candidates(cfg))
+    grid_size, configured = len(candidates(cfg)), cfg
     cfg = select_params(x_all, targets, y, w, train, cfg)  # the final model's parameters: inner CV of the 80 % part
     booster = _fit(x_all.iloc[train], y[train], w[train], cfg)
     factors = baseline_factors(targets.iloc[train])
@@ -288,6 +302,7 @@ def train_slowdown_model(dataset: pd.DataFrame, cfg: SlowdownModelConfig) -> Tra
         "params": xgb_params(cfg) | {"n_estimators": cfg.n_estimators, "duration_weighting": cfg.duration_weighting},
         "tuning": {"grid_size": grid_size, "cv_fold_params": chosen, "final_params": tuned_values(cfg)}
         if grid_size > 1 else {},
+        HELD_OUT_GROUPS: held_out_group_scores(grouped_cv(dataset, configured)),
     }
     from importlib.metadata import version
 

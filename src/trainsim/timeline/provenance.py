@@ -19,6 +19,7 @@ from trainsim.comm.model import FIT_FILE
 from trainsim.comm.network import domain_size, network_prior, node_bandwidth
 from trainsim.config.choices import MEASURED_BACKENDS
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig
+from trainsim.slowdown.choice import choose_slowdown
 from trainsim.slowdown.predictor import METRICS_FILE
 
 # not imported: the profile and slowdown stages pull in torch and xgboost training
@@ -123,20 +124,28 @@ def kernel_inputs(hw: HardwareConfig, profile_dir: Path | None, backends: dict[s
 
 
 def slowdown_inputs(hw: HardwareConfig, model_dir: Path | None, device_type: str) -> tuple[dict, list[str]]:
-    """Whether compute slowed by overlapping communication was modelled, trained on what, how accurate."""
+    """Whether compute slowed by overlapping communication was modelled, why (hardware.slowdown.use and the
+    model's score on unseen kernel groups against no slowdown, slowdown/choice.py), trained on what, how
+    accurate. `modelled` is true only where the compose applied the model."""
+    choice = choose_slowdown(hw.slowdown.use, model_dir)
+    decision = {"modelled": choice.apply_model, "use": choice.use, "choice": choice.describe()}
     if model_dir is None:
-        return ({"modelled": False},
-                ["slowdown: no overlap-slowdown model; compute overlapped with communication runs at solo speed"])
+        warnings = [] if choice.use == "none" else [
+            "slowdown: no overlap-slowdown model; compute overlapped with communication runs at solo speed"]
+        return decision, warnings
     metrics = _read_json(Path(model_dir) / METRICS_FILE)
     dataset_dirs = list(_read_json(Path(model_dir) / MANIFEST).get("inputs", {}))  # the dataset it was trained on
     dataset = _read_json(Path(dataset_dirs[0]) / SLOWDOWN_SUMMARY_FILE) if dataset_dirs else {}
     trained_on = dataset.get("device_types", [])
-    out = {"modelled": True, "artifact": str(model_dir), "source": dataset.get("source", hw.slowdown.source),
+    scores = choice.scores or {}
+    out = {**decision, "artifact": str(model_dir), "source": dataset.get("source", hw.slowdown.source),
            "files": [f["path"] for f in dataset.get("files", [])], "rows": dataset.get("rows"),
            "device_types": trained_on,
-           "cv_duration_mape_pct": _round(metrics.get("cv", {}).get("model", {}).get("duration_mape_pct"))}
+           "cv_duration_mape_pct": _round(metrics.get("cv", {}).get("model", {}).get("duration_mape_pct")),
+           "unseen_groups_within_10_pct": {who: _round(scores[who]["within_10_pct"]) for who in ("model", "none")
+                                           if who in scores}}
     warnings = []
-    if trained_on and device_type not in trained_on:
+    if choice.apply_model and trained_on and device_type not in trained_on:
         warnings.append(f"slowdown: model trained on {', '.join(trained_on)} kernels, applied to {device_type} "
                         "(an unseen device type)")
     return out, warnings

@@ -29,6 +29,7 @@ from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size
 from trainsim.config.devices import device_type_of
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.slowdown.choice import choose_slowdown
 from trainsim.slowdown.features import device_numbers
 from trainsim.slowdown.predictor import SlowdownPredictor
 from trainsim.timeline.chrome import write_chrome_trace
@@ -56,8 +57,10 @@ def comm_model(hw: HardwareConfig, calibration_dir: Path | None) -> CommCost:
 
 
 def slowdown_model(hw: HardwareConfig, model_dir: Path | None) -> SlowdownEstimate:
-    """The learned slowdown model when its artifact is given, else no slowdown."""
-    if model_dir is None:
+    """The overlap slowdown a compose on `hw` applies: the learned model of `model_dir` where
+    hardware.slowdown.use chooses it (slowdown/choice.py; by default only where it beats no slowdown on
+    unseen kernel groups), else none. Every accuracy benchmark composes with what this returns."""
+    if not choose_slowdown(hw.slowdown.use, model_dir).apply_model:
         return NoSlowdown()
     return PredictorSlowdown(SlowdownPredictor.load(model_dir), device_numbers(hw))
 

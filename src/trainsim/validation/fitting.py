@@ -1,5 +1,5 @@
 """What the published-table fits share: the kernel-model parameters they move, the finite-difference step
-they linearise with, and the collective model their rows are composed with."""
+they linearise with, and the collective and overlap-slowdown models their rows are composed with."""
 
 from __future__ import annotations
 
@@ -37,3 +37,21 @@ def calibrated_comm(run):
                             f"'{run.keys['hardware']}' are composed with its NCCL calibration; build it first "
                             "with trainsim.pipeline.build_point(run, 'calibration')")
     return comm_model(run.hardware, directory)
+
+
+def pipeline_slowdown(run):
+    """The overlap slowdown `trainsim compose` applies on the run's hardware, resolved by the compose stage's
+    own function (timeline.stage.slowdown_model: hardware.slowdown.use and the model artifact at the
+    registry's path; pipeline.build_point(run, 'slowdown_model') builds it). By default that is no slowdown
+    until the model beats it on unseen kernel groups, so the published rows are scored as users compose."""
+    from trainsim.timeline.stage import slowdown_model
+
+    directory = Path(STAGES["slowdown_model"].path(run.keys))
+    if run.hardware.slowdown.use == "none":
+        return slowdown_model(run.hardware, None)
+    if not (directory / "manifest.json").is_file():
+        raise ArtifactError(f"{directory}/manifest.json is missing: the published rows on hardware "
+                            f"'{run.keys['hardware']}' are composed with the overlap slowdown its compose would "
+                            f"use (hardware.slowdown.use={run.hardware.slowdown.use}); build the model first with "
+                            "trainsim.pipeline.build_point(run, 'slowdown_model')")
+    return slowdown_model(run.hardware, directory)

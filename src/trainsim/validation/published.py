@@ -33,7 +33,7 @@ import pandas as pd
 
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.validation.fitting import SENSITIVITY_STEP, calibrated_comm, with_kernel_params
+from trainsim.validation.fitting import SENSITIVITY_STEP, calibrated_comm, pipeline_slowdown, with_kernel_params
 from trainsim.validation.traces import TRACE_CACHE, analytical_step, is_traced, trace_directory, trace_jobs, traced
 
 
@@ -281,8 +281,9 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
     return model, par
 
 
-def compose_row(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, comm, slowdown=None):
-    """The composed step of one row with the analytical kernel model of `hw` (its trace cached on first use)."""
+def compose_row(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, comm, slowdown):
+    """The composed step of one row with the analytical kernel model of `hw` (its trace cached on first use)
+    and the overlap slowdown a compose on that hardware applies (fitting.pipeline_slowdown)."""
     return analytical_step(traced(model, par), par, hw, comm, slowdown)
 
 
@@ -310,20 +311,20 @@ def kernel_params(hw: HardwareConfig) -> np.ndarray:
                      for n in FITTED_PER_GPU])
 
 
-def step_seconds(run: RowRun, hw: HardwareConfig, comm) -> float:
+def step_seconds(run: RowRun, hw: HardwareConfig, comm, slowdown) -> float:
     """The step time of one traced row with the analytical kernel model of `hw`."""
-    return analytical_step(run.directory, run.par, hw, comm).step_time_s
+    return analytical_step(run.directory, run.par, hw, comm, slowdown).step_time_s
 
 
-def linearise(runs: list[RowRun], hw: HardwareConfig, comm) -> tuple[np.ndarray, np.ndarray]:
+def linearise(runs: list[RowRun], hw: HardwareConfig, comm, slowdown) -> tuple[np.ndarray, np.ndarray]:
     """Each row's step time at `hw` and its derivative by each FITTED_PER_GPU parameter's inverse ratio r = p0 / p
     (kernel time is proportional to 1/efficiency where that parameter binds), by finite differences."""
     hw = with_kernel_params(hw, dict(zip(FITTED_PER_GPU, kernel_params(hw))))
-    base = np.array([step_seconds(r, hw, comm) for r in runs])
+    base = np.array([step_seconds(r, hw, comm, slowdown) for r in runs])
     slopes = np.zeros((len(runs), len(FITTED_PER_GPU)))
     for j, name in enumerate(FITTED_PER_GPU):
         moved = with_kernel_params(hw, {name: getattr(hw.kernel_model, name) / (1 + SENSITIVITY_STEP)})
-        slopes[:, j] = (np.array([step_seconds(r, moved, comm) for r in runs]) - base) / SENSITIVITY_STEP
+        slopes[:, j] = (np.array([step_seconds(r, moved, comm, slowdown) for r in runs]) - base) / SENSITIVITY_STEP
     return base, slopes
 
 
@@ -405,6 +406,7 @@ class _LinearisedTable:
     runs: list[RowRun]
     hw: HardwareConfig
     comm: object
+    slowdown: object
     base: np.ndarray
     slopes: np.ndarray
     seconds: float
@@ -429,20 +431,20 @@ def _linearised_table(name: str, workers: int) -> _LinearisedTable:
     runnable = table_rows["skip_reason"].isna()
     rows, skipped = table_rows[runnable].reset_index(drop=True), table_rows[~runnable].reset_index(drop=True)
     run = table_run(name)
-    comm = calibrated_comm(run)
+    comm, slowdown = calibrated_comm(run), pipeline_slowdown(run)
     runs = [RowRun(*row_configs(table, row, run.model, run.parallelism), Path()) for _, row in rows.iterrows()]
     runs = trace_rows(runs, workers)
     hw = table_hardware(table, run.hardware)
-    base, slopes = linearise(runs, hw, comm)
-    return _LinearisedTable(rows, skipped, runs, hw, comm, base, slopes, time.perf_counter() - started)
+    base, slopes = linearise(runs, hw, comm, slowdown)
+    return _LinearisedTable(rows, skipped, runs, hw, comm, slowdown, base, slopes, time.perf_counter() - started)
 
 
 def evaluate_tables(names: list[str], workers: int = 2) -> dict[str, TableResult]:
     """Leave-one-row-out over the rows that can run, pooled per GPU: each row is composed with FITTED_PER_GPU fitted to
     every other row of the tables in `names` on the same hardware (its GEMM and memory efficiencies are the
     GPU's, whichever framework ran the row; FP8 GEMMs have their own). Rows with a skip_reason are returned in
-    TableResult.skipped, never silently dropped. Each table's hardware calibration must be there
-    (pipeline.build_point(table_run(name), 'calibration') builds it)."""
+    TableResult.skipped, never silently dropped. Each table's hardware calibration and slowdown model must be
+    there (pipeline.build_point(table_run(name), 'calibration') and 'slowdown_model' build them)."""
     import time
 
     tables = {name: _linearised_table(name, workers) for name in names}
@@ -459,7 +461,7 @@ def evaluate_tables(names: list[str], workers: int = 2) -> dict[str, TableResult
             for i, run in enumerate(t.runs):
                 keep = np.array([o != (name, i) for o in owner])
                 params = fit_ratios(base[keep], slopes[keep], measured[keep], t.hw)
-                predicted.append(step_seconds(run, with_kernel_params(t.hw, params), t.comm))
+                predicted.append(step_seconds(run, with_kernel_params(t.hw, params), t.comm, t.slowdown))
                 folds.append(params)
             out = t.rows.copy()
             out["predicted_s"] = predicted

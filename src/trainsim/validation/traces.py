@@ -91,8 +91,10 @@ def trace_tables(directory: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFr
     return graph, pq.read_table(directory / RANK_CLASSES_FILE).to_pandas(), distinct_ops(graph)
 
 
-def analytical_step(directory: Path, par: ParallelismConfig, hw: HardwareConfig, comm, slowdown=None):
-    """The composed step of one cached trace with every kernel timed by the analytical model of `hw`."""
+def analytical_step(directory: Path, par: ParallelismConfig, hw: HardwareConfig, comm, slowdown):
+    """The composed step of one cached trace with every kernel timed by the analytical model of `hw`, its
+    collectives by `comm` and its overlap slowdown by `slowdown` (fitting.pipeline_slowdown: what a compose on
+    that hardware applies; no default, so no caller scores another model than users run)."""
     from trainsim.profile.analytical import predict_rows as analytical
     from trainsim.timeline.compose import compose_step
 

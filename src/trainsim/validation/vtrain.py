@@ -11,7 +11,9 @@ Method (docs/validation.md):
     trace cache (validation/traces.py, artifacts/validation/traces/) so a second run skips tracing;
   * kernel times come from the analytical model (profile/analytical.py) and collectives from the NCCL
     model calibrated on the A100 nccl-tests tables (artifacts/calibration/a100-80g-vtrain, built by the
-    pipeline driver: `pipeline.build_point(base_run(), "calibration")`);
+    pipeline driver: `pipeline.build_point(base_run(), "calibration")`), and the overlap slowdown is the one
+    `trainsim compose` applies on that hardware (its slowdown_model artifact, `build_point(base_run(),
+    "slowdown_model")`; by default none until the model beats it on unseen kernel groups);
   * the analytical model's hardware-level parameters (matmul efficiency, memory efficiency, launch
     overhead) may be fitted on a fixed 20 % of the rows: every 5th row in file order (row index % 5 == 0).
     The fit is shared by all rows: no per-configuration correction.
@@ -28,7 +30,7 @@ import pandas as pd
 
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.validation.fitting import SENSITIVITY_STEP, calibrated_comm, with_kernel_params
+from trainsim.validation.fitting import SENSITIVITY_STEP, calibrated_comm, pipeline_slowdown, with_kernel_params
 from trainsim.validation.traces import TRACE_CACHE, is_traced, trace_directory, trace_jobs, trace_tables
 
 CSV = DATA_DIR / "published/vtrain_a100_singlenode_megatron-deepspeed_ground_truth.csv"
@@ -131,12 +133,13 @@ def kernel_model_params(hw: HardwareConfig) -> dict[str, float]:
 
 
 def predict_rows(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig,
-                 trace_dirs: dict[tuple, Path], comm, counts: bool = False, time_scale: float = 1.0) -> pd.DataFrame:
-    """Compose every row's step on `hw`; with `counts`, also the per-signature kernel counts of the
+                 trace_dirs: dict[tuple, Path], comm, slowdown, counts: bool = False,
+                 time_scale: float = 1.0) -> pd.DataFrame:
+    """Compose every row's step on `hw` with the overlap slowdown a compose applies there
+    (fitting.pipeline_slowdown); with `counts`, also the per-signature kernel counts of the
     busiest pipeline stage (for the linearised fit); `time_scale` multiplies every kernel time."""
     from trainsim.profile.analytical import predict_rows as analytical
     from trainsim.timeline.compose import compose_step
-    from trainsim.timeline.costs import NoSlowdown
 
     out = []
     for key, group in rows.groupby(TRACE_KEY, sort=False):
@@ -144,7 +147,7 @@ def predict_rows(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par
         times = dict(zip(ops["signature"], time_scale * analytical(ops, hw)))
         for index, row in group.iterrows():
             m, p = row_configs(model, par, row)
-            t = compose_step(graph, rank_classes, p, hw, times, comm, NoSlowdown())
+            t = compose_step(graph, rank_classes, p, hw, times, comm, slowdown)
             record = {"row": index, "predicted_ms": 1e3 * t.step_time_s}
             if counts:
                 record["counts"] = _stage_counts(graph, p)
@@ -167,7 +170,7 @@ def _stage_counts(graph: pd.DataFrame, par: ParallelismConfig) -> list[pd.Series
 
 
 def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig,
-                     trace_dirs: dict[tuple, Path], comm) -> dict:
+                     trace_dirs: dict[tuple, Path], comm, slowdown) -> dict:
     """Fit matmul efficiency, memory efficiency and launch overhead (shared by all rows) to the fit rows'
     step times: predict once at the datasheet defaults, linearise each row's step time in its busiest
     stage's kernel times (step(θ) ≈ step(θ0) + a Σ_sig n_sig (t_sig(θ) − t_sig(θ0)), with a the row's
@@ -186,10 +189,10 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
     stage_counts = None
     for _ in range(FIT_ROUNDS):
         hw0 = with_kernel_params(hw, params)
-        base = predict_rows(rows, hw0, model, par, trace_dirs, comm, counts=stage_counts is None)
+        base = predict_rows(rows, hw0, model, par, trace_dirs, comm, slowdown, counts=stage_counts is None)
         if stage_counts is None:
             stage_counts = list(base["counts"])
-        nudged = predict_rows(rows, hw0, model, par, trace_dirs, comm, time_scale=1.0 + SENSITIVITY_STEP)
+        nudged = predict_rows(rows, hw0, model, par, trace_dirs, comm, slowdown, time_scale=1.0 + SENSITIVITY_STEP)
         t0 = pd.Series(analytical(all_ops, hw0), index=all_ops["signature"])
         busiest = []
         for stages in stage_counts:
@@ -217,15 +220,15 @@ def fit_kernel_model(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig,
 
 
 def fit_with_host(rows: pd.DataFrame, hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig,
-                  trace_dirs: dict[tuple, Path], comm) -> tuple[dict, dict[float, float]]:
+                  trace_dirs: dict[tuple, Path], comm, slowdown) -> tuple[dict, dict[float, float]]:
     """For each host dispatch time of HOST_DISPATCH_GRID_S fit the kernel model, and keep the pair whose
     fit-row MAPE is lowest (only the fit rows are looked at). Returns the kernel parameters plus
     host_dispatch_s, and the fit-row MAPE of every grid value."""
     best, tried = None, {}
     for host_s in HOST_DISPATCH_GRID_S:
         hw_h = dataclasses.replace(hw, host_dispatch_s=host_s)
-        params = {**fit_kernel_model(rows, hw_h, model, par, trace_dirs, comm), "host_dispatch_s": host_s}
-        predicted = predict_rows(rows, with_kernel_params(hw, params), model, par, trace_dirs, comm)
+        params = {**fit_kernel_model(rows, hw_h, model, par, trace_dirs, comm, slowdown), "host_dispatch_s": host_s}
+        predicted = predict_rows(rows, with_kernel_params(hw, params), model, par, trace_dirs, comm, slowdown)
         mape = error_summary(predicted)["mape_pct"]
         tried[host_s] = mape
         if best is None or mape < best[0]:
@@ -237,19 +240,21 @@ def evaluate(rows: pd.DataFrame | None = None, fit: bool = True, calibration: Pa
              workers: int = 2) -> Prediction:
     """Fit (on the fit split) and predict all rows; the table's `fit` column tells the splits apart. The
     collectives come from `calibration` when given, else from the hardware's calibration artifact (built by
-    the pipeline driver beforehand)."""
+    the pipeline driver beforehand), the overlap slowdown from what a compose on that hardware applies (its
+    slowdown model artifact, built beforehand too: fitting.pipeline_slowdown)."""
     from trainsim.timeline.stage import comm_model
 
     start = time.perf_counter()
     rows = read_rows() if rows is None else rows
     run = base_run()
     comm = comm_model(run.hardware, calibration) if calibration else calibrated_comm(run)
+    slowdown = pipeline_slowdown(run)
     dirs = ensure_traces(rows, run.model, run.parallelism, workers=workers)
     hw = run.hardware
     params, host_grid = {**kernel_model_params(hw), "host_dispatch_s": hw.host_dispatch_s}, {}
     if fit and rows["fit"].any():
-        params, host_grid = fit_with_host(rows[rows["fit"]], hw, run.model, run.parallelism, dirs, comm)
-    table = predict_rows(rows, with_kernel_params(hw, params), run.model, run.parallelism, dirs, comm)
+        params, host_grid = fit_with_host(rows[rows["fit"]], hw, run.model, run.parallelism, dirs, comm, slowdown)
+    table = predict_rows(rows, with_kernel_params(hw, params), run.model, run.parallelism, dirs, comm, slowdown)
     return Prediction(table, params, time.perf_counter() - start, host_grid)
 
 
