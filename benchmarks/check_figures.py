@@ -128,7 +128,8 @@ def render_row(row: dict, results: dict[str, dict]) -> str:
         value = " ".join(PLACEHOLDER.sub(one, row["cell"]).split())
         stamps = sorted({(e["date"], e["commit"][:7] + ("+dirty" if e["dirty"] else "")) for e in entries if e})
         when = "; ".join(f"{date} ({commit})" for date, commit in stamps)
-    return f"| {row['label']} | {value} | {row.get('target', '')} | {when} | `{row['script']}` |"
+    label = row["label"].replace("|", "\\|")  # |error| inside a table cell
+    return f"| {label} | {value} | {row.get('target', '')} | {when} | `{row['script']}` |"
 
 
 def render_table(groups: list[dict], results: dict[str, dict]) -> str:
