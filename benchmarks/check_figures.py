@@ -96,7 +96,7 @@ def results_stem(row: dict) -> str:
 
 
 def load_results(results_dir: Path = RESULTS_DIR) -> dict[str, dict]:
-    """{script stem: {figure name: entry}} of every results file."""
+    """{script stem: {figure name: entry}} of every results file (check_figures' own figures are not the docs')."""
     return {path.stem: read_results(path.stem, results_dir) for path in sorted(results_dir.glob("*.json"))}
 
 

@@ -31,7 +31,8 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+BENCHMARKS_DIR = REPO_ROOT / "benchmarks"
+RESULTS_DIR = BENCHMARKS_DIR / "results"
 # the results files change as benchmarks run; they do not make the code a run measured "dirty"
 RESULTS_PATHSPEC = ":(exclude)benchmarks/results"
 
@@ -49,14 +50,14 @@ def git_state(repo: Path = REPO_ROOT) -> tuple[str, bool]:
     return head, bool(status.strip())
 
 
-def script_stem() -> str:
-    """The running benchmark's file name without .py (`python benchmarks/comm_accuracy.py` -> comm_accuracy)."""
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None) or sys.argv[0]
-    stem = Path(main_file).stem
-    if not stem or stem == "-c":
-        raise ValueError(f"figure(): cannot tell which script is running (__main__ file {main_file!r}); "
-                         "run the benchmark as `python benchmarks/<name>.py` or pass script=")
-    return stem
+def running_benchmark() -> Path | None:
+    """The benchmark script this process runs (`python benchmarks/x.py`), or None: a test calling a benchmark's
+    main() prints its figures but records none, so fake data never lands in the results files."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not main_file:
+        return None
+    path = Path(main_file).resolve()
+    return path if path.parent == BENCHMARKS_DIR and path.suffix == ".py" else None
 
 
 def as_value(value):
@@ -78,11 +79,11 @@ def as_text(value, fmt: str) -> str:
     return str(value)
 
 
-def results_path(script: str, results_dir: Path = RESULTS_DIR) -> Path:
-    return results_dir / f"{script}.json"
+def results_path(script: str, results_dir: Path | None = None) -> Path:
+    return (results_dir or RESULTS_DIR) / f"{script}.json"
 
 
-def read_results(script: str, results_dir: Path = RESULTS_DIR) -> dict:
+def read_results(script: str, results_dir: Path | None = None) -> dict:
     """The recorded figures of one script ({} when it has none); a damaged file is an error naming it."""
     path = results_path(script, results_dir)
     if not path.exists():
@@ -98,7 +99,7 @@ def read_results(script: str, results_dir: Path = RESULTS_DIR) -> dict:
 
 
 def record(script: str, name: str, value, unit: str, text: str, *, commit: str | None = None,
-           argv: list[str] | None = None, results_dir: Path = RESULTS_DIR) -> dict:
+           argv: list[str] | None = None, results_dir: Path | None = None) -> dict:
     """Merge one figure into results/<script>.json under a lock; returns the entry written."""
     head, dirty = git_state()
     if commit is not None:
@@ -106,6 +107,7 @@ def record(script: str, name: str, value, unit: str, text: str, *, commit: str |
     entry = {"value": as_value(value), "unit": unit, "text": text, "commit": head, "dirty": dirty,
              "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
              "argv": list(sys.argv if argv is None else argv)}
+    results_dir = results_dir or RESULTS_DIR
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_path(script, results_dir)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
@@ -126,12 +128,13 @@ def record(script: str, name: str, value, unit: str, text: str, *, commit: str |
 
 
 def figure(name: str, value, unit: str, fmt: str = ".2f", *, script: str | None = None, keep: bool = True) -> None:
-    """Print `figure <name> <value> <unit>` and record it for the running benchmark script (`script` names
-    another results file; keep=False only prints, for a check of a script that measures nothing real)."""
+    """Print `figure <name> <value> <unit>` and, when a benchmark script runs, record it in its results file
+    (`script` names another; keep=False only prints, for a check of a script that measures nothing real)."""
     text = as_text(value, fmt)
     print(f"figure {name} {text} {unit}".rstrip(), flush=True)
-    if keep:
-        record(script or script_stem(), name, value, unit, text)
+    benchmark = running_benchmark()
+    if keep and benchmark is not None:
+        record(script or benchmark.stem, name, value, unit, text)
 
 
 def parse_number(text: str):
