@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from figures import figure
 from scipy.optimize import least_squares
 
 from trainsim.config import compose_run
@@ -174,9 +175,9 @@ def evaluate(hardware: str, data: Path) -> None:
     worst = points.reindex(points["error_pct"].abs().sort_values(ascending=False).index).head(8)
     print(worst[["pass", "seq", "heads", "kv_heads", "dropout", "device_ms", "model_ms", "tflops", "error_pct"]]
           .round(3).to_string(index=False))
-    print(f"figure attention_model_mape_pct_{name} {points['error_pct'].abs().mean():.2f} %")
+    figure(f"attention_model_mape_pct_{name}", points['error_pct'].abs().mean(), "%")
     for (which, dropout), errors in points.groupby(["pass", "dropout"])["error_pct"]:
-        print(f"figure attention_model_mape_pct_{name}_{which}_dropout{dropout:g} {errors.abs().mean():.2f} %")
+        figure(f"attention_model_mape_pct_{name}_{which}_dropout{dropout:g}", errors.abs().mean(), "%")
     held_out = []
     for seq in sorted(points["seq"].unique()):
         values = fit_attention(points[points["seq"] != seq], hw)
@@ -187,9 +188,9 @@ def evaluate(hardware: str, data: Path) -> None:
     values = fit_attention(points, hw)
     print("fitted on all points (the values for conf/hardware): " + ", ".join(f"{f} {v:.4g}"
                                                                             for f, v in zip(FITTED, values)))
-    print(f"figure attention_model_mape_pct_{name}_leave_one_seq_out {np.concatenate(held_out).mean():.2f} %")
+    figure(f"attention_model_mape_pct_{name}_leave_one_seq_out", np.concatenate(held_out).mean(), "%")
     prior = mape(points, with_attention(hw, PRIOR)).mean()
-    print(f"figure baseline_attention_mape_pct_{name}_flash_attention3_rates {prior:.2f} %")
+    figure(f"baseline_attention_mape_pct_{name}_flash_attention3_rates", prior, "%")
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from figures import figure
 
 from trainsim.comm.calibration import (
     LARGE_BYTES,
@@ -230,44 +231,43 @@ def main() -> None:
     files = per_file(args.data, clusters)
     print("\nHeld-out sizes (fit on every other size), MAPE %:")
     print(files.round(2).to_string(index=False))
-    print(f"figure comm_mape_pct_large_all {files['model_large'].mean():.2f} %")
-    print(f"figure comm_mape_pct_small_all {files['model_small'].mean():.2f} %")
-    print(f"figure baseline_mape_pct_large_all {files['base_large'].mean():.2f} %")
-    print(f"figure baseline_mape_pct_small_all {files['base_small'].mean():.2f} %")
-    print(f"figure nccl_tuner_mape_pct_large_all {files['tuner_large'].mean():.2f} %")
+    figure("comm_mape_pct_large_all", files['model_large'].mean(), "%")
+    figure("comm_mape_pct_small_all", files['model_small'].mean(), "%")
+    figure("baseline_mape_pct_large_all", files['base_large'].mean(), "%")
+    figure("baseline_mape_pct_small_all", files['base_small'].mean(), "%")
+    figure("nccl_tuner_mape_pct_large_all", files['tuner_large'].mean(), "%")
     beats = (files["model_all"] < files["base_all"]).sum()
-    print(f"figure comm_files_better_than_baseline {beats}/{len(files)} files")
+    figure("comm_files_better_than_baseline", f"{beats}/{len(files)}", "files")
     scale = vtrain_scale(args.data, clusters)
     print(f"\nvTrain A100 all-reduce, fit on 2+4 GPUs, predict 8: model {scale['model_all']:.2f} %, "
           f"alpha-beta {scale['base_all']:.2f} %")
-    print(f"figure comm_mape_pct_scale_vtrain8 {scale['model_all']:.2f} %")
-    print(f"figure baseline_mape_pct_scale_vtrain8 {scale['base_all']:.2f} %")
+    figure("comm_mape_pct_scale_vtrain8", scale['model_all'], "%")
+    figure("baseline_mape_pct_scale_vtrain8", scale['base_all'], "%")
     cross = cross_cluster(clusters)
     print("\nEach multi-node cluster predicted from its description, network priors learned on the others "
           "(MAPE %, bias % at >= 1 MiB):")
     print(cross.round(2).to_string(index=False))
-    print(f"figure comm_mape_pct_cross_cluster {cross['mape_large'].mean():.2f} %")
-    print(f"figure baseline_mape_pct_cross_cluster {cross['base_large'].mean():.2f} %")
-    print(f"figure comm_mape_pct_cross_cluster_small {cross['mape_small'].mean():.2f} %")
-    print(f"figure comm_clusters_better_than_baseline {(cross['mape_large'] < cross['base_large']).sum()}/{len(cross)} "
-          "clusters")
+    figure("comm_mape_pct_cross_cluster", cross['mape_large'].mean(), "%")
+    figure("baseline_mape_pct_cross_cluster", cross['base_large'].mean(), "%")
+    figure("comm_mape_pct_cross_cluster_small", cross['mape_small'].mean(), "%")
+    figure("comm_clusters_better_than_baseline", f"{(cross['mape_large'] < cross['base_large']).sum()}/{len(cross)}",
+           "clusters")
     alltoall = all_to_all_public(clusters)
     print("\nNCCL all-to-all on Azure NDm A100 v4, predicted by a100-80g-selene (uncalibrated, network priors "
           "learned without Azure), as a ring, and anchored on the cluster's own all-gather (error %):")
     print(alltoall.round(3).to_string(index=False))
-    print(f"figure comm_mape_pct_alltoall {alltoall['error_pct'].abs().mean():.2f} %")
-    print(f"figure baseline_mape_pct_alltoall_as_ring {alltoall['ring_error_pct'].abs().mean():.2f} %")
-    print(f"figure comm_mape_pct_alltoall_structure {alltoall['structure_error_pct'].abs().mean():.2f} %")
+    figure("comm_mape_pct_alltoall", alltoall['error_pct'].abs().mean(), "%")
+    figure("baseline_mape_pct_alltoall_as_ring", alltoall['ring_error_pct'].abs().mean(), "%")
+    figure("comm_mape_pct_alltoall_structure", alltoall['structure_error_pct'].abs().mean(), "%")
     if not args.skip_gloo:
         gloo, alltoall_sizes = gloo_scale()
         print("\ngloo on this machine, fit on 2 ranks, predict 3-4 (MAPE %):")
         print(gloo[["collective", "model_all", "base_all", "channels", "rows"]].round(2).to_string(index=False))
-        print(f"figure comm_mape_pct_scale_gloo {gloo['model_all'].mean():.2f} %")
-        print(f"figure comm_mape_pct_alltoall_gloo "
-              f"{gloo.set_index('collective').loc['all_to_all', 'model_all']:.2f} %")
-        print(f"figure baseline_mape_pct_scale_gloo {gloo['base_all'].mean():.2f} %")
-        print(f"figure comm_mape_pct_alltoall_gloo_heldout_sizes {alltoall_sizes['model_all']:.2f} %")
-        print(f"figure baseline_mape_pct_alltoall_gloo_heldout_sizes {alltoall_sizes['base_all']:.2f} %")
+        figure("comm_mape_pct_scale_gloo", gloo['model_all'].mean(), "%")
+        figure("comm_mape_pct_alltoall_gloo", gloo.set_index('collective').loc['all_to_all', 'model_all'], "%")
+        figure("baseline_mape_pct_scale_gloo", gloo['base_all'].mean(), "%")
+        figure("comm_mape_pct_alltoall_gloo_heldout_sizes", alltoall_sizes['model_all'], "%")
+        figure("baseline_mape_pct_alltoall_gloo_heldout_sizes", alltoall_sizes['base_all'], "%")
     print(f"\nbenchmark wall time {time.perf_counter() - start:.0f} s")
 
 

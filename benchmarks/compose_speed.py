@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from figures import figure
 
 LAYOUTS = [(128, "pp8-tp8-dp2"), (1024, "pp16-tp8-dp8"), (8192, "pp16-tp8-dp64")]
 ECHO_SECONDS = {128: 83.0, 1024: 719.0, 8192: 4977.0}
@@ -143,7 +144,7 @@ def main() -> None:
             _moe_skewed(Path(tmp), figures)
         print()
         for name, r in figures:
-            print(f"figure {name} {r['seconds']:.2f} s")
+            figure(name, r['seconds'], "s")
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -176,11 +177,11 @@ def main() -> None:
             _moe_skewed(work, figures)
     print()
     for name, r in figures:
-        print(f"figure {name} {r['seconds']:.2f} s")
+        figure(name, r['seconds'], "s")
     for _, r in figures[:len(LAYOUTS)]:
         gpus = r["gpus"]
-        print(f"figure compose_speedup_vs_echo_{gpus}gpu {ECHO_SECONDS[gpus] / r['seconds']:.0f} x "
-              f"(Echo {ECHO_SECONDS[gpus]:.0f} s)")
+        figure(f"compose_speedup_vs_echo_{gpus}gpu", ECHO_SECONDS[gpus] / r['seconds'], "x", ".0f")
+        print(f"  (Echo {ECHO_SECONDS[gpus]:.0f} s)")
 
 
 if __name__ == "__main__":

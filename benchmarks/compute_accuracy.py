@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from figures import figure
 
 from trainsim.config import compose_run
 from trainsim.parallel.schedules import pipeline_actions
@@ -135,7 +136,7 @@ def main() -> None:
     figures += [("analytical_fit_median_error_pct", report.median_error_pct, "%"),
                 ("analytical_fit_p90_error_pct", report.p90_error_pct, "%")]
     for name, value, unit in figures:
-        print(f"figure {name} {value:.2f} {unit}")
+        figure(name, value, unit)
 
 
 if __name__ == "__main__":

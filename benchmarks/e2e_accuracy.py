@@ -49,6 +49,8 @@ import os
 import time
 from pathlib import Path
 
+from figures import figure
+
 from trainsim.config import compose_run
 from trainsim.pipeline import build_point, compose_point
 from trainsim.registry import STAGES
@@ -273,7 +275,7 @@ def main() -> None:
     if not args.skip_korthikanti:
         figures += korthikanti_part()
     for name, value, unit in figures:
-        print(f"figure {name} {value:.2f} {unit}")
+        figure(name, value, unit)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from figures import figure
 
 from trainsim.comm.model import CommModel
 from trainsim.config import compose_run
@@ -284,6 +285,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model (a check of the script on any device)")
     parser.add_argument("--database", type=Path, help="kernel profile database (default: a new temporary one)")
     args = parser.parse_args()
+    # the same figure names on another GPU (--hardware h200-sxm-dgx) go to a results file of their own
+    results = "gpu_accuracy" if args.hardware == "h100-sxm-dgx" else f"gpu_accuracy_{args.hardware}"
     cases = SMALL if args.small else {name: CASES[name] for name in args.cases}
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.small:
@@ -297,8 +300,8 @@ def main() -> None:
     figures = raw_rates() + split_gemm_rates() if on_gpu else []  # first: seconds, and they need nothing else
     for name, overrides in cases.items():
         figures += evaluate_case(name, overrides, args.hardware, args.steps, db, scratch)
-        for figure, value, unit in figures:  # as each case ends: a run cut short keeps what it measured
-            print(f"figure {figure} {value:.3f} {unit}", flush=True)
+        for figure_name, value, unit in figures:  # as each case ends: a run cut short keeps what it measured
+            figure(figure_name, value, unit, ".3f", script=results, keep=not args.small)
         figures = []
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from figures import figure
 from scipy.optimize import least_squares
 
 from trainsim.config import compose_run
@@ -169,9 +170,9 @@ def evaluate(hardware: str, data: Path) -> None:
     worst = points.reindex(points["error_pct"].abs().sort_values(ascending=False).index).head(8)
     print(worst[["model", "layer", "op", "experts", "tokens", "routing", "graph_ms", "model_ms", "tflops",
                  "error_pct"]].round(3).to_string(index=False))
-    print(f"figure grouped_gemm_model_mape_pct_{name} {points['error_pct'].abs().mean():.2f} %")
+    figure(f"grouped_gemm_model_mape_pct_{name}", points['error_pct'].abs().mean(), "%")
     for (op, kind), errors in points.groupby(["op", "routing"])["error_pct"]:
-        print(f"figure grouped_gemm_model_mape_pct_{name}_{op}_{kind} {errors.abs().mean():.2f} %")
+        figure(f"grouped_gemm_model_mape_pct_{name}_{op}_{kind}", errors.abs().mean(), "%")
     held_out = []
     for model in sorted(points["model"].unique()):
         setup_s, efficiency = fit_grouped(points[points["model"] != model], hw)
@@ -182,9 +183,9 @@ def evaluate(hardware: str, data: Path) -> None:
     setup_s, efficiency = fit_grouped(points, hw)
     print(f"fitted on all points (the values for conf/hardware): grouped_gemm_setup_s {setup_s:.3g}, "
           f"grouped_gemm_memory_efficiency {efficiency:.3f}")
-    print(f"figure grouped_gemm_model_mape_pct_{name}_leave_one_model_out {np.concatenate(held_out).mean():.2f} %")
+    figure(f"grouped_gemm_model_mape_pct_{name}_leave_one_model_out", np.concatenate(held_out).mean(), "%")
     dense = mape(points, with_grouped(hw, 0, 0)).mean()
-    print(f"figure baseline_grouped_gemm_mape_pct_{name}_as_dense_gemm {dense:.2f} %")
+    figure(f"baseline_grouped_gemm_mape_pct_{name}_as_dense_gemm", dense, "%")
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from figures import figure
 from scipy.optimize import least_squares
 
 from trainsim.config import compose_run
@@ -211,7 +212,7 @@ def evaluate(data: Path) -> None:
         "sustained_ratio_h100_memory": (km.memory_efficiency / fraction, "ratio"),
     }
     for name, (value, unit) in figures.items():
-        print(f"figure {name} {value:.3f} {unit}")
+        figure(name, value, unit, ".3f")
 
 
 def main() -> None:

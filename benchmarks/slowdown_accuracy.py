@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from figures import figure
 
 from trainsim.artifacts import read_table
 from trainsim.config import compose_run
@@ -50,10 +51,6 @@ from trainsim.slowdown.stage import DATASET_FILE, build_dataset
 from trainsim.slowdown.train import HELD_OUT_GROUPS, duration_metrics, grouped_cv, train_slowdown_model
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def figure(name: str, value: float, unit: str) -> None:
-    print(f"figure {name} {value:.2f} {unit}", flush=True)
 
 
 def report(suffix: str, metrics: dict) -> None:

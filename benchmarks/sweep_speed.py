@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from figures import figure
 
 HARDWARE, MODEL, BUDGET = "a100-80g-dgx", "gpt-175b", 1024
 BASE = [f"hardware={HARDWARE}", f"model={MODEL}", "parallelism=pp16-tp8-dp8", "parallelism.global_batch_size=1536"]
@@ -86,10 +87,10 @@ def dense() -> None:
     print("\nstatus:", warm.table["status"].value_counts().to_dict())
     errors = agreement(BASE, BUDGET, warm.table, f"{MODEL} on {BUDGET} GPUs")
     print()
-    print(f"figure sweep_layouts_per_second_gpt175b_1024gpu {rates[max(rates)]:.1f} 1/s")
-    print(f"figure sweep_layouts_per_second_1core {rates[1]:.1f} 1/s")
-    print(f"figure sweep_slices_cold_seconds_gpt175b {cold.slices_s:.1f} s")
-    print(f"figure search_fast_vs_full_mape_pct {np.mean(errors):.2f} %")
+    figure("sweep_layouts_per_second_gpt175b_1024gpu", rates[max(rates)], "1/s", ".1f")
+    figure("sweep_layouts_per_second_1core", rates[1], "1/s", ".1f")
+    figure("sweep_slices_cold_seconds_gpt175b", cold.slices_s, "s", ".1f")
+    figure("search_fast_vs_full_mape_pct", np.mean(errors), "%")
 
 
 def mixture_of_experts(routing: str = "balanced") -> tuple[int, float]:
@@ -119,9 +120,9 @@ def main() -> int:
     layouts, balanced = mixture_of_experts()
     _, skewed = mixture_of_experts("zipf:1.0")
     print()
-    print(f"figure search_layouts_mixtral_64gpu {layouts} layouts")
-    print(f"figure search_fast_vs_full_mape_pct_moe {balanced:.2f} %")
-    print(f"figure search_fast_vs_full_mape_pct_moe_skewed {skewed:.2f} %")
+    figure("search_layouts_mixtral_64gpu", layouts, "layouts", "")
+    figure("search_fast_vs_full_mape_pct_moe", balanced, "%")
+    figure("search_fast_vs_full_mape_pct_moe_skewed", skewed, "%")
     return 0
 
 

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from figures import figure
+
 from trainsim.config import compose_run
 from trainsim.trace import trace_layout
 
@@ -72,7 +74,7 @@ def main() -> None:
         print(f"{gpus:>6} {parallelism:>15} {classes:>8} {events:>8} {seconds:>8.2f}")
         figures.append((gpus, seconds))
     for gpus, seconds in figures:
-        print(f"figure trace_seconds_gpt175b_{gpus}gpu {seconds:.2f} s")
+        figure(f"trace_seconds_gpt175b_{gpus}gpu", seconds, "s")
     for variant, overrides in LLAMA_405B_VARIANTS.items():
         out = subprocess.run([sys.executable, __file__, "--llama-long-context", *overrides], capture_output=True,
                              text=True, check=True).stdout.split()
@@ -81,8 +83,8 @@ def main() -> None:
         print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 CP16 PP18 DP8, 128K tokens, {variant or 'distributed optimizer'}):"
               f" {events} events traced in {trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, "
               f"peak memory {peak_gib:.1f} GiB")
-        print(f"figure trace_seconds_llama405b_{gpus_405b}gpu{variant} {trace_s:.2f} s")
-        print(f"figure compose_seconds_llama405b_{gpus_405b}gpu{variant} {compose_s:.2f} s")
+        figure(f"trace_seconds_llama405b_{gpus_405b}gpu{variant}", trace_s, "s")
+        figure(f"compose_seconds_llama405b_{gpus_405b}gpu{variant}", compose_s, "s")
 
 
 if __name__ == "__main__":
