@@ -223,7 +223,10 @@ def test_calibration_artifact_round_trips_into_the_comm_model(tmp_path):
     assert model.collective_seconds("all_reduce", 256 * MIB, 16, 2) == pytest.approx(row["time_s"], rel=0.1)
     # collectives never measured borrow the fitted links: an all-gather moves half an all-reduce's bytes
     ag = model.collective_seconds("all_gather", 256 * MIB, 16, 2)
-    assert 0.3 < ag / row["time_s"] < 1.0
+    # an all-reduce delivers at least what an all-gather does (ratio <= 1), and is at most a reduce-scatter
+    # plus an all-gather of the same bytes per rank (ratio >= about 1/2, less the reduce-scatter's local
+    # reduction work: 0.45); today 0.74 (the all-reduce uses NVLS inside the node)
+    assert 0.45 < ag / model.collective_seconds("all_reduce", 256 * MIB, 16, 2) <= 1.0
     assert fit["hardware"] == "h100-80g-p5"
 
 
