@@ -101,9 +101,11 @@ def test_fit_recovers_a_known_model_and_extrapolates_in_ranks():
     sizes = [2**k for k in range(12, 31)]
     train = synthetic(truth, [(2, 1), (4, 1)], sizes)
     fit = fit_collective(train, prior_params(hw, "all_reduce"), (8,))
-    assert fit.train_mape_pct < 1.0
+    # noiseless times from the model's own family: the fit must find them to the optimiser's tolerance, not
+    # to within a few per cent (today 0.02 % on the fitted ranks, 0.04 % extrapolated to 8)
+    assert fit.train_mape_pct < 0.2
     test = synthetic(truth, [(8, 1)], sizes)
-    assert mape_pct(predict_table(fit.params, test), test["time_s"].to_numpy()) < 3.0
+    assert mape_pct(predict_table(fit.params, test), test["time_s"].to_numpy()) < 0.5
 
 
 @pytest.mark.parametrize("name", ["a100-80g-dgx", "h100-80g-p5", "a100-40g-oci", "local-cpu"])
