@@ -102,9 +102,11 @@ def test_fit_recovers_a_known_model_and_extrapolates_in_ranks():
     sizes = [2**k for k in range(12, 31)]
     train = synthetic(truth, [(2, 1), (4, 1)], sizes)
     fit = fit_collective(train, prior_params(hw, "all_reduce"), (8,))
-    assert fit.train_mape_pct < 1.0
+    # noiseless times from the model's own family: the fit must find them to the optimiser's tolerance, not
+    # to within a few per cent (today 0.02 % on the fitted ranks, 0.04 % extrapolated to 8)
+    assert fit.train_mape_pct < 0.2
     test = synthetic(truth, [(8, 1)], sizes)
-    assert mape_pct(predict_table(fit.params, test), test["time_s"].to_numpy()) < 3.0
+    assert mape_pct(predict_table(fit.params, test), test["time_s"].to_numpy()) < 0.5
 
 
 @pytest.mark.parametrize("name", ["a100-80g-dgx", "h100-80g-p5", "a100-40g-oci", "local-cpu"])
@@ -226,7 +228,10 @@ def test_calibration_artifact_round_trips_into_the_comm_model(tmp_path):
     assert model.collective_seconds("all_reduce", 256 * MIB, 16, 2) == pytest.approx(row["time_s"], rel=0.1)
     # collectives never measured borrow the fitted links: an all-gather moves half an all-reduce's bytes
     ag = model.collective_seconds("all_gather", 256 * MIB, 16, 2)
-    assert 0.3 < ag / row["time_s"] < 1.0
+    # an all-reduce delivers at least what an all-gather does (ratio <= 1), and is at most a reduce-scatter
+    # plus an all-gather of the same bytes per rank (ratio >= about 1/2, less the reduce-scatter's local
+    # reduction work: 0.45); today 0.74 (the all-reduce uses NVLS inside the node)
+    assert 0.45 < ag / model.collective_seconds("all_reduce", 256 * MIB, 16, 2) <= 1.0
     assert fit["hardware"] == "h100-80g-p5"
 
 

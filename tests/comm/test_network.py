@@ -142,7 +142,12 @@ def test_a_prediction_from_the_description_names_its_prior_and_band(tmp_path):
     hw = hardware("h100-sxm-dgx")
     prior = network_prior(hw)
     assert prior.level == "link_generation" and prior.key == "infiniband/ndr"
-    assert 0 < prior.error_pct < 100 and 0 < prior.bandwidth_efficiency <= 1
+    assert 0 < prior.bandwidth_efficiency <= 1  # a network cannot beat its NICs' nominal bandwidth
+    # one cluster cannot narrow the band below the mean held-out error of all clusters (the "all" entry); and a
+    # band of +-50 % or more tells a user nothing to plan with (the held-out errors are 4-26 % today)
+    everything = yaml.safe_load(PRIORS_FILE.read_text())["all"]["all"]
+    assert len(prior.clusters) > 1 or prior.error_pct >= everything["error_pct"]
+    assert 0 < prior.error_pct < 50
     inputs, warnings = calibration_inputs(hw, tmp_path, nodes_used=4)
     assert inputs["network"]["uncertainty_pct"] == pytest.approx(prior.error_pct, abs=0.1)
     assert any("infiniband/ndr" in w and "+-" in w for w in warnings)

@@ -63,7 +63,10 @@ def test_model_flops_match_megatron_and_efficiency_figures():
     world = par["dp"] * par["tp"] * par["pp"]
     assert figures["mfu_pct"] == pytest.approx(100 * megatron / (10.0 * world * 312e12))
     assert figures["tokens_per_s"] == pytest.approx(b * s / 10.0)
-    assert figures["cost_per_step_usd"] == pytest.approx(5.12 * world * 10 / 3600)
+    price = run.group("hardware")["price_per_device_hour"]  # a config choice, not physics: read, not copied
+    assert price > 0 and figures["cost_per_step_usd"] == pytest.approx(price * world * 10 / 3600)
+    dearer = efficiency(10.0, {**run.group("hardware"), "price_per_device_hour": 2 * price}, model, par)
+    assert dearer["cost_per_step_usd"] == pytest.approx(2 * figures["cost_per_step_usd"])  # cost is linear in price
     no_price = efficiency(10.0, {**run.group("hardware"), "price_per_device_hour": 0.0, "peak_flops_per_s": {}},
                           model, par)
     assert no_price["cost_per_step_usd"] is None and no_price["mfu_pct"] is None
@@ -95,7 +98,7 @@ def test_training_totals_for_a_token_budget():
     assert totals["training_steps"] == steps
     assert totals["training_days"] == pytest.approx(steps * 10.0 / 86400)
     assert totals["training_gpu_hours"] == pytest.approx(steps * 10.0 * world / 3600)
-    assert totals["training_cost_usd"] == pytest.approx(totals["training_gpu_hours"] * 5.12)
+    assert totals["training_cost_usd"] == pytest.approx(totals["training_gpu_hours"] * hw["price_per_device_hour"])
     assert totals["training_energy_mwh"] == pytest.approx(400 * world * steps * 10.0 / 3.6e9)
     no_power = efficiency(10.0, {**hw, "power_per_device_w": 0.0, "price_per_device_hour": 0.0}, model, par,
                           train_tokens=3e11)

@@ -285,7 +285,12 @@ def test_fit_recovers_rates_from_synthetic_measurements():
     rows["median_s"] = predict(truth, rows["flops"], rows["bytes_moved"], rows["op"].map(op_kind))
     fitted = fit_rates(rows)
     again = predict(fitted, rows["flops"], rows["bytes_moved"], rows["op"].map(op_kind))
-    assert (abs(again / rows["median_s"] - 1) < 0.05).all()
+    # noiseless times from the model itself: the fit reproduces every op to the optimiser's tolerance (today
+    # 0.4 % at worst), and the large GEMMs, compute-bound, pin the matmul rate. The memory, vector and launch
+    # terms trade off against each other on these rows, so they are not compared one by one.
+    assert (abs(again / rows["median_s"] - 1) < 0.01).all()
+    assert fitted.matmul_flops_per_s == pytest.approx(truth.matmul_flops_per_s, rel=0.01)
+    assert dict(fitted.kind_efficiency)["normalization"] == pytest.approx(0.3, rel=0.02)
 
 
 def test_unreplayable_op_falls_back_to_analytical_with_reason(tmp_path, tiny_ops):

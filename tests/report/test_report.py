@@ -15,9 +15,11 @@ import pytest
 from conftest import copy_project
 
 from trainsim.artifacts import atomic_artifact, read_manifest
+from trainsim.config import compose_run
 from trainsim.errors import ArtifactError
 from trainsim.registry import STAGES
 from trainsim.report.browser import broken_elements, find_browser, render_report
+from trainsim.report.efficiency import efficiency
 from trainsim.report.html import SECTIONS
 from trainsim.report.stage import HTML_FILE, METRICS_FILE, write_report_artifact
 
@@ -88,7 +90,12 @@ def test_metrics_come_from_the_upstream_artifacts_and_missing_truth_is_not_measu
     compose = json.loads((_artifact(a100_project, "compose") / "summary.json").read_text())
     assert metrics["end_to_end"]["predicted_s"] == compose["step_time_s"]
     assert metrics["end_to_end"]["measured"] == 0 and "error_pct" not in metrics["end_to_end"]  # never a zero
-    assert metrics["efficiency"]["mfu_pct"] > 0 and metrics["efficiency"]["cost_per_step_usd"] > 0
+    # the efficiency figures are the composed step's, in the configured hardware's prices and peaks
+    run = compose_run([f"{group}={name}" for group, name in KEYS.items()])
+    expected = efficiency(compose["step_time_s"], run.group("hardware"), run.group("model"), run.group("parallelism"))
+    shown = metrics["efficiency"]
+    assert {"mfu_pct", "cost_per_step_usd", "tokens_per_s"} <= shown.keys() and shown["mfu_pct"] > 0
+    assert shown == pytest.approx({name: expected[name] for name in shown})
     page = (report / HTML_FILE).read_text()
     assert "not measured" in page and "a100-80g-dgx" in page
     fit = json.loads((_artifact(a100_project, "calibration") / "fit.json").read_text())
@@ -160,7 +167,8 @@ def test_a_token_budget_re_renders_only_the_pages_with_training_totals(a100_proj
     steps = -(-300_000_000_000 // efficiency["tokens_per_step"])
     assert efficiency["training_steps"] == steps
     assert efficiency["training_days"] == pytest.approx(steps * compose_step_s(a100_project) / 86400)
-    assert efficiency["training_cost_usd"] == pytest.approx(efficiency["training_gpu_hours"] * 5.12)
+    price = compose_run([f"hardware={KEYS['hardware']}"]).hardware.price_per_device_hour  # read, not copied
+    assert efficiency["training_cost_usd"] == pytest.approx(efficiency["training_gpu_hours"] * price)
     rendered = render_report(_artifact(a100_project, "report") / HTML_FILE, browser=_browser())
     assert {t["id"]: t["rows"] for t in rendered["tables"]}["training-table"] == 6
     summary = pd.read_csv(a100_project / "artifacts/sweeps/budget/summary.csv")
