@@ -74,6 +74,7 @@ GEMM_TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75)
 """Output tiles (rows, columns) a GEMM library chooses from, with the throughput of one SM on that tile
 relative to the largest (smaller tiles reuse each loaded operand less). cuBLAS-like heuristic: the tile with
 the best (wave fill x tile throughput) wins."""
+# cite: data/kernels/h100_swiglu-ffn-bmm-tflops_mlengineering.csv (272.7 / 395.5 TFLOP/s)
 MISALIGNED_EFFICIENCY = 0.69
 """Throughput of a GEMM with a dimension that is not a multiple of 16 bytes, relative to an aligned one:
 272.7 / 395.5 TFLOP/s measured for d_ff 10922 vs 10848-11008 on H100 (data/kernels/h100_swiglu-ffn-bmm...)."""

@@ -36,7 +36,9 @@ from trainsim.slowdown.features import CATEGORICAL, FEATURES, dataset_features
 if TYPE_CHECKING:  # imported where a model is trained or run: config validation and tracing need no XGBoost
     import xgboost as xgb
 
+# set: a format version
 SCHEMA_VERSION = 2  # 2: features computable at compose (no Nsight metrics, device numbers for device_type)
+# set: the error bands reported
 WITHIN = (5, 10, 15)
 ABSOLUTE_OBJECTIVES = ("reg:absoluteerror", "reg:quantileerror", "reg:pseudohubererror")
 
