@@ -111,19 +111,21 @@ MIN_SPLIT_K = 512
 """Smallest reduction length per split (shorter slices cannot keep the tensor cores fed)."""
 
 
-def gemm_shape_efficiency(batch: int, m: int, n: int, k: int, sm_count: int, dtype: str = "bf16") -> float:
+def gemm_shape_efficiency(batch: int, m: int, n: int, k: int, sm_count: int, dtype: str = "bf16",
+                          tile_speeds=GEMM_TILES, split_speeds=SPLIT_K, min_split_k: int = MIN_SPLIT_K) -> float:
     """Fraction of a large GEMM's throughput this shape reaches: wave quantisation of its output tiles (times
     split-K slices) over `sm_count` SMs, for the best tile and split, times the alignment penalty. 1 when
-    sm_count is 0 (unknown)."""
+    sm_count is 0 (unknown). `tile_speeds`, `split_speeds` and `min_split_k` are there for their fit
+    (benchmarks/kernel_accuracy.py)."""
     aligned = all((d * DTYPE_BYTES.get(dtype, 2)) % 16 == 0 for d in (m, n, k))
     alignment = 1.0 if aligned else MISALIGNED_EFFICIENCY
     if sm_count <= 0:
         return alignment
     best = 0.0
-    for split, split_speed in SPLIT_K:
-        if split > 1 and k // split < MIN_SPLIT_K:
+    for split, split_speed in split_speeds:
+        if split > 1 and k // split < min_split_k:
             continue
-        for rows, cols, speed in GEMM_TILES:
+        for rows, cols, speed in tile_speeds:
             tiles = batch * -(-m // rows) * -(-n // cols) * split
             waves = -(-tiles // sm_count)
             useful = batch * m * n * split / (waves * sm_count * rows * cols)  # padded tiles, idle SMs: no work
