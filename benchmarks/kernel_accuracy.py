@@ -13,14 +13,20 @@ Without it, the file is priced with the hardware's kernel model:
   the baseline is a plain roofline on the same protocol (no tile/wave/split-K shape model, no fixed cost);
 * streaming kernels (standard elementwise, reduction, copy and optimizer ops over 100 MB, not noted fused):
   the fraction of the datasheet bandwidth they reach;
-* the ratios of the config's efficiencies (fitted at scale) to these single-GPU ones.
+* the ratios of the config's efficiencies (fitted at scale) to these single-GPU ones;
+* the fits behind the kernel model's small-kernel and shape constants (their `# fit:` tags point here):
+  launch_overhead_s and memory_half_bytes from the single-kernel streaming ops of every size, and
+  profile/analytical.py's GEMM_TILES speeds, SPLIT_K (one speed per doubling of the splits) and MIN_SPLIT_K with
+  matmul_half_flops from every measured GEMM (least squares on log time, the efficiencies fitted alongside).
 
     python benchmarks/kernel_accuracy.py --measure OUT.csv   (on an H100; about 2 min after the traces)
     python benchmarks/kernel_accuracy.py [--data FILE]        (anywhere)
 
 prints `figure kernel_model_mape_pct_h100_gemm_config`, `..._gemm_leave_one_shape_out`,
 `baseline_kernel_model_mape_pct_h100_gemm_roofline`, `kernel_gemm_efficiency_h100_<bf16|fp8>`,
-`kernel_streaming_bandwidth_fraction_h100` and `sustained_ratio_h100_<bf16|fp8|memory>`.
+`kernel_streaming_bandwidth_fraction_h100`, `sustained_ratio_h100_<bf16|fp8|memory>`, `kernel_launch_overhead_us_h100`,
+`kernel_memory_half_bytes_h100`, `kernel_gemm_half_flops_h100_with_shape_fit`, `kernel_gemm_tile_speed_h100_<tile>`,
+`kernel_split_k_speed_per_doubling_h100` and `kernel_min_split_k_h100`.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -37,7 +45,18 @@ from figures import figure
 from scipy.optimize import least_squares
 
 from trainsim.config import compose_run
-from trainsim.profile.analytical import gemm_dims, kernel_notes, matmul_efficiency, op_kind, predict_rows
+from trainsim.profile.analytical import (
+    GEMM_TILES,
+    SPLIT_K,
+    gemm_dims,
+    gemm_shape_efficiency,
+    kernel_notes,
+    matmul_efficiency,
+    op_kind,
+    predict,
+    predict_rows,
+    rates_for,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "data/kernels/h100_published-rows-ops_trainsim.csv"
@@ -45,6 +64,8 @@ TABLES = ("mcore2024_h100", "nemo2407_h100_fp8")
 HARDWARE = "h100-sxm-dgx"
 STREAMING_KINDS = ("elementwise", "reduction", "copy", "optimizer")
 STREAMING_MIN_BYTES = 1e8
+MIN_SPLIT_K_CANDIDATES = (256, 512, 1024)
+"""Shortest reduction per split-K slice tried by the shape fit."""
 HEADER = "".join(f"# {line}\n" for line in (
     "source: MEASURED by trainsim's benchmarks/kernel_accuracy.py --measure (the profile stage's CUDA backend), {date}",
     "hardware: {device} (one GPU, idle); software: torch {torch}",
@@ -169,10 +190,77 @@ def leave_one_shape_out(g: pd.DataFrame, hw, shapes: bool = True) -> np.ndarray:
     return errors
 
 
-def streaming(ops: pd.DataFrame) -> pd.DataFrame:
+def streaming(ops: pd.DataFrame, min_bytes: float = STREAMING_MIN_BYTES) -> pd.DataFrame:
     fused = ops["op_args"].map(lambda a: kernel_notes(a).get("fused", 0) > 0)
     return ops[ops["kind"].isin(STREAMING_KINDS) & ~fused & ~ops["op"].str.startswith("trainsim::")
-               & (ops["bytes_moved"] > STREAMING_MIN_BYTES)]
+               & (ops["bytes_moved"] > min_bytes)]
+
+
+def fit_small_kernels(ops: pd.DataFrame, hw) -> tuple[float, float, float]:
+    """(launch_overhead_s, memory_half_bytes, memory efficiency) of the single-kernel streaming ops of every size
+    (elementwise, reduction, copy, optimizer; not noted fused): t = launch + (bytes + B_half) / (R_mem), least
+    squares on log time with a robust loss (the ops' access patterns differ: a few are far off any one line)."""
+    s = streaming(ops, min_bytes=0)
+    s = s[s["kernels"] == 1]
+    b, t = s["bytes_moved"].to_numpy(float), s["measured_s"].to_numpy(float)
+
+    def residuals(x):
+        return np.log((x[0] * 1e-6 + (b + x[1] * 1e6) / (hw.memory_bandwidth_bytes_per_s * x[2])) / t)
+
+    x = least_squares(residuals, [4.0, 0.1, 0.8], bounds=([0, 0, 0.1], [50, 1e3, 1.0]), loss="soft_l1",
+                      f_scale=0.1).x
+    return float(x[0] * 1e-6), float(x[1] * 1e6), float(x[2])
+
+
+class ShapeModel(NamedTuple):
+    """analytical.py's GEMM shape constants: each tile's and split's speed (the largest tiles and no split at 1)."""
+
+    tiles: tuple
+    splits: tuple
+    min_split_k: int
+
+
+def shape_model(x, min_split_k: int) -> ShapeModel:
+    """x: the speeds of the tiles after the two largest, then the speed kept per doubling of the splits."""
+    sizes = [(rows, cols) for rows, cols, _ in GEMM_TILES]
+    speeds = [1.0, 1.0, *x[:len(sizes) - 2]]
+    per_doubling = float(x[len(sizes) - 2])
+    return ShapeModel(tuple((r, c, float(v)) for (r, c), v in zip(sizes, speeds)),
+                      tuple((n, per_doubling ** math.log2(n)) for n, _ in SPLIT_K), min_split_k)
+
+
+def predict_shape(g: pd.DataFrame, hw, model: ShapeModel, bf16: float, fp8: float, half_flops: float) -> np.ndarray:
+    """The GEMMs' times at these shape constants, efficiencies and matmul_half_flops (other parameters as hw)."""
+    km = dataclasses.replace(hw.kernel_model, matmul_efficiency=bf16, fp8_matmul_efficiency=fp8,
+                             matmul_half_flops=half_flops)
+    hw = dataclasses.replace(hw, kernel_model=km)
+    out = np.empty(len(g))
+    for fp8_rows in (False, True):
+        sel = (g["fp8"] == fp8_rows).to_numpy()
+        dtype = "fp8" if fp8_rows else "bf16"
+        q = [gemm_shape_efficiency(*gemm_dims(op, json.loads(s)), hw.sm_count, dtype, model.tiles, model.splits,
+                                   model.min_split_k) for op, s in zip(g.loc[sel, "op"], g.loc[sel, "input_shapes"])]
+        out[sel] = predict(rates_for(hw, dtype), g.loc[sel, "flops"], g.loc[sel, "bytes_moved"],
+                           ["matmul"] * int(sel.sum()), q)
+    return out
+
+
+def fit_shape_model(g: pd.DataFrame, hw) -> tuple[ShapeModel, float, float, float]:
+    """The shape constants with the GEMM efficiencies and matmul_half_flops, by least squares on log time over
+    every measured GEMM, at each candidate MIN_SPLIT_K (the best kept); tile and split speeds bounded to (0.2, 1]."""
+    def residuals(x, min_split_k: int):
+        model = shape_model(x[3:], min_split_k)
+        return np.log(predict_shape(g, hw, model, x[0], x[1], x[2] * 1e9) / g["measured_s"].to_numpy())
+
+    best = None
+    free = len(GEMM_TILES) - 2 + 1
+    bounds = ([0.2, 0.2, 0.0, *[0.2] * free], [1.0, 1.0, 100.0, *[1.0] * free])
+    for min_split_k in MIN_SPLIT_K_CANDIDATES:
+        result = least_squares(residuals, [0.8, 0.8, 1.0, *[0.8] * free], bounds=bounds, args=(min_split_k,))
+        if best is None or result.cost < best[0].cost:
+            best = (result, min_split_k)
+    result, min_split_k = best
+    return shape_model(result.x[3:], min_split_k), float(result.x[0]), float(result.x[1]), float(result.x[2] * 1e9)
 
 
 def evaluate(data: Path) -> None:
@@ -198,6 +286,10 @@ def evaluate(data: Path) -> None:
     fraction = float(np.median(stream["bytes_moved"] / stream["measured_s"] / hw.memory_bandwidth_bytes_per_s))
     print(f"{len(stream)} streaming ops over {STREAMING_MIN_BYTES / 1e6:.0f} MB: median "
           f"{fraction:.3f} of the datasheet bandwidth")
+    launch_s, memory_half_bytes, _ = fit_small_kernels(ops, hw)
+    shapes, _, _, shape_half_flops = fit_shape_model(g, hw)
+    print(f"fitted shape constants (profile/analytical.py): tiles {shapes.tiles}, splits "
+          f"{tuple((n, round(v, 3)) for n, v in shapes.splits)}, MIN_SPLIT_K {shapes.min_split_k}")
     figures = {
         "kernel_model_mape_pct_h100_gemm_config": (100 * np.abs(config_error).mean(), "%"),
         "kernel_model_bias_pct_h100_gemm_config": (100 * config_error.mean(), "%"),
@@ -206,6 +298,12 @@ def evaluate(data: Path) -> None:
         "kernel_gemm_efficiency_h100_bf16": (bf16, "ratio"),
         "kernel_gemm_efficiency_h100_fp8": (fp8, "ratio"),
         "kernel_gemm_half_flops_h100": (half / 1e9, "GFLOP"),
+        "kernel_gemm_half_flops_h100_with_shape_fit": (shape_half_flops / 1e9, "GFLOP"),
+        "kernel_launch_overhead_us_h100": (launch_s * 1e6, "us"),
+        "kernel_memory_half_bytes_h100": (memory_half_bytes / 1e6, "MB"),
+        **{f"kernel_gemm_tile_speed_h100_{r}x{c}": (v, "ratio") for r, c, v in shapes.tiles[2:]},
+        "kernel_split_k_speed_per_doubling_h100": (shapes.splits[1][1], "ratio"),
+        "kernel_min_split_k_h100": (shapes.min_split_k, "elements"),
         "kernel_streaming_bandwidth_fraction_h100": (fraction, "ratio"),
         "sustained_ratio_h100_bf16": (matmul_efficiency(km, "bf16") / bf16, "ratio"),
         "sustained_ratio_h100_fp8": (matmul_efficiency(km, "fp8") / fp8, "ratio"),

@@ -264,8 +264,8 @@ def test_roofline_shape():
     big = predict(rates, [2 * 8192**3], [3 * 2 * 8192**2], ["matmul"])[0]
     efficiency = hw.kernel_model.matmul_efficiency
     assert big == pytest.approx(2 * 8192**3 / (989e12 * efficiency), rel=0.05)  # compute-bound at peak x efficiency
-    tiny = predict(rates, [2 * 16**3], [3 * 2 * 16**2], ["matmul"])[0]
-    assert tiny < 3 * rates.launch_overhead_s  # latency-bound
+    tiny, eight_times_the_work = predict(rates, [2 * 16**3, 2 * 32**3], [6 * 16**2, 6 * 32**2], ["matmul"] * 2)
+    assert tiny > rates.launch_overhead_s and eight_times_the_work < 1.01 * tiny  # latency-bound: FLOPs do not count
     assert is_matmul("aten::addmm") and is_matmul("aten::_scaled_dot_product_flash_attention_for_cpu")
     assert not is_matmul("aten::add.Tensor")
     assert op_kind("aten::native_layer_norm_backward") == "normalization"

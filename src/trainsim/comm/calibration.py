@@ -39,6 +39,7 @@ from trainsim.progress import progress, status
 MEASUREMENT_COLUMNS = ["collective", "algorithm", "protocol", "num_ranks", "num_nodes", "message_bytes", "time_s",
                        "source"]
 MEASUREMENTS_FILE = "measurements.parquet"
+# set: where the accuracy figures' 'large' messages start
 LARGE_BYTES = 1 << 20
 """Messages from 1 MiB up are 'large' in the accuracy figures (bandwidth-bound on GPUs)."""
 

@@ -29,14 +29,19 @@ from trainsim.comm.model import (
 )
 from trainsim.comm.nccl_tests import bus_bandwidth_factor
 
+# set: the collective fit's pull towards its priors
 PRIOR_WEIGHT = 0.03
 """Weight of one parameter's log-distance from its prior, against one measurement's relative error."""
+# set: the collective fit's pull towards its latency prior
 ALPHA_PRIOR_WEIGHT = 0.3
 """Stronger for the launch latency alpha: with a single rank count a constant cost could be alpha or
 per-step latency, and only per-step latency grows with N. The priors (NCCL's base latency, a host
 dispatch for gloo) put it where NCCL's own model does."""
+# set: channel counts the collective fit tries
 CHANNEL_CHOICES = (1, 2, 4, 8, 16, 32)
+# set: the collective fit's starting points
 _STARTS = ((1.0, 1.0), (0.3, 3.0), (3.0, 0.3))  # (latency, bandwidth) scalings of the priors
+# set: the collective fit's iteration limit
 MAX_ITERATIONS = 40
 
 

@@ -83,16 +83,19 @@ from trainsim.what_if import is_identity, scale_comm_values
 
 RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collectives whose "ring" algorithm is the loop-by-loop ring family; the others stream chunks."""
+# set: memory accesses per byte by the operation's definition (a reduction reads two, writes one)
 LOCAL_ACCESSES = {"all_reduce": 3, "reduce_scatter": 3, "reduce": 3,
                   "all_gather": 1, "all_to_all": 1, "broadcast": 1, "send_recv": 1}
 """Memory accesses per byte of a collective's local work: a reduction's two reads and one write, a copy's write
 of what arrived (module doc). The prior delta is this over the memory bandwidth; a collective priced with
 another's fit scales the donor's delta by their ratio."""
+# cite: data/nccl-tests/h200-8gpu-nvlink_allreduce-nvls-vs-ring_mlengineering.txt, as derived below
 NVLS_EFFICIENCY = 0.63
 """Rate of NVLS all-reduce per NVLink byte, relative to the NVLink rate a ring reaches. NVLS moves S per GPU each
 way and the switch reduces (no local work); 8x H200, 8 GiB, NVLS is 1.14 / 1.19 / 1.26 / 1.29 x the ring at
 5 / 6 / 7 / 8 GPUs (data/nccl-tests/h200-8gpu-nvlink_allreduce-nvls-vs-ring_mlengineering.txt), which with this
 model's ring (2(K-1)/K S over NVLink at 0.94 x 450 GB/s plus the local work at 4.8 TB/s) gives 0.61-0.64."""
+# cite: NCCL tuning.cc hwLatencies[NVLINK][NVLS][Simple] (2.21 on)
 NVLS_LATENCY_S = 25e-6
 """NCCL's hwLatencies[NVLINK][NVLS][Simple] (2.21 on; 23 us in 2.19-2.20): the multicast round trip."""
 FIT_FILE = "fit.json"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 PLACEMENTS = ("out_of_place", "in_place")
+# set: the rounding of nccl-tests' printed digits
 DERIVED_ALGBW_REL_ERROR = 5e-4
 """size / time is known to the time's printed digits: nccl-tests prints at least 4 significant ones."""
 
@@ -35,8 +36,10 @@ _DTYPES = {"float": "fp32", "float32": "fp32", "half": "fp16", "float16": "fp16"
 _KEY_COLUMNS = ("size", "count", "type", "redop", "root")
 _GROUP_COLUMNS = ("time", "algbw", "busbw", "#wrong", "error", "i_min", "i_max", "i_p99", "i_cv%")
 _HEADER_ALIASES = {"bytes": "size", "n": "count", "op": "redop", "wrong": "#wrong", "res": "error"}
+# set: time units
 _TIME_UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _NA = {"n/a", "na", "nan", "-"}
+# cite: nccl-tests' table layouts (12 and 13 key columns)
 _FALLBACK = {13: ("size", "count", "type", "redop", "root"), 12: ("size", "count", "type", "redop")}
 _INT = re.compile(r"[+-]?\d+(?:_\d+)*")
 _NUMBER = re.compile(r"[+-]?(\d*)(?:\.(\d*))?(?:[eE]([+-]?\d+))?")

@@ -27,8 +27,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# set: the smallest algorithm bandwidth read as a rate
 MIN_ALGBW_GBPS = 1.0
 
+# cite: nccl-tests doc/PERFORMANCE.md (bus bandwidth factors)
 _FACTOR_SCALE = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}  # c in c(n-1)/n
 _RANK_LINE = re.compile(r"\bRank\s+(\d+)\s+(?:Group\s+\d+\s+)?(?:Pid\s+\d+\s+)?on\s+(\S+)\s+device\b")
 _ELISION = re.compile(r"(?:\.\.\.|…|\[\.\.\.\]|-*\s*\(?snip\)?\s*-*)", re.IGNORECASE)

@@ -29,6 +29,7 @@ TUNER = {"aws-ofi-nccl": "model"}
 """Plugins that ship their own tuner (aws-ofi-nccl picks algorithms from measurements of its platforms:
 the p4de and p5 all-reduce logs run trees where NCCL's own model keeps rings); the others leave the choice
 to NCCL's cost model ('nccl')."""
+# cite: data/nccl-tests (vTrain's 8x A100 table, ml-engineering's 8x H200 table), as derived below
 NVLINK_EFFICIENCY = 0.94
 """Achieved fraction of NVLink's datasheet rate per direction, once the local buffer work of the model's delta
 term (3 bytes at memory bandwidth per byte) is taken out of the measured ring bus bandwidth: A100 229 GB/s of

@@ -41,8 +41,10 @@ from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile, HardwareConfig
 
 LEVELS = ("link_generation", "transport", "plugin", "all")
+# set: the network fit's starting point
 START = (0.9, 20e-6)
 """(efficiency, fixed cost) the fit starts from; a weak pull keeps a level with few rows near it."""
+# set: the network fit's pull towards its start
 PRIOR_WEIGHT = 0.03
 
 
@@ -57,6 +59,7 @@ class ClusterSource:
     note: str = ""
 
 
+# cite: the nccl-tests logs in data/nccl-tests and their sources (data/SOURCES.md)
 CLUSTERS = (
     ClusterSource("aws-p4de-efa", "a100-80g-p4de",
                   CalibrationFile(path="data/nccl-tests/a100-16gpu-2node-aws-p4de-efa400_allreduce.txt")),
@@ -107,6 +110,7 @@ class Cluster:
 
 
 MSCCLPP_COLUMNS = {"all_reduce": "NCCL AllReduce", "all_gather": "NCCL AllGather", "all_to_all": "NCCL AllToAll"}
+# cite: the sections of the mscclpp performance summary (data/nccl-tests)
 MSCCLPP_SECTIONS = {"1 node, 8 gpus/node": (8, 1), "2 nodes, 1 gpu/node": (2, 2), "2 nodes, 8 gpus/node": (16, 2)}
 """Section title -> (ranks, nodes) of the mscclpp performance summary."""
 
@@ -239,7 +243,7 @@ def learn(clusters: list[Cluster], held: pd.DataFrame | None = None) -> dict:
 
 
 HEADER = """\
-# Network priors: learned by `python -m trainsim.comm.network_fit --write` (do not edit by hand; the test suite
+# fit: `python -m trainsim.comm.network_fit --write` (network priors; do not edit by hand; the test suite
 # checks this file against a fresh fit). bandwidth_efficiency: achieved fraction of the nominal NIC bandwidth on
 # the network hop; alpha_s: fixed cost (s) of a collective that spans nodes; error_pct: mean absolute error at
 # messages >= 1 MiB of the level's clusters predicted leave-one-cluster-out (the band a prediction reports).

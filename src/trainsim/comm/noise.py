@@ -30,9 +30,12 @@ import pandas as pd
 
 from trainsim.processes import free_port, init_local_group, start
 
+# set: the local noise measurement's burst lengths, repeats and duration
 SEGMENTS_S = (0.01, 0.04, 0.16, 0.64)
 """Burst lengths of the local measurement: a tensor-parallel layer's segment up to a pipeline stage's."""
+# set: the local noise measurement's duration per burst length
 SECONDS_PER_SEGMENT = 3.0
+# set: the local noise measurement's fewest repeats
 MIN_REPEATS = 8
 
 

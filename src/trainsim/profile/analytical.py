@@ -70,10 +70,14 @@ def is_matmul(op: str) -> bool:
     return op_kind(op) in MATMUL_KINDS
 
 
-GEMM_TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75), (64, 64, 0.55))
+GEMM_TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 1.0), (64, 128, 0.99), (64, 64, 1.0))
 """Output tiles (rows, columns) a GEMM library chooses from, with the throughput of one SM on that tile
-relative to the largest (smaller tiles reuse each loaded operand less). cuBLAS-like heuristic: the tile with
-the best (wave fill x tile throughput) wins."""
+relative to the largest. cuBLAS-like heuristic: the tile with the best (wave fill x tile throughput) wins.
+fit: python benchmarks/kernel_accuracy.py (the speeds, with SPLIT_K, MIN_SPLIT_K and matmul_half_flops, to the
+290 GEMMs measured alone on one H100, data/kernels/h100_published-rows-ops_trainsim.csv: figure
+kernel_gemm_tile_speed_h100_*). Measured, a smaller tile costs its SM nothing per output element within 1 %; what
+sets a shape's efficiency is wave quantisation. (0.9 / 0.75 / 0.55 until 2026-11-28: not fitted.)"""
+# cite: data/kernels/h100_swiglu-ffn-bmm-tflops_mlengineering.csv (272.7 / 395.5 TFLOP/s)
 MISALIGNED_EFFICIENCY = 0.69
 """Throughput of a GEMM with a dimension that is not a multiple of 16 bytes, relative to an aligned one:
 272.7 / 395.5 TFLOP/s measured for d_ff 10922 vs 10848-11008 on H100 (data/kernels/h100_swiglu-ffn-bmm...)."""
@@ -103,26 +107,32 @@ def gemm_dims(op: str, shapes: list) -> tuple[int, int, int, int] | None:
     return None
 
 
-SPLIT_K = ((1, 1.0), (2, 0.95), (4, 0.9), (8, 0.85))
+SPLIT_K = ((1, 1.0), (2, 0.83), (4, 0.69), (8, 0.58))
 """Splits of the reduction dimension a GEMM library uses when the output has too few tiles to fill the SMs
-(cuBLAS split-K / stream-K), with the share of the time left after writing and summing the partial tiles."""
-MIN_SPLIT_K = 512
-"""Smallest reduction length per split (shorter slices cannot keep the tensor cores fed)."""
+(cuBLAS split-K / stream-K), with the share of the time left after writing and summing the partial tiles.
+fit: python benchmarks/kernel_accuracy.py (one speed per doubling of the splits, 0.833: figure
+kernel_split_k_speed_per_doubling_h100; 0.95 / 0.9 / 0.85 until 2026-11-28: not fitted)"""
+MIN_SPLIT_K = 1024
+"""Smallest reduction length per split (shorter slices cannot keep the tensor cores fed).
+fit: python benchmarks/kernel_accuracy.py (the best of 256, 512, 1024: figure kernel_min_split_k_h100; 512 until
+2026-11-28: not fitted)"""
 
 
-def gemm_shape_efficiency(batch: int, m: int, n: int, k: int, sm_count: int, dtype: str = "bf16") -> float:
+def gemm_shape_efficiency(batch: int, m: int, n: int, k: int, sm_count: int, dtype: str = "bf16",
+                          tile_speeds=GEMM_TILES, split_speeds=SPLIT_K, min_split_k: int = MIN_SPLIT_K) -> float:
     """Fraction of a large GEMM's throughput this shape reaches: wave quantisation of its output tiles (times
     split-K slices) over `sm_count` SMs, for the best tile and split, times the alignment penalty. 1 when
-    sm_count is 0 (unknown)."""
+    sm_count is 0 (unknown). `tile_speeds`, `split_speeds` and `min_split_k` are there for their fit
+    (benchmarks/kernel_accuracy.py)."""
     aligned = all((d * DTYPE_BYTES.get(dtype, 2)) % 16 == 0 for d in (m, n, k))
     alignment = 1.0 if aligned else MISALIGNED_EFFICIENCY
     if sm_count <= 0:
         return alignment
     best = 0.0
-    for split, split_speed in SPLIT_K:
-        if split > 1 and k // split < MIN_SPLIT_K:
+    for split, split_speed in split_speeds:
+        if split > 1 and k // split < min_split_k:
             continue
-        for rows, cols, speed in GEMM_TILES:
+        for rows, cols, speed in tile_speeds:
             tiles = batch * -(-m // rows) * -(-n // cols) * split
             waves = -(-tiles // sm_count)
             useful = batch * m * n * split / (waves * sm_count * rows * cols)  # padded tiles, idle SMs: no work

@@ -55,6 +55,7 @@ from trainsim.profile.database import PROFILE_SCHEMA, ProfileDatabase, now_utc, 
 BACKEND = "kineto"
 FIT_BACKENDS = (*MEASURED_BACKENDS, BACKEND)
 """Measured backends whose rows the refit after an import uses."""
+# set: how many samples a row keeps
 MAX_SAMPLES = 10_000
 """Per-instance times kept per row (for pooling later imports); the row's statistics use all of them."""
 
@@ -385,6 +386,7 @@ def op_cost(call: OpCall) -> tuple[int, int, str] | None:
     return None
 
 
+# cite: aten's native_layer_norm and native_layer_norm_backward signatures (argument positions)
 LAYER_NORM_WEIGHT = {"aten::native_layer_norm": (1, 2), "aten::native_layer_norm_backward": (2, 5)}
 """op -> (position of normalized_shape, position of weight): Kineto does not record int lists, but the
 normalised shape is the weight's shape."""

@@ -30,6 +30,7 @@ from trainsim import processes
 from trainsim.profile.replay import build_call
 from trainsim.workloads.allocator import use_steady_state_allocator
 
+# set: how long a timing process waits for the others
 BARRIER_TIMEOUT_S = 600.0
 
 
@@ -43,8 +44,10 @@ class Timing:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+# set: the cache flushed between timings where the device does not say
 FALLBACK_CACHE_BYTES = 32 * 1024 * 1024
 """Cache size assumed when the device does not report its last-level cache."""
+# set: units of sysfs cache sizes
 _SYSFS_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
 
 

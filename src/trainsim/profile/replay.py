@@ -34,6 +34,7 @@ DEVICE_ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                     "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 """Traces are made on the CPU, where scaled_dot_product_attention dispatches to the CPU's flash kernel; on a
 GPU the same shapes run through scaled_dot_product_attention there (_device_flash_attention)."""
+# cite: aten's native_layer_norm_backward signature (arguments 3, 4: mean, rstd)
 STATISTICS_IN_FP32 = {"aten::native_layer_norm_backward": (3, 4)}
 """Arguments that are the input's dtype on the CPU and fp32 on a GPU (LayerNorm's saved mean and rstd)."""
 

@@ -34,6 +34,7 @@ from trainsim.trace.stage import GRAPH_FILE
 OP_COLUMNS = ["signature", "op", "input_shapes", "input_strides", "input_dtypes", "op_args", "flops", "bytes_moved"]
 PROFILE_FILE = "kernels.parquet"
 SUMMARY_FILE = "summary.json"
+# set: ops timed together
 BATCH_SIZE = 50  # ops timed together (interleaved) and appended together
 
 

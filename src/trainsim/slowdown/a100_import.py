@@ -55,10 +55,13 @@ METRIC_MAP = {"Compute throughput": "compute_throughput_pct", "Memory throughput
               "DRAM throughput": "dram_throughput_pct", "Achieved occupancy": "achieved_occupancy_pct",
               "Maximum occupancy": "max_occupancy_pct", "L1 hit rate": "l1_hit_pct", "L2 hit rate": "l2_hit_pct"}
 REQUIRED = ("id", "kShortName", "kDemangledName", *TIMING_COLUMNS, "slowdown", "SM", *METRIC_MAP)
+# cite: NVIDIA A100 and H100 datasheets
 SM_COUNT_DEVICE = {108: "A100", 132: "H100"}  # SMs per GPU: A100 SXM/PCIe 108, H100 SXM 132 (NVIDIA datasheets)
 # Datasheet numbers per SM count, as in conf/hardware/a100-80g-dgx.yaml and h100-sxm-dgx.yaml (tests check it).
+# cite: NVIDIA A100 and H100 datasheets
 DEVICE_NUMBERS = {108: DeviceNumbers(108, 2.039e12, 19.5e12, 312.0e12, "A100"),
                   132: DeviceNumbers(132, 3.35e12, 67.0e12, 989.0e12, "H100")}
+# set: a unit
 NS = 1e-9
 
 

@@ -44,9 +44,11 @@ from trainsim.progress import feed, spawn
 from trainsim.slowdown.dataset import check_instances
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# set: bytes per fp32 element
 FP32 = 4
 # name -> (aten op, function of (x, y, w) on a [rows, 1024] fp32 input x, extra input y, weight w).
 # FLOPs and bytes follow the trace recorder: FLOPs = output elements, bytes = inputs + outputs.
+# set: the ops the local overlap dataset measures
 MEMORY_BOUND_OPS: dict[str, tuple[str, Callable]] = {
     "add": ("aten::add.Tensor", lambda x, y, w: torch.add(x, y)),
     "mul": ("aten::mul.Tensor", lambda x, y, w: torch.mul(x, y)),
@@ -56,6 +58,7 @@ MEMORY_BOUND_OPS: dict[str, tuple[str, Callable]] = {
     "sum": ("aten::sum.dim_IntList", lambda x, y, w: x.sum(dim=-1)),
     "clone": ("aten::clone", lambda x, y, w: x.clone()),
 }
+# set: the row width of the local overlap dataset's inputs
 ROW = 1024
 
 

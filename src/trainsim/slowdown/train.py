@@ -40,7 +40,9 @@ from trainsim.slowdown.features import CATEGORICAL, FEATURES, dataset_features
 if TYPE_CHECKING:  # imported where a model is trained or run: config validation and tracing need no XGBoost
     import xgboost as xgb
 
+# set: a format version
 SCHEMA_VERSION = 2  # 2: features computable at compose (no Nsight metrics, device numbers for device_type)
+# set: the error bands reported
 WITHIN = (5, 10, 15)
 HELD_OUT_GROUPS = "held_out_groups"
 """metrics.json key of held_out_group_scores: the model against no slowdown on unseen kernel groups."""

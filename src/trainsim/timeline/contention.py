@@ -41,6 +41,7 @@ def bandwidth_part(message_seconds: float, tiny_seconds: float) -> float:
     return max(float(message_seconds) - float(tiny_seconds), 0.0)
 
 
+# set: bit-mask codes
 EGRESS, INGRESS, BOTH = 1, 2, 3
 """Directions of the NIC a transfer uses (a bit mask): a send leaves, a receive enters, a collective
 (ring, tree, all-to-all) does both at once."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from trainsim.timeline.step import StepGraph, TimelineError
 
+# set: a code
 HOST = -2
 """`Replay.cause` of a node that waited for the host to issue it."""
 
@@ -66,6 +67,7 @@ def successors(graph: StepGraph) -> tuple[list[int], list[int], list[int], list[
     return ptr.tolist(), succ.tolist(), npred.tolist(), np.flatnonzero(npred == 0).tolist()
 
 
+# set: when replay switches to batches (the same result, faster)
 BATCHED_MIN_CLASSES = 64
 """From this many classes on, `replay` releases nodes in batches (`replay_batched`): wide graphs, where every
 round of ready nodes is large, run faster in numpy than node by node through the heap."""

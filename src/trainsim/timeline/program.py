@@ -26,6 +26,7 @@ from trainsim.parallel.phases import direction_of, pass_of
 from trainsim.timeline.contention import bandwidth_part
 from trainsim.timeline.plugins import blocking_hint, dependency_rule
 
+# set: codes
 COMPUTE, BLOCK, COLLECTIVE, SEND, RECV, MEMCPY = range(6)
 KIND_NAMES = ("compute", "block", "collective", "send", "recv", "memcpy")
 PASS_VARIANTS = ("all", "per_microbatch")

@@ -13,7 +13,9 @@ import ctypes
 import ctypes.util
 import sys
 
+# cite: glibc's malloc.h
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # glibc's malloc.h
+# set: the heap's growth per request
 TOP_PAD_BYTES = 64 << 20
 """Heap growth per request: fewer sbrk calls while the first step builds the steady state."""
 

@@ -65,7 +65,9 @@ FORWARD_DTYPE = torch.float8_e4m3fn
 """Inputs and weights (HYBRID format: E4M3 forward, more mantissa)."""
 BACKWARD_DTYPE = torch.float8_e5m2
 """Output gradients (HYBRID format: E5M2 backward, more range)."""
+# cite: OCP 8-bit floating point specification (E4M3 max 448, E5M2 max 57,344)
 FP8_MAX = {FORWARD_DTYPE: 448.0, BACKWARD_DTYPE: 57344.0}
+# cite: Transformer Engine DelayedScaling's default amax_history_len
 AMAX_HISTORY_LEN = 1024
 """TE DelayedScaling's default amax_history_len."""
 

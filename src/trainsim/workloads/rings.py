@@ -35,6 +35,7 @@ def wait_all(works: list, group_kind: str = "tp") -> None:
             work.wait()
 
 
+# cite: Transformer Engine's default num_sm of its pipelined and bulk overlap
 REDUCE_SCATTER_COMM_SMS = 16
 """SMs Transformer Engine's reduce-scatter overlap gives its communication kernels, which do the reduction there
 (TE's default `num_sm` for the "pipeline" and "bulk" methods; the GEMMs meanwhile run on the other SMs)."""
