@@ -22,7 +22,7 @@ from trainsim.validation.published import TABLES, active_params, gpu_rows, table
 
 DECIMALS = 3
 """digits the configs carry"""
-FIT_COMMENT = re.compile(r"fit_kernel_model, \d{4}-\d{2}-\d{2}\): [0-9.]+( / [0-9.]+)*")
+FIT_COMMENT = re.compile(r"fit_kernel_model, \d{4}-\d{2}-\d{2}\): \d+\.\d+( / \d+\.\d+)*")
 """the part of a config comment this script rewrites: 'fit_kernel_model, <date>): <values in FITTED_PER_GPU
 order, ' / ' between>'"""
 
