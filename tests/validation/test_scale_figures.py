@@ -12,7 +12,7 @@ import pytest
 from trainsim.validation.kernel_fit import FITTED_PER_GPU, fit_gauss_newton, kernel_params, leave_one_row_out
 from trainsim.validation.published import TABLES, evaluate_tables, leave_one_table_out, table_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test evaluates every table
 
 FIGURES = {  # table -> (MAPE %, bias %) printed by benchmarks/scale_accuracy.py, 2026-11-28
     "megatron2021_a100": (4.61, 0.24),
