@@ -5,8 +5,9 @@ a100-80g-selene.yaml (tests/validation/test_scale_figures.py fails when a config
     python -m trainsim.validation.fit_kernel_model [--write]
 
 The fit is kernel_fit.fit_gauss_newton over every runnable row of the GPU's tables (published.TABLES), from the
-data-free start; it traces the rows that are not cached (minutes) and needs the GPUs' NCCL calibrations
-(built here where missing). --write replaces only the fitted lines of the config's kernel_model and the
+data-free start; it traces the rows that are not cached (minutes) and reads the GPUs' NCCL calibrations,
+which the driver builds (benchmarks/scale_accuracy.py does, or trainsim.pipeline.build_point(table_run(name),
+'calibration')). --write replaces only the fitted lines of the config's kernel_model and the
 numbers and date of the comment that names this script.
 """
 
@@ -18,7 +19,7 @@ import re
 from pathlib import Path
 
 from trainsim.config.compose import default_config_dir
-from trainsim.validation.published import TABLES, active_params, gpu_rows, table_run
+from trainsim.validation.published import TABLES, active_params, gpu_rows
 
 DECIMALS = 3
 """digits the configs carry"""
@@ -29,11 +30,9 @@ order, ' / ' between>'"""
 
 def fit_hardware(hardware: str, workers: int = 2) -> dict[str, float]:
     """The all-rows fit of `hardware`'s tables (the parameters some row depends on), rounded to DECIMALS."""
-    from trainsim.pipeline import build_point
     from trainsim.validation.kernel_fit import fit_gauss_newton
 
     names = [name for name, table in TABLES.items() if table.hardware == hardware]
-    build_point(table_run(names[0]), "calibration")
     gpu = gpu_rows(names, workers)
     fit = fit_gauss_newton(gpu.times, range(len(gpu.rows)), gpu.measured())
     return {name: round(fit.params[name], DECIMALS) for name in active_params(gpu.times)}
