@@ -107,8 +107,9 @@ def main() -> None:
     fits = {TABLES[name].hardware: result for name, result in evaluated.items()}
     for hardware, result in fits.items():
         gn = result.all_rows_convergence
-        print(f"{hardware}: all-rows fit from the data-free start, {gn.iterations} Gauss-Newton steps, last move "
-              f"{100 * gn.moved:.3f} %")
+        if gn is not None:
+            print(f"{hardware}: all-rows fit from the data-free start, {gn.iterations} Gauss-Newton steps, last "
+                  f"move {100 * gn.moved:.3f} %")
         for param, value in result.all_rows_fit.items():
             print(f"figure scale_fit_{param}_{hardware} {value:.4f} ratio")
     if not args.skip_leave_one_table_out:

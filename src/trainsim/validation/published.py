@@ -477,13 +477,14 @@ def leave_one_table_out(evaluated: Mapping[str, TableResult]) -> dict[str, pd.Da
     """Each table of a GPU with another table predicted by FITTED_PER_GPU fitted (Gauss-Newton from the
     data-free start) to the GPU's other tables alone: what the structural choices made by watching the
     tables are worth on a table they were not tuned on (a parameter only the held-out table depends on, FP8
-    for the bf16 tables' fit, stays at its data-free start). Tables alone on their GPU are left out."""
+    for the bf16 tables' fit, stays at its data-free start). Tables alone on their GPU, and results without
+    their GpuRows, are left out."""
     out = {}
     for name, result in evaluated.items():
         gpu = result.gpu
-        held_out = (gpu.rows["table"] == name).to_numpy()
-        if held_out.all():
+        if gpu is None or (gpu.rows["table"] == name).all():
             continue
+        held_out = (gpu.rows["table"] == name).to_numpy()
         fit = fit_gauss_newton(gpu.times, np.flatnonzero(~held_out), gpu.measured()).params
         table = gpu.rows[held_out].drop(columns="table").reset_index(drop=True)
         table["predicted_s"] = [gpu.times.seconds(i, fit) for i in np.flatnonzero(held_out)]
