@@ -57,9 +57,10 @@ def test_every_runnable_row_maps_to_a_valid_fp8_run(rows):
         assert model.num_layers % (par.pp * par.virtual_stages) == 0
         assert model.seq_length == row["seq_len"]
         assert par.precision == "fp8" and par.zero_stage == 1 and par.overlap_param_gather
-        assert par.sequence_parallel == par.tp_comm_overlap == (par.tp > 1)
+        assert par.sequence_parallel == (par.tp > 1)
+        assert par.tp_comm_overlap == (par.tp > 1 and arch.tp_comm_overlap)
         assert par.schedule == ("interleaved-1f1b" if row["vp"] > 1 else "1f1b")
-        assert model.attention == "fused" and par.recompute == "none"
+        assert model.attention == "fused" and par.recompute == arch.recompute
         assert model.dropout == (0.1 if row["model"].startswith("GPT3") else 0.0)
         # Megatron-Core DDP's default bucket: max(40M, 1M x dp) parameters of bf16 gradients (cp reduces with dp)
         assert par.dp_bucket_size_bytes == 2 * max(40_000_000, 1_000_000 * par.dp * par.cp)
@@ -71,6 +72,17 @@ def test_megatron_core_tables_use_its_gradient_buckets_and_2021_pytorchs():
         run = compose_run([f"hardware={table.hardware}", "model=gpt-small", "parallelism=single"])
         row = read_table(name).iloc[3]
         assert row_configs(table, row, run.model, run.parallelism)[1].dp_bucket_size_bytes == bucket
+
+
+def test_recipes_without_tp_overlap_and_with_selective_recompute_are_the_launchers():
+    """NeMo 24.07's launcher: gpt3/175b.yaml and nemotron_340b.yaml leave ub_tp_comm_overlap off, and
+    nemotron_340b.yaml sets selective recompute; the other recipes overlap and recompute nothing."""
+    no_overlap = {name for name, arch in NEMO_ARCHITECTURES.items() if not arch.tp_comm_overlap}
+    assert no_overlap == {"GPT3-175B", "Nemotron-340B"}
+    assert {name: arch.recompute for name, arch in NEMO_ARCHITECTURES.items() if arch.recompute != "none"} == {
+        "Nemotron-340B": "selective"}
+    for name in no_overlap:
+        assert "ub_tp_comm_overlap: False" in NEMO_ARCHITECTURES[name].source
 
 
 def test_every_architecture_names_its_source():

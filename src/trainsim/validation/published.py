@@ -33,8 +33,24 @@ import pandas as pd
 
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.validation.fitting import SENSITIVITY_STEP, calibrated_comm, pipeline_slowdown, with_kernel_params
+from trainsim.validation.fitting import calibrated_comm, pipeline_slowdown
+from trainsim.validation.kernel_fit import (
+    CEILING_DTYPE,
+    FITTED_PER_GPU,
+    FitRow,
+    GaussNewton,
+    StepTimes,
+    alternate_groups,
+    data_free_params,
+    fit_gauss_newton,
+    fit_ratios,
+    leave_one_row_out,
+    matmul_ceiling,
+)
 from trainsim.validation.traces import TRACE_CACHE, analytical_step, is_traced, trace_directory, trace_jobs, traced
+
+# CEILING_DTYPE, fit_ratios and matmul_ceiling are kernel_fit's, read from here too (tests, benchmarks)
+_ = (CEILING_DTYPE, fit_ratios, matmul_ceiling)
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,10 @@ class Architecture:
     dropout: float
     """hidden and attention dropout of the recipe"""
     source: str
+    tp_comm_overlap: bool = True
+    """the recipe's ub_tp_comm_overlap (tensor-parallel communication overlapped with the GEMMs where tp > 1)"""
+    recompute: str = "none"
+    """the recipe's activations_checkpoint_granularity: 'none' (null) or 'selective'"""
 
 
 @dataclass(frozen=True)
@@ -63,6 +83,7 @@ class Table:
     hardware: str
     precision: str
     recompute: str
+    """activation recomputation of every row where the table has no architectures (else each Architecture's)"""
     seq: int | None
     """tokens per sample; None: the csv's seq_len column"""
     vocab: int | None
@@ -103,7 +124,8 @@ NEMO_ARCHITECTURES = {
     "GPT3-20B": Architecture("gpt", 44, 6144, 48, None, 24576, 50257, 0.1,
                              LAUNCHER + "gpt3/20b.yaml (ffn 4h; GPT2BPETokenizer)"),
     "GPT3-175B": Architecture("gpt", 96, 12288, 96, None, 49152, 50257, 0.1,
-                              LAUNCHER + "gpt3/175b.yaml and 175b_fp8.yaml (ffn 4h; GPT2BPETokenizer)"),
+                              LAUNCHER + "gpt3/175b.yaml and 175b_fp8.yaml (ffn 4h; GPT2BPETokenizer; "
+                              "ub_tp_comm_overlap: False)", tp_comm_overlap=False),
     "LLAMA2-7B": Architecture("llama", 32, 4096, 32, None, 11008, 32000, 0.0,
                               LAUNCHER + "llama/llama2_7b.yaml (Llama 2 tokenizer: 32,000)"),
     "LLAMA2-13B": Architecture("llama", 40, 5120, 40, None, 13824, 32000, 0.0, LAUNCHER + "llama/llama2_13b.yaml"),
@@ -114,8 +136,10 @@ NEMO_ARCHITECTURES = {
     "Nemotron-22B": Architecture("gpt", 40, 6144, 48, None, 24576, 256000, 0.0,
                                  LAUNCHER + "nemotron/nemotron_22b.yaml (vocabulary: 256K as the other Nemotrons)"),
     "Nemotron-340B": Architecture("gpt", 96, 18432, 96, 8, 73728, 256000, 0.0,
-                                  LAUNCHER + "nemotron/nemotron_340b.yaml (tokenizer nemotron_2_256k); NVIDIA/NeMo "
-                                  "nemotron.py Nemotron4Config340B"),
+                                  LAUNCHER + "nemotron/nemotron_340b.yaml (tokenizer nemotron_2_256k; "
+                                  "ub_tp_comm_overlap: False; activations_checkpoint_granularity: selective); "
+                                  "NVIDIA/NeMo nemotron.py Nemotron4Config340B", tp_comm_overlap=False,
+                                  recompute="selective"),
     "LLAMA3-8B": Architecture("llama", 32, 4096, 32, 8, 14336, 128256, 0.0,
                               "conf/model/llama3-8b.yaml (Llama 3 paper, Table 3; released config.json)"),
     "LLAMA3-70B": Architecture("llama", 80, 8192, 64, 8, 28672, 128256, 0.0,
@@ -147,9 +171,10 @@ ASSUMPTIONS = {
                "NeMo 24.07: the recipe's hidden/attention dropout, 0.1 for GPT-3, 0.0 for Llama 2 and Nemotron "
                "(NEMO_ARCHITECTURES' sources)",
     "sequence_parallel": "on for the 2024 H100 runs (Megatron-Core's scaling scripts; not stated in the README) "
-                         "and for the NeMo 24.07 rows with tp > 1, with tp_comm_overlap (NeMo's recipes; the "
-                         "24.07 launcher's gpt3/175b and nemotron_340b yamls leave ub_tp_comm_overlap off, the "
-                         "others set it: applied to every tp > 1 row alike)",
+                         "and for the NeMo 24.07 rows with tp > 1; tp_comm_overlap with it where the model's "
+                         "24.07 launcher recipe sets ub_tp_comm_overlap: every model but GPT-3 175B and "
+                         "Nemotron-340B, whose yamls leave it off (NEMO_ARCHITECTURES' tp_comm_overlap and "
+                         "sources)",
     "dp_bucket": "gradients reduced in buckets overlapped with backward: 25 MiB in 2021 (Megatron DDP with "
                  "overlap); Megatron-Core r0.8 and NeMo 24.07 (Megatron-Core's DDP): its default of max(40M, 1M x "
                  "data-parallel size) parameters per bucket (DistributedDataParallelConfig.bucket_size: larger DP "
@@ -167,8 +192,9 @@ ASSUMPTIONS = {
     "distributed_optimizer": "Megatron-Core r0.8 and NeMo 24.07: zero_stage 1 with overlap_param_gather (NeMo's "
                              "recipes: optim distributed_fused_adam / mcore_distributed_optim, overlap_grad_sync "
                              "and overlap_param_sync true)",
-    "recompute_nemo": "NeMo 24.07: none (the performance summary does not state it; the 24.07 launcher recipes "
-                      "set none except nemotron_340b.yaml, selective, at a different layout pp12 vp8)",
+    "recompute_nemo": "NeMo 24.07: the model's 24.07 launcher recipe (the performance summary does not state "
+                      "it): none, except Nemotron-340B's selective (nemotron_340b.yaml, whose layout pp12 vp8 "
+                      "differs from the table's row; NEMO_ARCHITECTURES' recompute)",
     "fp8": "NeMo 24.07: Transformer Engine FP8 (HYBRID: E4M3 forward, E5M2 backward) on the transformer linears "
            "with the delayed-scaling recipe (fp8_recipe 'delayed'); the h100-sxm-dgx FP8 peak. The 24.07 launcher "
            "sets NVTE_DP_AMAX_REDUCE_INTERVAL=0 and NVTE_ASYNC_AMAX_REDUCTION=1 (amax reduced over tp only, "
@@ -188,6 +214,24 @@ ASSUMPTIONS = {
     "context_parallel": "NeMo 24.07 rows with cp > 1 (the two Llama 3 rows, cp = 2) run ring attention "
                         "(parallelism.cp_comm_type=p2p, Megatron-Core's default cp_comm_type)",
 }
+
+STRUCTURAL_CHOICES = {
+    "grad_dtype": "gradients reduced in the weights' dtype, not fp32 (ASSUMPTIONS['grad_dtype']): at fp32 the "
+                  "Megatron-Core pp=1 rows cannot reach their measured times (docs/CHANGELOG.md 2026-11-22: fp32 "
+                  "H100 7.29 -> 10.37 %, NeMo 5.41 -> 7.75 %)",
+    "split_k": "split-K in the GEMM shape model (profile/analytical.py SPLIT_K, MIN_SPLIT_K), kept after it "
+               "lowered the Selene table's error 4.8 -> 4.4 % (docs/CHANGELOG.md)",
+    "pooled_per_gpu_fit": "one fit of the GPU's efficiencies over all its tables, not one per table (session 23: "
+                          "with Megatron-Core's table alone DeepSeek-V3 fell to -19.9 %)",
+    "dp_bucket_order": "data-parallel buckets in forward order (session 23: H100 9.02 -> 7.28 %)",
+    "column_parallel_input_gradient": "the column-parallel input gradient in bulk (session 28: H100 5.18 -> "
+                                      "4.73 %)",
+    "variants_not_kept": "variants tried on these rows and not kept, e.g. bias-dropout-add as notes (session 27: "
+                         "A100 4.51, Megatron-Core 5.24, NeMo 4.43 %)",
+}
+"""Choices of the model's structure made by watching the published tables' errors (so no leave-one-row-out
+fold is blind to them). The leave-one-table-out figures (`leave_one_table_out`) measure what they are worth on
+a table of the same GPU they were not tuned on; docs/validation.md lists them."""
 
 
 def _skip_reason(row) -> str | None:
@@ -213,6 +257,7 @@ def read_table(name: str) -> pd.DataFrame:
     else:
         rows["family"], rows["kv_heads"], rows["ffn"] = "gpt", None, None
         rows["vocab"], rows["dropout"] = table.vocab, DROPOUT
+        rows["tp_comm_overlap"], rows["recompute"] = table.sequence_parallel, table.recompute
     rows["seq"] = rows["seq_len"] if table.seq is None else table.seq
     if "micro_batch" not in rows:
         rows["micro_batch"] = 1
@@ -267,8 +312,8 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
                               dp=int(row["dp"]), cp=int(row["cp"]), cp_comm_type="p2p",
                               micro_batch_size=int(row["micro_batch"]),
                               global_batch_size=int(row["global_batch"]),
-                              precision=table.precision, recompute=table.recompute,
-                              sequence_parallel=sp, tp_comm_overlap=sp,
+                              precision=table.precision, recompute=row["recompute"],
+                              sequence_parallel=sp, tp_comm_overlap=sp and bool(row["tp_comm_overlap"]),
                               zero_stage=int(table.distributed_optimizer),
                               overlap_param_gather=table.distributed_optimizer,
                               schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
@@ -287,14 +332,6 @@ def compose_row(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, 
     return analytical_step(traced(model, par), par, hw, comm, slowdown)
 
 
-FITTED_PER_GPU = ("matmul_efficiency", "fp8_matmul_efficiency", "memory_efficiency")
-"""The kernel model's parameters fitted per GPU across the rows of its tables (hardware.kernel_model fields):
-what large bf16 and FP8 GEMMs and streaming kernels reach on that GPU. A parameter no row depends on (FP8 on a
-GPU without FP8 rows) stays as configured. Everything else is physics or a datasheet/kernel-benchmark number."""
-CEILING_DTYPE = {"matmul_efficiency": "bf16", "fp8_matmul_efficiency": "float8_e4m3fn"}
-"""FITTED_PER_GPU GEMM parameter -> the mamf dtype whose best measured throughput bounds it"""
-
-
 @dataclass
 class RowRun:
     model: ModelConfig
@@ -302,74 +339,20 @@ class RowRun:
     directory: Path
 
 
-def kernel_params(hw: HardwareConfig) -> np.ndarray:
-    """FITTED_PER_GPU's values in effect on `hw` (an unset FP8 GEMM efficiency is the bf16 one)."""
-    from trainsim.profile.analytical import matmul_efficiency
-
-    km = hw.kernel_model
-    return np.array([matmul_efficiency(km, "fp8") if n == "fp8_matmul_efficiency" else getattr(km, n)
-                     for n in FITTED_PER_GPU])
-
-
-def step_seconds(run: RowRun, hw: HardwareConfig, comm, slowdown) -> float:
-    """The step time of one traced row with the analytical kernel model of `hw`."""
-    return analytical_step(run.directory, run.par, hw, comm, slowdown).step_time_s
-
-
-def linearise(runs: list[RowRun], hw: HardwareConfig, comm, slowdown) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's step time at `hw` and its derivative by each FITTED_PER_GPU parameter's inverse ratio r = p0 / p
-    (kernel time is proportional to 1/efficiency where that parameter binds), by finite differences."""
-    hw = with_kernel_params(hw, dict(zip(FITTED_PER_GPU, kernel_params(hw))))
-    base = np.array([step_seconds(r, hw, comm, slowdown) for r in runs])
-    slopes = np.zeros((len(runs), len(FITTED_PER_GPU)))
-    for j, name in enumerate(FITTED_PER_GPU):
-        moved = with_kernel_params(hw, {name: getattr(hw.kernel_model, name) / (1 + SENSITIVITY_STEP)})
-        slopes[:, j] = (np.array([step_seconds(r, moved, comm, slowdown) for r in runs]) - base) / SENSITIVITY_STEP
-    return base, slopes
-
-
-MATMUL_CEILING = DATA_DIR / "kernels/matmul_max-achievable-tflops_mlengineering.csv"
-CEILING_ROW = {"NVIDIA A100-SXM4-80GB": "NVIDIA A100 SXM", "NVIDIA H100 80GB HBM3": "NVIDIA H100 SXM"}
-"""hardware.device_name -> the accelerator row of the best measured matmul throughput (mamf-finder)."""
-
-
-def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
-    """The highest matmul_efficiency a fit may reach: the best torch.mm throughput measured on this GPU over
-    its datasheet peak (no GEMM of a training step beats a brute-force search for the fastest shape); 1
-    where the GPU has no row."""
-    table = pd.read_csv(MATMUL_CEILING, comment="#")
-    row = table[(table["accelerator"] == CEILING_ROW.get(hw.device_name, "")) & (table["dtype"] == dtype)]
-    return float(row["mamf_tflops"].iloc[0] / row["theory_tflops"].iloc[0]) if len(row) else 1.0
-
-
-def fit_ratios(base: np.ndarray, slopes: np.ndarray, measured: np.ndarray, hw: HardwareConfig) -> dict[str, float]:
-    """Least squares on log step time of the linearised rows, over the FITTED_PER_GPU parameters some row depends on;
-    efficiencies stay in [0.05, ceiling] (`matmul_ceiling` of the GEMMs' dtype, 1 for memory)."""
-    from scipy.optimize import least_squares
-
-    active = np.abs(slopes).sum(axis=0) > 0
-    p0 = kernel_params(hw)[active]
-    ceiling = np.array([matmul_ceiling(hw, CEILING_DTYPE[n]) if n in CEILING_DTYPE else 1.0
-                        for n in FITTED_PER_GPU])[active]
-    lower, upper = p0 / ceiling, p0 / 0.05  # ratio r = p0 / p: p <= ceiling <=> r >= p0 / ceiling
-    slopes = slopes[:, active]
-
-    def residuals(r):
-        return np.log(np.maximum(base + slopes @ (r - 1), 1e-9)) - np.log(measured)
-
-    fit = least_squares(residuals, np.clip(np.ones(len(p0)), lower, upper), bounds=(lower, upper))
-    return {name: float(p / r) for name, p, r in zip(np.array(FITTED_PER_GPU)[active], p0, fit.x)}
-
-
 @dataclass
 class TableResult:
     rows: pd.DataFrame
     """per row: measured_s, predicted_s (leave-one-row-out), error_pct, and that fold's fitted parameters"""
     all_rows_fit: dict[str, float]
-    """FITTED_PER_GPU from every row of the GPU's tables evaluated with it (what the hardware config carries)"""
+    """FITTED_PER_GPU from every row of the GPU's tables evaluated with it (what the hardware config carries;
+    the parameters some row depends on)"""
     seconds: float
     skipped: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
     """rows that cannot be expressed yet, with their skip_reason (not in rows, the fit or the figures)"""
+    all_rows_convergence: GaussNewton | None = None
+    """how the all-rows fit converged (iterations, last move)"""
+    gpu: GpuRows | None = None
+    """the GPU's rows and step times the fits composed (shared by the GPU's tables)"""
 
 
 FLASH_ATTENTION_RATES = DATA_DIR / "kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv"
@@ -399,19 +382,6 @@ def trace_rows(runs: list[RowRun], workers: int = 2) -> list[RowRun]:
     return runs
 
 
-@dataclass
-class _LinearisedTable:
-    rows: pd.DataFrame
-    skipped: pd.DataFrame
-    runs: list[RowRun]
-    hw: HardwareConfig
-    comm: object
-    slowdown: object
-    base: np.ndarray
-    slopes: np.ndarray
-    seconds: float
-
-
 def table_run(name: str):
     """The run a table's rows start from: its hardware (whose calibration composes them), gpt-small and a
     single device, which each row's model and layout replace."""
@@ -420,53 +390,106 @@ def table_run(name: str):
     return compose_run([f"hardware={TABLES[name].hardware}", "model=gpt-small", "parallelism=single"])
 
 
-def _linearised_table(name: str, workers: int) -> _LinearisedTable:
-    """A table's runnable rows traced, and their step times linearised in FITTED_PER_GPU at its hardware."""
+@dataclass
+class GpuRows:
+    """The runnable rows of the tables of one GPU, traced, with their step times (composed once per point)."""
+
+    times: StepTimes
+    rows: pd.DataFrame
+    """read_table's columns and `table`, in the order of times.rows"""
+    skipped: dict[str, pd.DataFrame]
+    """table -> its rows with a skip_reason"""
+
+    @property
+    def groups(self) -> np.ndarray:
+        return alternate_groups(list(self.rows["table"]))
+
+    def measured(self, poison: Mapping[tuple[str, int], float] | None = None) -> np.ndarray:
+        """The rows' measured step times; `poison`: (table, runnable row index) -> a factor on that row's."""
+        measured = self.rows["measured_s"].to_numpy(dtype=float).copy()
+        for (name, index), factor in (poison or {}).items():
+            measured[np.flatnonzero(self.rows["table"] == name)[index]] *= factor
+        return measured
+
+
+def gpu_rows(names: list[str], workers: int = 2) -> GpuRows:
+    """The runnable rows of the tables `names` (all on one GPU), traced, their StepTimes starting from the
+    GPU's data-free point."""
+    hardware = {TABLES[name].hardware for name in names}
+    if len(hardware) != 1:
+        raise ValueError(f"tables {names} run on {sorted(hardware)}: a fit pools the tables of one GPU")
+    fit_rows, frames, skipped = [], [], {}
+    for name in names:
+        table = TABLES[name]
+        table_rows = read_table(name)
+        runnable = table_rows["skip_reason"].isna()
+        rows = table_rows[runnable].reset_index(drop=True)
+        skipped[name] = table_rows[~runnable].reset_index(drop=True)
+        run = table_run(name)
+        comm = calibrated_comm(run)
+        runs = trace_rows([RowRun(*row_configs(table, row, run.model, run.parallelism), Path())
+                           for _, row in rows.iterrows()], workers)
+        hw = table_hardware(table, run.hardware)
+        slowdown = pipeline_slowdown(run)
+        fit_rows += [FitRow(r.directory, r.par, hw, comm, slowdown) for r in runs]
+        frames.append(rows.assign(table=name))
+    return GpuRows(StepTimes(fit_rows, data_free_params(fit_rows[0].hw)), pd.concat(frames, ignore_index=True),
+                   skipped)
+
+
+def active_params(times: StepTimes) -> list[str]:
+    """FITTED_PER_GPU that some row depends on (the others stay at the data-free start)."""
+    slopes = np.array([times.slopes(i) for i in range(len(times.rows))])
+    return [n for n, used in zip(FITTED_PER_GPU, np.abs(slopes).sum(axis=0) > 0) if used]
+
+
+def evaluate_tables(names: list[str], workers: int = 2, gpus: Mapping[str, GpuRows] | None = None
+                    ) -> dict[str, TableResult]:
+    """Leave-one-row-out over the rows that can run, pooled per GPU (kernel_fit.leave_one_row_out): each row is
+    composed with FITTED_PER_GPU fitted to every other row of the tables in `names` on the same hardware (its
+    GEMM and memory efficiencies are the GPU's, whichever framework ran the row; FP8 GEMMs have their own),
+    from a data-free start. Rows with a skip_reason are returned in TableResult.skipped, never silently
+    dropped. `gpus`: hardware -> its GpuRows already composed (TableResult.gpu), to reuse their step times.
+    Each table's hardware calibration and slowdown model must be there (pipeline.build_point(table_run(name),
+    'calibration') and 'slowdown_model' build them)."""
     import time
 
-
-    started = time.perf_counter()
-    table = TABLES[name]
-    table_rows = read_table(name)
-    runnable = table_rows["skip_reason"].isna()
-    rows, skipped = table_rows[runnable].reset_index(drop=True), table_rows[~runnable].reset_index(drop=True)
-    run = table_run(name)
-    comm, slowdown = calibrated_comm(run), pipeline_slowdown(run)
-    runs = [RowRun(*row_configs(table, row, run.model, run.parallelism), Path()) for _, row in rows.iterrows()]
-    runs = trace_rows(runs, workers)
-    hw = table_hardware(table, run.hardware)
-    base, slopes = linearise(runs, hw, comm, slowdown)
-    return _LinearisedTable(rows, skipped, runs, hw, comm, slowdown, base, slopes, time.perf_counter() - started)
-
-
-def evaluate_tables(names: list[str], workers: int = 2) -> dict[str, TableResult]:
-    """Leave-one-row-out over the rows that can run, pooled per GPU: each row is composed with FITTED_PER_GPU fitted to
-    every other row of the tables in `names` on the same hardware (its GEMM and memory efficiencies are the
-    GPU's, whichever framework ran the row; FP8 GEMMs have their own). Rows with a skip_reason are returned in
-    TableResult.skipped, never silently dropped. Each table's hardware calibration and slowdown model must be
-    there (pipeline.build_point(table_run(name), 'calibration') and 'slowdown_model' build them)."""
-    import time
-
-    tables = {name: _linearised_table(name, workers) for name in names}
     results = {}
     for hardware in dict.fromkeys(TABLES[name].hardware for name in names):
+        started = time.perf_counter()
         group = [name for name in names if TABLES[name].hardware == hardware]
-        base, slopes = (np.concatenate([getattr(tables[n], part) for n in group]) for part in ("base", "slopes"))
-        measured = np.concatenate([tables[n].rows["measured_s"].to_numpy() for n in group])
-        owner = [(n, i) for n in group for i in range(len(tables[n].rows))]
-        all_rows_fit = fit_ratios(base, slopes, measured, tables[group[0]].hw)
+        gpu = (gpus or {}).get(hardware) or gpu_rows(group, workers)
+        times, rows, measured = gpu.times, gpu.rows.copy(), gpu.measured()
+        active = active_params(times)
+        all_rows = fit_gauss_newton(times, range(len(rows)), measured)
+        folds = leave_one_row_out(times, measured, gpu.groups)
+        rows["predicted_s"] = folds.predicted_s
+        rows["error_pct"] = 100 * (rows["predicted_s"] / rows["measured_s"] - 1)
+        for param in active:
+            rows[param] = [f[param] for f in folds.folds]
+        seconds = time.perf_counter() - started
         for name in group:
-            started, t = time.perf_counter(), tables[name]
-            predicted, folds = [], []
-            for i, run in enumerate(t.runs):
-                keep = np.array([o != (name, i) for o in owner])
-                params = fit_ratios(base[keep], slopes[keep], measured[keep], t.hw)
-                predicted.append(step_seconds(run, with_kernel_params(t.hw, params), t.comm, t.slowdown))
-                folds.append(params)
-            out = t.rows.copy()
-            out["predicted_s"] = predicted
-            out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)
-            for param in all_rows_fit:
-                out[param] = [f[param] for f in folds]
-            results[name] = TableResult(out, all_rows_fit, t.seconds + time.perf_counter() - started, t.skipped)
+            results[name] = TableResult(rows[rows["table"] == name].drop(columns="table").reset_index(drop=True),
+                                        {p: all_rows.params[p] for p in active}, seconds, gpu.skipped[name],
+                                        all_rows, gpu)
     return results
+
+
+def leave_one_table_out(evaluated: Mapping[str, TableResult]) -> dict[str, pd.DataFrame]:
+    """Each table of a GPU with another table predicted by FITTED_PER_GPU fitted (Gauss-Newton from the
+    data-free start) to the GPU's other tables alone: what the structural choices made by watching the
+    tables are worth on a table they were not tuned on (a parameter only the held-out table depends on, FP8
+    for the bf16 tables' fit, stays at its data-free start). Tables alone on their GPU, and results without
+    their GpuRows, are left out."""
+    out = {}
+    for name, result in evaluated.items():
+        gpu = result.gpu
+        if gpu is None or (gpu.rows["table"] == name).all():
+            continue
+        held_out = (gpu.rows["table"] == name).to_numpy()
+        fit = fit_gauss_newton(gpu.times, np.flatnonzero(~held_out), gpu.measured()).params
+        table = gpu.rows[held_out].drop(columns="table").reset_index(drop=True)
+        table["predicted_s"] = [gpu.times.seconds(i, fit) for i in np.flatnonzero(held_out)]
+        table["error_pct"] = 100 * (table["predicted_s"] / table["measured_s"] - 1)
+        out[name] = table
+    return out

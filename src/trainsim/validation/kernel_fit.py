@@ -1,0 +1,227 @@
+"""The kernel model's per-GPU efficiencies fitted to published step times, with no fold seeing its held-out row.
+
+Each row's step time is a composed timeline, nonlinear in the efficiencies (overlap, the critical path), so a
+fit linearises it around a point and refits there (Gauss-Newton). Where it starts matters: a point fitted on
+every row leaks the held-out row into each fold. So every fit starts from a point fitted to no step time
+(`data_free_params`) and moves only by fits on its own rows:
+  * the all-rows fit (what conf/hardware carries): Gauss-Newton on every row from the data-free point;
+  * leave-one-row-out: the rows are split into two groups (alternate rows of each table, by position, not
+    by value); each group is fitted alone by Gauss-Newton, and a fold holding out a row of one group is
+    linearised where the other group's fit converged (a point fitted on a subset of the fold's own training
+    rows) and fitted once there. Two converged points per GPU serve every fold, instead of one per fold.
+Each row's step time is composed once per point and shared by every fit that linearises there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from trainsim.config.data_path import DATA_DIR
+from trainsim.config.schema import HardwareConfig, ParallelismConfig
+from trainsim.validation.fitting import SENSITIVITY_STEP, with_kernel_params
+from trainsim.validation.traces import analytical_step, trace_tables
+
+FITTED_PER_GPU = ("matmul_efficiency", "fp8_matmul_efficiency", "memory_efficiency")
+"""The kernel model's parameters fitted per GPU across the rows of its tables (hardware.kernel_model fields):
+what large bf16 and FP8 GEMMs and streaming kernels reach on that GPU. A parameter no row depends on (FP8 on a
+GPU without FP8 rows) stays at its data-free start. Everything else is physics or a datasheet/kernel-benchmark
+number."""
+CEILING_DTYPE = {"matmul_efficiency": "bf16", "fp8_matmul_efficiency": "float8_e4m3fn"}
+"""FITTED_PER_GPU GEMM parameter -> the mamf dtype whose best measured throughput bounds it"""
+MATMUL_CEILING = DATA_DIR / "kernels/matmul_max-achievable-tflops_mlengineering.csv"
+CEILING_ROW = {"NVIDIA A100-SXM4-80GB": "NVIDIA A100 SXM", "NVIDIA H100 80GB HBM3": "NVIDIA H100 SXM"}
+"""hardware.device_name -> the accelerator row of the best measured matmul throughput (mamf-finder)."""
+CONVERGED = 1e-3
+"""Gauss-Newton stops when no parameter moves by more than this fraction."""
+MOST_ITERATIONS = 4
+
+
+def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
+    """The highest matmul_efficiency a fit may reach: the best torch.mm throughput measured on this GPU over
+    its datasheet peak (no GEMM of a training step beats a brute-force search for the fastest shape); 1
+    where the GPU has no row."""
+    table = pd.read_csv(MATMUL_CEILING, comment="#")
+    row = table[(table["accelerator"] == CEILING_ROW.get(hw.device_name, "")) & (table["dtype"] == dtype)]
+    return float(row["mamf_tflops"].iloc[0] / row["theory_tflops"].iloc[0]) if len(row) else 1.0
+
+
+def data_free_params(hw: HardwareConfig) -> dict[str, float]:
+    """Where every fit starts, fitted to no step time: each GEMM dtype at its `matmul_ceiling` (the best
+    measured matmul over peak, data/kernels; FP8 at the bf16 one where the GPU has no FP8 row) and streaming
+    kernels at the datasheet bandwidth (memory_efficiency 1)."""
+    bf16 = matmul_ceiling(hw, "bf16")
+    fp8 = matmul_ceiling(hw, CEILING_DTYPE["fp8_matmul_efficiency"]) if "fp8" in hw.peak_flops_per_s else bf16
+    return {"matmul_efficiency": bf16, "fp8_matmul_efficiency": fp8, "memory_efficiency": 1.0}
+
+
+def kernel_params(hw: HardwareConfig) -> np.ndarray:
+    """FITTED_PER_GPU's values in effect on `hw` (an unset FP8 GEMM efficiency is the bf16 one)."""
+    from trainsim.profile.analytical import matmul_efficiency
+
+    km = hw.kernel_model
+    return np.array([matmul_efficiency(km, "fp8") if n == "fp8_matmul_efficiency" else getattr(km, n)
+                     for n in FITTED_PER_GPU])
+
+
+def fit_ratios(base: np.ndarray, slopes: np.ndarray, measured: np.ndarray, hw: HardwareConfig) -> dict[str, float]:
+    """Least squares on log step time of rows linearised at `hw`'s FITTED_PER_GPU values, over the parameters
+    some row depends on; efficiencies stay in [0.05, ceiling] (`matmul_ceiling` of the GEMMs' dtype, 1 for
+    memory). `slopes` are by each parameter's inverse ratio r = p0 / p (kernel time is proportional to
+    1/efficiency where that parameter binds)."""
+    from scipy.optimize import least_squares
+
+    active = np.abs(slopes).sum(axis=0) > 0
+    p0 = kernel_params(hw)[active]
+    ceiling = np.array([matmul_ceiling(hw, CEILING_DTYPE[n]) if n in CEILING_DTYPE else 1.0
+                        for n in FITTED_PER_GPU])[active]
+    lower, upper = p0 / ceiling, p0 / 0.05  # ratio r = p0 / p: p <= ceiling <=> r >= p0 / ceiling
+    slopes = slopes[:, active]
+
+    def residuals(r):
+        return np.log(np.maximum(base + slopes @ (r - 1), 1e-9)) - np.log(measured)
+
+    fit = least_squares(residuals, np.clip(np.ones(len(p0)), lower, upper), bounds=(lower, upper))
+    return {name: float(p / r) for name, p, r in zip(np.array(FITTED_PER_GPU)[active], p0, fit.x)}
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """One traced row as the fits compose it: its trace, layout, hardware (with the table's kernels),
+    collective model and the overlap slowdown `trainsim compose` applies on that hardware."""
+
+    directory: Path
+    par: ParallelismConfig
+    hw: HardwareConfig
+    comm: object
+    slowdown: object
+
+
+def point_key(params: dict[str, float]) -> tuple:
+    return tuple(round(float(params[n]), 12) for n in FITTED_PER_GPU)
+
+
+@dataclass
+class StepTimes:
+    """The rows of one GPU and their step times, composed once per (row, point), and their slopes.
+
+    The slopes are measured once, at `start`, and carried to other points with the kernel times they stand
+    for: a slope by a parameter's inverse ratio is the time its kernels add to the step, and kernel time is
+    proportional to 1/efficiency, so at p it is the start's times start/p (the simplified Gauss-Newton: the
+    residuals are composed exactly at every point, the Jacobian is the start's, rescaled). Moving from the
+    start changes which kernels are exposed only where the critical path changes."""
+
+    rows: Sequence[FitRow]
+    start: dict[str, float]
+    composed: dict = field(default_factory=dict)
+    """(row index, point_key, moved parameter or None) -> step seconds"""
+    start_slopes: dict = field(default_factory=dict)
+    """row index -> its slopes at start"""
+
+    def seconds(self, i: int, params: dict[str, float], moved: str | None = None) -> float:
+        """Row i's step time at `params`, with `moved`'s kernels SENSITIVITY_STEP slower where given."""
+        key = (i, point_key(params), moved)
+        if key not in self.composed:
+            row = self.rows[i]
+            hw = with_kernel_params(row.hw, params)
+            if moved is not None:
+                hw = with_kernel_params(hw, {moved: params[moved] / (1 + SENSITIVITY_STEP)})
+            self.composed[key] = analytical_step(row.directory, row.par, hw, row.comm, row.slowdown).step_time_s
+        return self.composed[key]
+
+    def depends(self, i: int, name: str) -> bool:
+        """Whether any kernel of row i changes with parameter `name` (no compose where none does)."""
+        from trainsim.profile.analytical import predict_rows
+
+        row = self.rows[i]
+        ops = trace_tables(row.directory)[2]
+        hw = with_kernel_params(row.hw, self.start)
+        moved = with_kernel_params(hw, {name: self.start[name] / (1 + SENSITIVITY_STEP)})
+        return not np.array_equal(np.asarray(predict_rows(ops, hw)), np.asarray(predict_rows(ops, moved)))
+
+    def slopes(self, i: int) -> np.ndarray:
+        """Row i's step-time slopes at start by each FITTED_PER_GPU parameter's inverse ratio, by finite
+        differences (zero where no kernel of the row depends on the parameter)."""
+        if i not in self.start_slopes:
+            base = self.seconds(i, self.start)
+            self.start_slopes[i] = np.array([
+                (self.seconds(i, self.start, name) - base) / SENSITIVITY_STEP if self.depends(i, name) else 0.0
+                for name in FITTED_PER_GPU])
+        return self.start_slopes[i]
+
+    def linearise(self, params: dict[str, float], indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' step times at `params` and their slopes there (the start's, rescaled)."""
+        base = np.array([self.seconds(i, params) for i in indices])
+        scale = np.array([self.start[n] / params[n] for n in FITTED_PER_GPU])
+        return base, np.array([self.slopes(i) * scale for i in indices]).reshape(len(indices), len(FITTED_PER_GPU))
+
+    def fit_step(self, point: dict[str, float], indices: Sequence[int], measured: np.ndarray) -> dict[str, float]:
+        """One Gauss-Newton step: the rows `indices` linearised at `point` and fitted to their `measured`."""
+        base, slopes = self.linearise(point, indices)
+        return {**point, **fit_ratios(base, slopes, measured[list(indices)],
+                                      with_kernel_params(self.rows[0].hw, point))}
+
+
+@dataclass
+class GaussNewton:
+    params: dict[str, float]
+    """the fit"""
+    linearised_at: dict[str, float]
+    """the point of its last linearisation (within CONVERGED of params when converged)"""
+    iterations: int
+    moved: float
+    """the largest relative move of a parameter in the last step"""
+
+
+def fit_gauss_newton(times: StepTimes, indices: Sequence[int], measured: np.ndarray) -> GaussNewton:
+    """FITTED_PER_GPU fitted to the rows `indices` alone, from times.start: linearised, fitted, linearised
+    again at the fit, until no parameter moves by CONVERGED or MOST_ITERATIONS steps."""
+    point, moved = dict(times.start), np.inf
+    for iteration in range(1, MOST_ITERATIONS + 1):
+        fit = times.fit_step(point, indices, measured)
+        moved = max(abs(fit[n] / point[n] - 1) for n in FITTED_PER_GPU)
+        if moved < CONVERGED or iteration == MOST_ITERATIONS:
+            return GaussNewton(fit, point, iteration, moved)
+        point = fit
+    raise AssertionError("unreachable")
+
+
+def alternate_groups(tables: Sequence[str]) -> np.ndarray:
+    """Group 0 or 1 per row: alternate rows of each table (by position), so each group spans every table."""
+    groups, seen = [], {}
+    for table in tables:
+        groups.append(seen.get(table, 0) % 2)
+        seen[table] = seen.get(table, 0) + 1
+    return np.array(groups)
+
+
+@dataclass
+class LeaveOneRowOut:
+    folds: list[dict[str, float]]
+    """per row: FITTED_PER_GPU fitted without it"""
+    predicted_s: np.ndarray
+    """per row: its step time composed with its fold's fit"""
+    group_fits: list[GaussNewton | None]
+    """the two groups' own fits, where the other group's folds are linearised (None where no fold needed it)"""
+
+
+def leave_one_row_out(times: StepTimes, measured: np.ndarray, groups: np.ndarray,
+                      only: Sequence[int] | None = None) -> LeaveOneRowOut:
+    """Each row's fold (the rows `only`, default all): the other rows fitted, linearised where the other
+    group's own fit converged (a point that depends only on rows of the fold), then the row composed with that
+    fit."""
+    only = range(len(times.rows)) if only is None else only
+    needed = {1 - groups[i] for i in only}
+    group_fits = [fit_gauss_newton(times, np.flatnonzero(groups == g), measured) if g in needed else None
+                  for g in (0, 1)]
+    folds, predicted = [], []
+    for i in only:
+        point = group_fits[1 - groups[i]].linearised_at
+        fold = times.fit_step(point, [k for k in range(len(times.rows)) if k != i], measured)
+        folds.append(fold)
+        predicted.append(times.seconds(i, fold))
+    return LeaveOneRowOut(folds, np.array(predicted), group_fits)
