@@ -9,15 +9,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from trainsim.validation.fit_kernel_model import CARRIED_TO
 from trainsim.validation.kernel_fit import FITTED_PER_GPU, fit_gauss_newton, kernel_params, leave_one_row_out
 from trainsim.validation.published import TABLES, evaluate_tables, leave_one_table_out, table_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test evaluates every table
+SCALE = pytest.mark.scale  # ~15 min on 2 idle cores: `pytest -m scale` and check_figures.py run it, CI does not
 
 FIGURES = {  # table -> (MAPE %, bias %) printed by benchmarks/scale_accuracy.py, 2026-11-28
-    "megatron2021_a100": (4.61, 0.24),
-    "mcore2024_h100": (4.57, 0.06),
-    "nemo2407_h100_fp8": (5.74, 1.74),
+    "megatron2021_a100": (5.73, 0.59),
+    "mcore2024_h100": (6.42, 0.63),
+    "nemo2407_h100_fp8": (5.46, 1.33),
 }
 BAND_PCT = 0.15
 """how far (percentage points) a table's MAPE or bias may move before a change must say why and update FIGURES"""
@@ -34,6 +36,7 @@ def evaluated():
     return evaluate_tables(list(TABLES))
 
 
+@SCALE
 @pytest.mark.parametrize("name", list(TABLES))
 def test_scale_figures_stay_in_their_band(evaluated, name):
     errors = evaluated[name].rows["error_pct"]
@@ -42,6 +45,7 @@ def test_scale_figures_stay_in_their_band(evaluated, name):
     assert errors.mean() == pytest.approx(bias, abs=BAND_PCT), f"{name} bias moved: update FIGURES, say why"
 
 
+@SCALE
 @pytest.mark.parametrize("hardware", sorted({t.hardware for t in TABLES.values()}))
 def test_config_kernel_model_is_what_its_fit_reproduces(evaluated, hardware):
     from trainsim.config import compose_run
@@ -64,6 +68,7 @@ def fold(result, index: int, poison: dict[int, float]):
     return np.array([out.folds[0][n] for n in FITTED_PER_GPU]), out.predicted_s[0]
 
 
+@SCALE
 @pytest.mark.leakage
 @pytest.mark.parametrize("name", list(TABLES))
 def test_a_leave_one_row_out_fold_never_sees_its_row(evaluated, name):
@@ -79,6 +84,7 @@ def test_a_leave_one_row_out_fold_never_sees_its_row(evaluated, name):
     assert np.abs(moved_params / params - 1).max() > 1e-3 and moved_predicted != predicted
 
 
+@SCALE
 @pytest.mark.leakage
 def test_leave_one_table_out_never_sees_the_held_out_table(evaluated):
     figures = leave_one_table_out(evaluated)
@@ -95,6 +101,7 @@ def test_leave_one_table_out_never_sees_the_held_out_table(evaluated):
     assert fit_gauss_newton(gpu.times, np.flatnonzero(~held_out), trained).params != fit
 
 
+@SCALE
 @pytest.mark.leakage
 def test_vtrain_fit_never_sees_the_scored_rows(monkeypatch):
     """vTrain's single-node figure scores the rows outside its fixed 20 % fit split: poisoning a scored row's
@@ -135,3 +142,40 @@ def test_fit_script_writes_only_the_fitted_lines_and_its_comment(tmp_path, hardw
     copy.write_text(source.read_text().replace("kernel_model:", "kernel:"))
     with pytest.raises(ValueError, match="no kernel_model block"):
         write_fit(copy, fit, "2000-01-02")
+
+
+CONFIGURED_SELENE = (5.19, 0.58)  # (MAPE %, bias %) of the configured a100-80g-selene on its table, 2026-11-28
+
+
+def test_the_configured_model_on_the_selene_table_stays_in_its_band():
+    """The CI guard of the scale figures: the Megatron-LM 2021 rows composed with the kernel model as configured
+    (the all-rows fit that `trainsim compose` uses; in sample, so a regression guard, not a held-out figure).
+    Composed without overlap slowdown, which is what `auto` resolves to on every shipped config
+    (tests/slowdown asserts the model still loses to none on unseen kernel groups): training the slowdown model
+    would cost CI minutes."""
+    from trainsim.pipeline import build_point
+    from trainsim.timeline import NoSlowdown
+    from trainsim.validation.published import gpu_rows
+
+    name = "megatron2021_a100"
+    run = table_run(name)
+    build_point(run, "calibration")
+    gpu = gpu_rows([name], workers=1, slowdown=NoSlowdown())
+    configured = dict(zip(FITTED_PER_GPU, kernel_params(run.hardware)))
+    predicted = np.array([gpu.times.seconds(i, configured) for i in range(len(gpu.rows))])
+    errors = 100 * (predicted / gpu.rows["measured_s"].to_numpy() - 1)
+    print(f"configured model on {name}: MAPE {np.abs(errors).mean():.2f} %, bias {errors.mean():.2f} %")
+    mape, bias = CONFIGURED_SELENE
+    assert np.abs(errors).mean() == pytest.approx(mape, abs=BAND_PCT), "MAPE moved: update CONFIGURED_SELENE, say why"
+    assert errors.mean() == pytest.approx(bias, abs=BAND_PCT), "bias moved: update CONFIGURED_SELENE, say why"
+
+
+@pytest.mark.parametrize("fitted", sorted(CARRIED_TO))
+def test_configs_that_carry_a_fit_carry_it_unchanged(fitted):
+    from trainsim.config import compose_run
+
+    source = dict(zip(FITTED_PER_GPU, kernel_params(compose_run([f"hardware={fitted}"]).hardware)))
+    for name in CARRIED_TO[fitted]:
+        carried = dict(zip(FITTED_PER_GPU, kernel_params(compose_run([f"hardware={name}"]).hardware)))
+        assert carried == pytest.approx(source), (f"conf/hardware/{name}.yaml carries {fitted}'s kernel-model fit: "
+                                                  "python -m trainsim.validation.fit_kernel_model --write")

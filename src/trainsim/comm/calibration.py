@@ -145,6 +145,7 @@ def channel_choices(hw: HardwareConfig) -> tuple[int, ...]:
     return (hw.nccl.max_channels,) if hw.nccl.max_channels else CHANNEL_CHOICES
 
 
+# set: no learned prior (the datasheet rates), so a held-out fit has seen none of its file
 HELD_OUT_PRIORS = {"network_priors": {}, "nvlink_efficiency": 1.0}
 """What the held-out fit starts from instead of the learned priors (network_priors.yaml, NVLINK_EFFICIENCY),
 which have seen the measured files, held-out sizes included: the network hop and NVLink at their datasheet

@@ -38,6 +38,7 @@ class RingAllReduce:
     """For a summary table rather than a log: a regex whose first group is the row's bus bandwidth (GB/s)."""
 
 
+# cite: the two measured files named below (data/SOURCES.md), each at the message size its source reports
 SOURCES = (
     RingAllReduce("data/nccl-tests/a100-8gpu-nvlink_allreduce_vtrain-lut.csv", "a100-80g-dgx", 1 << 30),
     RingAllReduce("data/nccl-tests/h200-8gpu-nvlink_allreduce-nvls-vs-ring_mlengineering.txt", "h200-sxm-dgx",

@@ -26,6 +26,9 @@ DECIMALS = 3
 FIT_COMMENT = re.compile(r"fit_kernel_model, \d{4}-\d{2}-\d{2}\): \d+\.\d+( / \d+\.\d+)*")
 """the part of a config comment this script rewrites: 'fit_kernel_model, <date>): <values in FITTED_PER_GPU
 order, ' / ' between>'"""
+CARRIED_TO = {"a100-80g-selene": ("a100-80g-dgx",), "h100-sxm-dgx": ("h200-sxm-dgx", "h800-dgx")}
+"""fitted hardware -> the configs of the same GPU (or a sibling without published tables) that carry its fit
+unchanged: --write writes them too, and tests/validation/test_scale_figures.py checks they agree"""
 
 
 def fit_hardware(hardware: str, workers: int = 2) -> dict[str, float]:
@@ -38,9 +41,10 @@ def fit_hardware(hardware: str, workers: int = 2) -> dict[str, float]:
     return {name: round(fit.params[name], DECIMALS) for name in active_params(gpu.times)}
 
 
-def write_fit(path: Path, fit: dict[str, float], today: str) -> str:
-    """The config text at `path` with each fitted kernel_model line set to `fit` and the FIT_COMMENT updated.
-    Raises ValueError naming the file and field where a fitted field or the comment is not there."""
+def write_fit(path: Path, fit: dict[str, float], today: str, comment: bool = True) -> str:
+    """The config text at `path` with each fitted kernel_model line set to `fit` and (with `comment`) the
+    FIT_COMMENT updated. Raises ValueError naming the file and field where a fitted field or the comment is not
+    there."""
     text = path.read_text()
     block = re.search(r"^kernel_model:\n((?:[ #].*\n|\n)*)", text, re.MULTILINE)
     if block is None:
@@ -51,6 +55,8 @@ def write_fit(path: Path, fit: dict[str, float], today: str) -> str:
         if count != 1:
             raise ValueError(f"{path}: kernel_model.{name} found {count} times; the fit writes it exactly once")
     text = text[:block.start(1)] + body + text[block.end(1):]
+    if not comment:
+        return text
     values = " / ".join(f"{v:.{DECIMALS}f}" for v in fit.values())
     text, count = FIT_COMMENT.subn(f"fit_kernel_model, {today}): {values}", text)
     if count != 1:
@@ -68,9 +74,10 @@ def main() -> None:
         fit = fit_hardware(hardware)
         print(hardware, " ".join(f"{name}={value:.{DECIMALS}f}" for name, value in fit.items()))
         if args.write:
-            path = default_config_dir() / "hardware" / f"{hardware}.yaml"
-            path.write_text(write_fit(path, fit, today))
-            print(f"wrote {path}")
+            for name in (hardware, *CARRIED_TO.get(hardware, ())):
+                path = default_config_dir() / "hardware" / f"{name}.yaml"
+                path.write_text(write_fit(path, fit, today, comment=name == hardware))
+                print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -412,9 +412,10 @@ class GpuRows:
         return measured
 
 
-def gpu_rows(names: list[str], workers: int = 2) -> GpuRows:
+def gpu_rows(names: list[str], workers: int = 2, slowdown=None) -> GpuRows:
     """The runnable rows of the tables `names` (all on one GPU), traced, their StepTimes starting from the
-    GPU's data-free point."""
+    GPU's data-free point. `slowdown`: the overlap slowdown to compose with; None = the one `trainsim compose`
+    applies on the table's hardware (its slowdown_model artifact, fitting.pipeline_slowdown)."""
     hardware = {TABLES[name].hardware for name in names}
     if len(hardware) != 1:
         raise ValueError(f"tables {names} run on {sorted(hardware)}: a fit pools the tables of one GPU")
@@ -430,8 +431,8 @@ def gpu_rows(names: list[str], workers: int = 2) -> GpuRows:
         runs = trace_rows([RowRun(*row_configs(table, row, run.model, run.parallelism), Path())
                            for _, row in rows.iterrows()], workers)
         hw = table_hardware(table, run.hardware)
-        slowdown = pipeline_slowdown(run)
-        fit_rows += [FitRow(r.directory, r.par, hw, comm, slowdown) for r in runs]
+        table_slowdown = pipeline_slowdown(run) if slowdown is None else slowdown
+        fit_rows += [FitRow(r.directory, r.par, hw, comm, table_slowdown) for r in runs]
         frames.append(rows.assign(table=name))
     return GpuRows(StepTimes(fit_rows, data_free_params(fit_rows[0].hw)), pd.concat(frames, ignore_index=True),
                    skipped)
