@@ -74,6 +74,18 @@ def same(a, b) -> bool:
     return np.allclose(np.asarray(a, float), np.asarray(b, float), rtol=1e-9, atol=0)
 
 
+def assert_held_out(run, monkeypatch, bench, held_out: tuple, trained: tuple) -> None:
+    """`run`'s figure inputs do not move when the held-out data (poison's arguments `held_out`) are poisoned,
+    some rows being hit, and do move when training data (`trained`) are: the check can fail."""
+    clean = run()
+    with monkeypatch.context() as m:
+        hits = poison(m, bench, *held_out)
+        assert same(run(), clean) and hits[0] > 0
+    with monkeypatch.context() as m:
+        poison(m, bench, *trained)
+        assert not same(run(), clean)
+
+
 def params_and_predictions(result: dict) -> np.ndarray:
     values = result["params"].values
     return np.concatenate([[values[k] for k in sorted(values)], result["predicted"]])
@@ -85,13 +97,7 @@ def test_held_out_sizes_of_a_file_never_reach_its_fit_or_its_network_priors(benc
     def run():
         return params_and_predictions(bench.held_out_sizes(DATA / P5, h100_clusters()))
 
-    clean = run()
-    with monkeypatch.context() as m:
-        hits = poison(m, bench, P5, "held_out")
-        assert same(run(), clean) and hits[0] > 0
-    with monkeypatch.context() as m:
-        poison(m, bench, COREWEAVE)
-        assert not same(run(), clean)
+    assert_held_out(run, monkeypatch, bench, held_out=(P5, "held_out"), trained=(COREWEAVE,))
 
 
 def test_vtrain_8gpu_table_never_reaches_the_scale_fit(bench, monkeypatch):
@@ -103,13 +109,8 @@ def test_vtrain_8gpu_table_never_reaches_the_scale_fit(bench, monkeypatch):
     def run():
         return params_and_predictions(bench.vtrain_scale(DATA, h100_clusters()))
 
-    clean = run()
-    with monkeypatch.context() as m:
-        hits = poison(m, bench, "a100-8gpu-nvlink_allreduce_vtrain-lut.csv")
-        assert same(run(), clean) and hits[0] > 0
-    with monkeypatch.context() as m:
-        poison(m, bench, "a100-2gpu-nvlink_allreduce_vtrain-lut.csv")
-        assert not same(run(), clean)
+    assert_held_out(run, monkeypatch, bench, held_out=("a100-8gpu-nvlink_allreduce_vtrain-lut.csv",),
+                    trained=("a100-2gpu-nvlink_allreduce_vtrain-lut.csv",))
 
 
 def test_held_out_cluster_never_reaches_its_network_prior_or_the_baseline(bench, monkeypatch):
@@ -121,13 +122,7 @@ def test_held_out_cluster_never_reaches_its_network_prior_or_the_baseline(bench,
         baseline = bench.alpha_beta_cross_cluster(clusters).set_index("case").loc["aws-p5-efa"]
         return [*model[["efficiency", "alpha_us"]], *baseline[["latency_us", "ratio"]]]
 
-    clean = run()
-    with monkeypatch.context() as m:
-        hits = poison(m, bench, P5)
-        assert same(run(), clean) and hits[0] > 0
-    with monkeypatch.context() as m:
-        poison(m, bench, COREWEAVE)
-        assert not same(run(), clean)
+    assert_held_out(run, monkeypatch, bench, held_out=(P5,), trained=(COREWEAVE,))
 
 
 def test_azure_file_never_reaches_the_all_to_all_predictions(bench, monkeypatch):
@@ -140,13 +135,7 @@ def test_azure_file_never_reaches_the_all_to_all_predictions(bench, monkeypatch)
         rows = bench.all_to_all_public(clusters)
         return pd.concat([rows["predicted_ms"], rows["ring_ms"]]).to_numpy()
 
-    clean = run()
-    with monkeypatch.context() as m:
-        hits = poison(m, bench, AZURE)
-        assert same(run(), clean) and hits[0] > 0
-    with monkeypatch.context() as m:
-        poison(m, bench, COREWEAVE)
-        assert not same(run(), clean)
+    assert_held_out(run, monkeypatch, bench, held_out=(AZURE,), trained=(COREWEAVE,))
 
 
 def synthetic_gloo_sweep() -> pd.DataFrame:
