@@ -97,7 +97,8 @@ def test_a_benchmark_run_as_a_script_records_and_a_test_calling_it_does_not(tmp_
     monkeypatch.setattr(figures, "RESULTS_DIR", tmp_path)
     figures.figure("x_pct", 1.5, "%")  # __main__ is pytest here, as when a test calls a benchmark's main()
     assert capsys.readouterr().out == "figure x_pct 1.50 %\n" and not list(tmp_path.glob("*.json"))
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(figures.BENCHMARKS_DIR / "fake_bench.py"))
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(figures.BENCHMARKS_DIR / "fake_bench.py"),
+                        raising=False)  # a pytest-xdist worker's __main__ has no __file__
     figures.figure("rows", 3, "rows", "d")
     assert capsys.readouterr().out == "figure rows 3 rows\n"
     assert json.loads((tmp_path / "fake_bench.json").read_text())["figures"]["rows"]["value"] == 3
