@@ -235,7 +235,7 @@ def test_published_table_step_time_follows_the_sources_formula():
 
 
 def test_fit_recovers_efficiencies_and_respects_the_measured_matmul_ceiling():
-    from trainsim.validation.published import fit_ratios, matmul_ceiling
+    from trainsim.validation.kernel_fit import fit_ratios, matmul_ceiling
 
     hw = compose_run(["hardware=a100-80g-selene", "hardware.kernel_model.matmul_efficiency=0.8",
                       "hardware.kernel_model.memory_efficiency=0.8"]).hardware

@@ -107,7 +107,8 @@ def test_the_flop_formula_tables_are_unchanged():
 
 
 def test_nemo_times_attention_at_flash_attention_2_and_bounds_fp8_gemms_by_their_measured_ceiling():
-    from trainsim.validation.published import CEILING_DTYPE, matmul_ceiling, table_hardware
+    from trainsim.validation.kernel_fit import CEILING_DTYPE, matmul_ceiling
+    from trainsim.validation.published import table_hardware
 
     hw = compose_run(["hardware=h100-sxm-dgx"]).hardware
     nemo = table_hardware(TABLES[NAME], hw).kernel_model

@@ -35,7 +35,6 @@ from trainsim.config.data_path import DATA_DIR
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.validation.fitting import calibrated_comm, pipeline_slowdown
 from trainsim.validation.kernel_fit import (
-    CEILING_DTYPE,
     FITTED_PER_GPU,
     FitRow,
     GaussNewton,
@@ -43,14 +42,9 @@ from trainsim.validation.kernel_fit import (
     alternate_groups,
     data_free_params,
     fit_gauss_newton,
-    fit_ratios,
     leave_one_row_out,
-    matmul_ceiling,
 )
 from trainsim.validation.traces import TRACE_CACHE, analytical_step, is_traced, trace_directory, trace_jobs, traced
-
-# CEILING_DTYPE, fit_ratios and matmul_ceiling are kernel_fit's, read from here too (tests, benchmarks)
-_ = (CEILING_DTYPE, fit_ratios, matmul_ceiling)
 
 
 @dataclass(frozen=True)
