@@ -35,7 +35,7 @@ def test_every_data_file_the_configs_name_is_in_the_repository():
 
 def _brace_pattern_covers(index: str, relative: str) -> bool:
     """SOURCES.md names families of files as `a100-{2,4,8}gpu-...`."""
-    for prefix, choices, suffix in re.findall(r"([\w./-]*)\{([\w,]+)\}([\w./-]*)", index):
+    for prefix, choices, suffix in re.findall(r"([\w./-]*)\{([\w.,]+)\}([\w./-]*)", index):
         if any(f"{prefix}{c}{suffix}" == relative for c in choices.split(",")):
             return True
     return False
