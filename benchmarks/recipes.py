@@ -1,0 +1,72 @@
+"""Recipes as people write them: every row of the published tables composed as its source states the layout.
+
+Each row of data/published's NeMo, Megatron-Bridge and torchtitan tables becomes the overrides a user would
+type (validation/recipes.py) and goes through compose_run, the path of every trainsim command; the rows it
+refuses are counted with their reasons:
+
+    figure recipes_rows_total <n> rows
+    figure recipes_rows_refused <n> rows          target 0, except architectures listed as not built
+
+`--compose` also predicts every accepted row through `trainsim.predict` (trace, profile, calibration and
+compose, each built once and cached) and prints each row's error against the step time its throughput implies:
+informative here (issue 49 scores it), and slow: minutes per large model.
+
+Then the model import (`recipes_import_mismatches`: conf/model against the config.json of the same model in
+tests/config/fixtures/hf) and the Megatron argument round trip of every conf/parallelism preset
+(`recipes_layout_roundtrip_failures`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+from figures import figure
+
+from trainsim.validation.recipes import RECIPE_TABLES, compose_recipe, read_recipes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def refusals(verbose: bool) -> list:
+    composed = [compose_recipe(recipe) for table in RECIPE_TABLES for recipe in read_recipes(table)]
+    reasons = Counter(c.refusal.splitlines()[0][:160] for c in composed if c.refusal)
+    for c in composed:
+        if verbose or c.refusal:
+            status = "refused" if c.refusal else "ok"
+            print(f"{status:8} {c.recipe.table} row {c.recipe.row}: {c.recipe.label}"
+                  + (f"\n         {c.refusal.splitlines()[0]}" if c.refusal else ""))
+    print("\nrefusals by reason:")
+    for reason, count in reasons.most_common():
+        print(f"  {count:3}  {reason}")
+    figure("recipes_rows_total", len(composed), "rows", "d")
+    figure("recipes_rows_refused", sum(reasons.values()), "rows", "d")
+    return composed
+
+
+def predictions(composed: list) -> None:
+    import trainsim
+
+    for c in composed:
+        if c.refusal or c.recipe.measured_s is None:
+            continue
+        nodes = c.run.hardware.num_nodes
+        result = trainsim.predict(*c.recipe.overrides, f"hardware.num_nodes={nodes}")
+        error = 100 * (result.step_time_s / c.recipe.measured_s - 1)
+        print(f"{c.recipe.table} row {c.recipe.row} {c.recipe.label}: predicted {result.step_time_s:.3f} s, "
+              f"measured {c.recipe.measured_s:.3f} s ({error:+.1f} %)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compose", action="store_true", help="also predict every accepted row (slow)")
+    parser.add_argument("--verbose", action="store_true", help="list the accepted rows too")
+    args = parser.parse_args(argv)
+    composed = refusals(args.verbose)
+    if args.compose:
+        predictions(composed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""The published recipes of data/published as a user writes them: each table row becomes Hydra overrides.
+
+A row names a system, a model and a layout (GPUs, batch sizes, TP/PP/CP/VP/EP, FSDP, precision); this module
+turns it into the overrides a user would type (`hardware=gb200-nvl72 model=llama3-70b parallelism.tp=2 ...`),
+states every setting the source leaves out, and composes them through `compose_run`, the path every user
+command takes. A row that cannot be written is a refusal with its reason, never dropped: benchmarks/recipes.py
+counts them (`figure recipes_rows_refused`). The three tables the kernel model is fitted to keep their own
+row mapping (validation/published.py); here they are read as their sources state the layout.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from trainsim.config.data_path import DATA_DIR
+from trainsim.errors import ConfigError
+
+SYSTEMS = {
+    "DGX-H100": "h100-sxm-dgx",
+    "DGX-B200": "dgx-b200",
+    "DGX-B300": "dgx-b300",
+    "DGX-GB200": "gb200-nvl72",
+    "DGX-GB300": "gb300-nvl72",
+    "H100 (96GB HBM2e 500W)": "h100-sxm-dgx",
+    "H200 (8/host; 400Gb/s CX-7 per GPU)": "h200-sxm-dgx",
+    "A100 80GB": "a100-80g-dgx",
+}
+"""System named by a table -> conf/hardware option. Meta's Grand Teton H100 (96 GB HBM2e at 500 W) runs as
+the DGX H100 config: SYSTEM_NOTES says what differs."""
+
+SYSTEM_NOTES = {
+    "H100 (96GB HBM2e 500W)": "Grand Teton H100 (96 GB HBM2e, 500 W power limit) composed as h100-sxm-dgx "
+                              "(80 GB HBM3, 700 W): its lower clocks and memory bandwidth are not modelled",
+}
+
+MODELS = {
+    "LLAMA3_8B": "llama3-8b", "LLAMA3-8B": "llama3-8b", "Llama 3 8B": "llama3-8b", "Llama3 8B": "llama3-8b",
+    "Llama 3.1 8B": "llama3-8b",
+    "LLAMA3_70B": "llama3-70b", "LLAMA3-70B": "llama3-70b", "Llama 3 70B": "llama3-70b", "Llama3 70B": "llama3-70b",
+    "Llama 3.1 70B": "llama3-70b",
+    "LLAMA2-7B": "llama2-7b", "LLAMA2-13B": "llama2-13b", "LLAMA2-70B": "llama2-70b",
+    "Llama 2 13B": "llama2-13b", "Llama 2 70B": "llama2-70b",
+    "GPT3-5B": "gpt-5b", "GPT3-20B": "gpt-20b", "GPT3-175B": "gpt-175b",
+    "Nemotron-8B": "nemotron-8b", "Nemotron-22B": "nemotron-22b",
+    "Nemotron-15B": "nemotron4-15b", "Nemotron-340B": "nemotron4-340b",
+    "Mixtral-8x7B": "mixtral-8x7b", "Mixtral-8x22B": "mixtral-8x22b",
+    "LLAMA4-Scout-LLM": "llama4-scout",
+    "DeepSeekV3": "deepseek-v3", "Kimi_K2": "kimi-k2",
+    "Nemotron_3_Nano": "nemotron-3-nano", "Nemotron_3_Super": "nemotron-3-super",
+}
+"""Model named by a table -> conf/model option (Llama 3.1 has Llama 3's shape: MODEL_NOTES)."""
+
+MODEL_NOTES = {
+    "Llama 3.1 8B": "Llama 3.1 8B as llama3-8b (the same shape; Llama 3.1's rope scaling changes no kernel)",
+    "Llama 3.1 70B": "Llama 3.1 70B as llama3-70b (the same shape; Llama 3.1's rope scaling changes no kernel)",
+}
+
+PRECISIONS = {
+    "FP8": ("fp8", "current"),
+    "MXFP8": ("fp8", "mxfp8"),
+    "NVFP4": ("fp4", None),
+    "BF16": ("bf16", None),
+}
+"""A Megatron-Bridge precision column -> (parallelism.precision, fp8_recipe). Its 'FP8' is per-tensor current
+scaling (the 26.x recipes' fp8_cs; NeMo 25.04/25.07 state it)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One published run written as a user would compose it."""
+
+    table: str
+    """the csv's file name in data/published"""
+    row: int
+    """0-based data row of the csv"""
+    label: str
+    """model, system, GPUs and precision, as the table names them"""
+    overrides: tuple[str, ...]
+    measured_s: float | None
+    """the step time the table implies (global batch x sequence / tokens per second), None where it gives none"""
+    notes: tuple[str, ...] = ()
+    """settings the source leaves out and what trainsim substitutes"""
+    refusal: str | None = None
+    """why the row cannot be written (None: it can)"""
+    variant: str = ""
+    """'' for a row's main result; 'alternative' for the configuration a cell shows in parentheses"""
+
+
+@dataclass
+class Composed:
+    """A recipe composed through compose_run: its Run, or the reason it was refused."""
+
+    recipe: Recipe
+    run: object | None = None
+    refusal: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def cell(value, alternative: bool) -> str:
+    """A cell's value: 'a (b)' holds the main configuration's a and the alternative's b."""
+    text = str(value).strip()
+    match = re.fullmatch(r"(.*?)\s*\((.*)\)", text)
+    if not match:
+        return text
+    return match.group(2).strip() if alternative else match.group(1).strip()
+
+
+def number(value) -> int | None:
+    text = str(value).replace(",", "").strip()
+    if text in ("", "n/a", "nan", "None"):
+        return None
+    return int(float(text))
+
+
+def step_seconds(global_batch: int, seq: int, tokens_per_s_per_gpu: float, gpus: int) -> float:
+    """The step time a throughput implies: tokens per step over tokens per second of all GPUs."""
+    return global_batch * seq / (tokens_per_s_per_gpu * gpus)
+
+
+def precision_of(table: str, system: str, alternative: bool, column: str | None) -> tuple[str, str | None, str]:
+    """(precision, fp8_recipe, note) of a NeMo / Megatron-Bridge row."""
+    if column:
+        precision, recipe = PRECISIONS[column.upper()]
+        return precision, recipe, ""
+    if table.startswith("megatron-bridge_25.09") and alternative:
+        # the 25.09 notes: parentheses are other quantisation granularities, 32x32 blocks on Blackwell,
+        # DeepSeek-V3's 1x128 / 128x128 on H100
+        recipe = "blockwise" if system == "DGX-H100" else "mxfp8"
+        return "fp8", recipe, f"the parenthesised result: FP8 with {recipe} scaling (the release's notes)"
+    if table.startswith("nemo_25.02"):
+        return "fp8", "delayed", "FP8 with delayed scaling (NeMo 2.0's recipes' default; the page says FP8)"
+    return "fp8", "current", "FP8 with per-tensor current scaling (the release's notes)"
+
+
+def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> Recipe:
+    """A row of a NeMo or Megatron-Bridge performance summary."""
+    get = lambda name, default=None: cell(row[name], alternative) if name in row and not pd.isna(row[name]) else default  # noqa: E731
+    system, name = get("System"), str(row["Model"]).strip()
+    precision_column = get("Precision")
+    label = f"{name} {system} {get('#-GPUs')} GPUs{' ' + precision_column if precision_column else ''}"
+    if alternative:
+        label += " (alternative)"
+    notes: list[str] = []
+    gpus, gbs, mbs, seq = (number(get(c)) for c in ("#-GPUs", "GBS", "MBS", "Sequence Length"))
+    if gbs is not None and mbs is not None and gbs < mbs:
+        notes.append(f"GBS={gbs}, MBS={mbs} read as swapped (the table's header: 'looks swapped')")
+        gbs, mbs = mbs, gbs
+    tp, pp, cp = (number(get(c)) or 1 for c in ("TP", "PP", "CP"))
+    vp, ep = number(get("VP")) or 1, number(get("EP")) or 1
+    fsdp = number(get("FSDP")) or 0
+    throughput = float(str(get("Tokens / sec / GPU")).replace(",", ""))
+    measured = step_seconds(gbs, seq, throughput, gpus)
+    base = dict(table=table, row=index, label=label, measured_s=measured, variant="alternative" * alternative)
+    model_name = re.sub(r"\s*\(.*\)$", "", name)
+    if system not in SYSTEMS:
+        return Recipe(**base, overrides=(), refusal=f"system {system!r}: no hardware config")
+    if model_name not in MODELS:
+        return Recipe(**base, overrides=(), refusal=f"model {model_name!r}: no model config")
+    dp = gpus // (tp * pp * cp)
+    precision, fp8_recipe, note = precision_of(table, system, alternative, precision_column)
+    if note:
+        notes.append(note)
+    overrides = [f"hardware={SYSTEMS[system]}", f"model={MODELS[model_name]}", "parallelism=single",
+                 f"model.seq_length={seq}", f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
+                 f"parallelism.cp={cp}", f"parallelism.micro_batch_size={mbs}",
+                 f"parallelism.global_batch_size={gbs}", f"parallelism.precision={precision}"]
+    if fp8_recipe:
+        overrides.append(f"parallelism.fp8_recipe={fp8_recipe}")
+    if vp > 1:
+        overrides += [f"parallelism.virtual_stages={vp}", "parallelism.schedule=interleaved-1f1b"]
+    if ep > 1:
+        overrides.append(f"parallelism.ep={ep}")
+    if "tokendrop" in name:
+        overrides.append("model.moe_capacity_factor=1.0")
+        notes.append("token dropping at capacity factor 1.0 (the row says tokendrop; the factor is not stated)")
+    if tp > 1:
+        overrides += ["parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true"]
+        notes.append("sequence parallelism with TP communication overlap (NVIDIA's performance recipes)")
+    if fsdp:
+        overrides.append("parallelism.zero_stage=3")
+        notes.append(f"FSDP over the {dp * cp} data-parallel ranks (Megatron-FSDP, the table's FSDP={fsdp})")
+    else:
+        overrides += ["parallelism.zero_stage=1", "parallelism.overlap_param_gather=true"]
+        notes.append("distributed optimizer with overlapped gradient reduce and parameter gather (Megatron-Core)")
+    overrides += ["parallelism.gradient_accumulation_fusion=true", "parallelism.recompute=none"]
+    notes += ["no activation recomputation (not stated)", f"hardware.num_nodes for {gpus} GPUs"]
+    if model_name in MODEL_NOTES:
+        notes.append(MODEL_NOTES[model_name])
+    if system in SYSTEM_NOTES:
+        notes.append(SYSTEM_NOTES[system])
+    return Recipe(**base, overrides=tuple(overrides), notes=tuple(notes))
+
+
+TORCHTITAN_RECOMPUTE = {
+    "selective": "selective", "selective layer": "selective", "selective op": "selective", "per op SAC": "selective",
+    "full": "full", "no": "none",
+}
+"""torchtitan's activation_checkpoint.mode (and its option) -> parallelism.recompute. 'selective layer' (every
+n-th block fully recomputed) and op-level SAC differ from Megatron's selective recompute of core attention:
+the note says so."""
+
+
+def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
+    """A row of torchtitan's Llama performance tables (FSDP2, TP, PP, CP, Float8, async TP)."""
+    techniques = str(row["techniques"])
+    gpus = number(row["num_gpus"])
+    label = f"{row['model']} {row['gpu']} {gpus} GPUs {techniques}"
+    notes: list[str] = ["torch.compile's fusions are not modelled (eager kernels)"] if "compile" in techniques else []
+    tp = number(row["tp"]) or number(row["derived_tp"]) or 1
+    pp, cp = number(row["pp"]) or 1, number(row["cp"]) or 1
+    local = number(row["local_batch_size"])
+    seq = number(row["seq_len"])
+    if seq is None:
+        seq = 4096 if "Llama 2" in row["model"] else 8192
+        notes.append(f"sequence length {seq:,} (torchtitan's TOML default for the model; the table does not state "
+                     "it)")
+    dp = gpus // (tp * pp * cp)
+    gbs = number(row["global_batch_size"]) or local * dp
+    throughput = float(str(row["tps_per_gpu_raw"]).replace(",", ""))
+    base = dict(table=table, row=index, label=label, measured_s=step_seconds(gbs, seq, throughput, gpus))
+    if row["model"] not in MODELS or row["gpu"] not in SYSTEMS:
+        missing = "model" if row["model"] not in MODELS else "system"
+        return Recipe(**base, overrides=(), refusal=f"{missing} {row[missing if missing == 'model' else 'gpu']!r}: "
+                                                     "no config")
+    mode = str(row["activation_checkpointing"]).strip()
+    recompute = TORCHTITAN_RECOMPUTE.get(mode, "selective" if "default" in mode else None)
+    if recompute is None:
+        return Recipe(**base, overrides=(), refusal=f"activation_checkpointing={mode!r}: not one of "
+                                                     f"{', '.join(TORCHTITAN_RECOMPUTE)}")
+    if mode != recompute:
+        notes.append(f"activation checkpointing {mode!r} composed as recompute={recompute}")
+    overrides = [f"hardware={SYSTEMS[row['gpu']]}", f"model={MODELS[row['model']]}", "parallelism=single",
+                 f"model.seq_length={seq}", f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
+                 f"parallelism.cp={cp}", f"parallelism.micro_batch_size={local}",
+                 f"parallelism.global_batch_size={gbs}", "parallelism.zero_stage=3",
+                 "parallelism.grad_reduce_in_fp32=false", f"parallelism.recompute={recompute}"]
+    lowered = techniques.lower()
+    if "rowwise" in lowered:
+        return Recipe(**base, overrides=(), refusal="float8 rowwise scaling: not built (tensorwise is: "
+                                                     "fp8_recipe=current)")
+    if "float8" in lowered:
+        overrides += ["parallelism.precision=fp8", "parallelism.fp8_recipe=current"]
+        notes.append("Float8 with tensorwise dynamic scaling (torchao's default) as fp8_recipe=current")
+        if "float8 all-gather" in lowered:
+            overrides.append("parallelism.fp8_param_gather=true")
+    if tp > 1:
+        overrides.append("parallelism.sequence_parallel=true")
+        if "async" in lowered:
+            overrides.append("parallelism.tp_comm_overlap=true")
+    if cp > 1:
+        overrides.append("parallelism.cp_comm_type=all_gather")
+        notes.append("context parallelism as all-gathered keys and values (torch's context_parallel rotates "
+                     "them: ring attention; trainsim's p2p needs seq divisible by 2 * cp, either is allowed)")
+    if row["model"] in MODEL_NOTES:
+        notes.append(MODEL_NOTES[row["model"]])
+    if row["gpu"] in SYSTEM_NOTES:
+        notes.append(SYSTEM_NOTES[row["gpu"]])
+    notes.append(f"hardware.num_nodes for {gpus} GPUs")
+    return Recipe(**base, overrides=tuple(overrides), notes=tuple(notes))
+
+
+RECIPE_TABLES = {
+    "megatron-bridge_25.09_pretrain.csv": "nvidia",
+    "megatron-bridge_26.02_pretrain.csv": "nvidia",
+    "megatron-bridge_26.04_pretrain.csv": "nvidia",
+    "nemo_25.02_pretrain_partial.csv": "nvidia",
+    "nemo_25.04_pretrain_partial.csv": "nvidia",
+    "nemo_25.07_pretrain_partial.csv": "nvidia",
+    "nemo_24.07_dgx-h100_fp8_pretrain.csv": "nemo2407",
+    "torchtitan_llama_perf.csv": "torchtitan",
+}
+"""Tables of data/published read as recipes, by the shape of their columns. The 2021 Selene and 2024
+Megatron-Core README tables name no micro-batch, precision or virtual stages (validation/published.py states
+what it assumes for them), and vTrain's rows are single-node Megatron-DeepSpeed runs (validation/vtrain.py)."""
+
+
+def nemo2407_recipe(table: str, index: int, row: pd.Series) -> Recipe:
+    """NeMo 24.07's DGX-H100 table: the NeMo columns (lower-case) of a 24.07 FP8 run."""
+    renamed = pd.Series({"System": "DGX-H100", "Model": row["model"], "#-GPUs": row["gpus"], "GBS": row["global_batch"],
+                         "MBS": row["micro_batch"], "Sequence Length": row["seq_len"], "TP": row["tp"],
+                         "PP": row["pp"], "CP": row["cp"], "VP": row["vp"], "EP": 1,
+                         "Tokens / sec / GPU": row["tokens_per_sec_per_gpu"]})
+    recipe = nvidia_recipe("nemo_25.02", index, renamed, False)  # FP8 delayed scaling, as NeMo 2.0 / 24.07
+    return Recipe(**{**recipe.__dict__, "table": table})
+
+
+def read_published_csv(path: Path) -> pd.DataFrame:
+    """A published table without its '#' source lines, every cell as text ('#-GPUs' is a column name, so
+    pandas' comment='#' would cut the header)."""
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+    return pd.read_csv(io.StringIO("\n".join(lines)), dtype=str)
+
+
+def read_recipes(name: str, data_dir: Path = DATA_DIR) -> list[Recipe]:
+    """Every row of one table as recipes (a row with an 'a (b)' cell gives two: main and alternative)."""
+    kind = RECIPE_TABLES[name]
+    rows = read_published_csv(data_dir / "published" / name)
+    recipes = []
+    for index, row in rows.iterrows():
+        if kind == "torchtitan":
+            recipes.append(torchtitan_recipe(name, index, row))
+        elif kind == "nemo2407":
+            recipes.append(nemo2407_recipe(name, index, row))
+        else:
+            recipes.append(nvidia_recipe(name, index, row, False))
+            if any("(" in str(v) for k, v in row.items() if k != "Model"):
+                recipes.append(nvidia_recipe(name, index, row, True))
+    return recipes
+
+
+def compose_recipe(recipe: Recipe) -> Composed:
+    """Compose a recipe as a user would (hardware.num_nodes sized to its GPUs); a ConfigError is its refusal."""
+    from trainsim.config import compose_run
+    from trainsim.config.compose import default_config_dir
+
+    if recipe.refusal:
+        return Composed(recipe, refusal=recipe.refusal)
+    for group, option in (o.split("=", 1) for o in recipe.overrides if "." not in o.split("=", 1)[0]):
+        if not (default_config_dir() / group / f"{option}.yaml").is_file():
+            return Composed(recipe, refusal=f"{group}={option}: no conf/{group}/{option}.yaml (not built)")
+    try:
+        hardware = compose_run([o for o in recipe.overrides if o.startswith("hardware=")], check="layout").hardware
+        gpus = math.prod(int(o.split("=")[1]) for o in recipe.overrides
+                         if o.split("=")[0] in ("parallelism.dp", "parallelism.tp", "parallelism.pp", "parallelism.cp"))
+        nodes = -(-gpus // hardware.devices_per_node)
+        run = compose_run([*recipe.overrides, f"hardware.num_nodes={nodes}"])
+    except ConfigError as exc:
+        return Composed(recipe, refusal=str(exc))
+    return Composed(recipe, run=run, notes=list(recipe.notes))

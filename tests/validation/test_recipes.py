@@ -1,0 +1,47 @@
+"""Published recipes read as a user writes them (validation/recipes.py)."""
+
+import pandas as pd
+import pytest
+
+from trainsim.validation.recipes import cell, compose_recipe, nvidia_recipe, read_recipes, step_seconds
+
+
+def test_a_cell_with_parentheses_holds_the_main_and_the_alternative_configuration():
+    assert cell("64 (0)", alternative=False) == "64"
+    assert cell("64 (0)", alternative=True) == "0"
+    assert cell("8", alternative=True) == "8"
+
+
+def test_a_row_with_an_alternative_gives_two_recipes_with_their_own_layouts():
+    recipes = [r for r in read_recipes("megatron-bridge_25.09_pretrain.csv") if r.row == 1]  # GB200 Llama 3 70B
+    assert [r.variant for r in recipes] == ["", "alternative"]
+    main, alternative = (set(r.overrides) for r in recipes)
+    assert {"parallelism.zero_stage=3", "parallelism.tp=1"} <= main
+    assert {"parallelism.tp=2", "parallelism.pp=4", "parallelism.virtual_stages=5", "parallelism.fp8_recipe=mxfp8"} \
+        <= alternative
+
+
+def test_the_step_time_is_the_tokens_of_a_step_over_the_throughput_of_all_gpus():
+    row = pd.Series({"System": "DGX-H100", "Model": "LLAMA3_70B", "#-GPUs": "64", "GBS": "128", "MBS": "1",
+                     "Sequence Length": "8192", "FSDP": "0", "TP": "4", "PP": "8", "CP": "1", "VP": "5", "EP": "1",
+                     "Tokens / sec / GPU": "1,619"})
+    recipe = nvidia_recipe("megatron-bridge_25.09_pretrain.csv", 0, row, False)
+    assert recipe.measured_s == pytest.approx(step_seconds(128, 8192, 1619, 64)) == pytest.approx(10.119, abs=1e-3)
+    assert "parallelism.dp=2" in recipe.overrides and "parallelism.schedule=interleaved-1f1b" in recipe.overrides
+
+
+def test_a_row_trainsim_cannot_write_is_refused_with_its_reason_never_dropped():
+    row = pd.Series({"System": "DGX-Z900", "Model": "LLAMA3_70B", "#-GPUs": "8", "GBS": "8", "MBS": "1",
+                     "Sequence Length": "8192", "TP": "1", "PP": "1", "CP": "1", "VP": "n/a", "EP": "n/a",
+                     "Tokens / sec / GPU": "100"})
+    composed = compose_recipe(nvidia_recipe("x.csv", 0, row, False))
+    assert composed.run is None and "DGX-Z900" in composed.refusal
+
+
+def test_an_accepted_recipe_composes_to_the_layout_its_row_states():
+    recipe = next(r for r in read_recipes("nemo_24.07_dgx-h100_fp8_pretrain.csv") if r.label.startswith("LLAMA3-70B"))
+    composed = compose_recipe(recipe)
+    assert composed.refusal is None, composed.refusal
+    par = composed.run.parallelism
+    assert (par.tp, par.pp, par.cp, par.dp, par.virtual_stages) == (4, 4, 2, 2, 5)
+    assert composed.run.hardware.num_nodes * composed.run.hardware.devices_per_node >= 64
