@@ -56,6 +56,8 @@ class ImportedLayout:
     """Model-shape settings met (--num-layers 80, ...): they belong to conf/model, not imported here."""
     unknown: list[str] = field(default_factory=list)
     """Settings not known to the importer, kept when allowed (--allow-unknown) and listed in the output."""
+    notes: list[str] = field(default_factory=list)
+    """Settings read that trainsim does not price (e.g. torch.compile): listed, so nothing is dropped silently."""
 
     def parallelism(self) -> ParallelismConfig:
         """The layout as the schema's dataclass (ConfigError for a contract field the schema does not have)."""
@@ -74,9 +76,10 @@ class ImportedLayout:
         """A conf/parallelism file: a `# cite:` header naming the source, the schema defaults and every field."""
         lines = [f"# cite: imported by `trainsim import-layout` from {self.source}"]
         if self.model_arguments:
-            lines.append(f"# model arguments, not imported by import-layout: {' '.join(self.model_arguments)}")
+            lines.append(f"# model arguments, not imported by import-layout: {'; '.join(self.model_arguments)}")
         if self.unknown:
-            lines.append(f"# not known to import-layout, left out: {' '.join(self.unknown)}")
+            lines.append(f"# not known to import-layout, left out: {'; '.join(self.unknown)}")
+        lines += [f"# not modelled: {note}" for note in self.notes]
         lines += ["defaults:", "  - parallelism_schema", "  - _self_"]
         lines += [f"{key}: {_yaml_value(value)}" for key, value in self.fields.items()]
         return "\n".join(lines) + "\n"
