@@ -117,7 +117,7 @@ def default_layout_name(values: dict[str, object]) -> str:
     parts = []
     for key in ("tp", "cp", "ep", "etp", "pp", "dp"):
         degree = values.get(key, 1)
-        if degree != 1 or key == "dp":
+        if (degree != 1 or key == "dp") and (key != "etp" or values.get("ep", 1) > 1):
             parts.append(f"{key}{degree}")
         if key == "tp" and values.get("sequence_parallel"):
             parts.append("sp")

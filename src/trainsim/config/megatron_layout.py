@@ -13,6 +13,7 @@ gives the same layout (megatron_round_trip_mismatches).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import shlex
@@ -135,9 +136,12 @@ def import_megatron(arguments: str | Sequence[str], world_size: int, name: str =
     Unknown arguments raise ConfigError listing them, unless `allow_unknown` (then they are listed in the result)."""
     args, model_arguments, unknown = parse_arguments(arguments)
     if unknown and not allow_unknown:
+        hints = [f"{u.split()[0]} (did you mean {' or '.join(close)}?)" for u in unknown
+                 if (close := difflib.get_close_matches(u.split()[0], [*LAYOUT_ARGUMENTS, *MODEL_ARGUMENTS], n=2))]
         raise ConfigError(f"Megatron arguments not known to import-layout: {unknown}; pass --allow-unknown to import "
-                          f"the rest (they are listed in the output). Known: {sorted(LAYOUT_ARGUMENTS)}; model "
-                          f"arguments (listed, not imported): {sorted(MODEL_ARGUMENTS)}")
+                          f"the rest (they are listed in the output){'; ' + ', '.join(hints) if hints else ''}. "
+                          f"Known: the layout arguments of megatron_layout.LAYOUT_ARGUMENTS and the model arguments "
+                          f"of MODEL_ARGUMENTS")
     fields = _megatron_fields(args, world_size)
     source = "Megatron-LM arguments on " + f"{world_size} GPUs: " + " ".join(
         shlex.quote(t) for t in (shlex.split(arguments) if isinstance(arguments, str) else arguments))
