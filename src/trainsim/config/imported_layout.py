@@ -141,5 +141,5 @@ def _yaml_value(value: object) -> str:
 
 
 def refuse(argument: str, value: object, accepted: str) -> ConfigError:
-    """The error for a setting trainsim cannot model: names the argument, its value and what is accepted."""
-    return ConfigError(f"{argument} {value!r} cannot be imported: {accepted}")
+    """The error for a setting trainsim cannot model: names the argument, its value and what is accepted (and why)."""
+    return ConfigError(f"{argument} {value!r} cannot be imported; accepted: {accepted}")

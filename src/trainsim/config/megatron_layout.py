@@ -135,6 +135,14 @@ def import_megatron(arguments: str | Sequence[str], world_size: int, name: str =
     """The layout of a Megatron-LM launch on `world_size` GPUs (Megatron derives dp from the world size).
     Unknown arguments raise ConfigError listing them, unless `allow_unknown` (then they are listed in the result)."""
     args, model_arguments, unknown = parse_arguments(arguments)
+    notes = []
+    tp, ep = args.get("--tensor-model-parallel-size", 1), args.get("--expert-model-parallel-size", 1)
+    if "--expert-tensor-parallel-size" not in args and tp > 1 and ep == 1 and not any(
+            a.startswith("--num-experts ") for a in model_arguments):
+        args["--expert-tensor-parallel-size"] = 1  # trainsim refuses etp > 1 for a model without experts
+        notes.append(f"--expert-tensor-parallel-size not given: Megatron's default is tp ({tp}), written as 1 since "
+                     f"no --num-experts or --expert-model-parallel-size says the model has experts; for a mixture "
+                     f"of experts set parallelism.etp={tp}")
     if unknown and not allow_unknown:
         hints = [f"{u.split()[0]} (did you mean {' or '.join(close)}?)" for u in unknown
                  if (close := difflib.get_close_matches(u.split()[0], [*LAYOUT_ARGUMENTS, *MODEL_ARGUMENTS], n=2))]
@@ -145,7 +153,7 @@ def import_megatron(arguments: str | Sequence[str], world_size: int, name: str =
     fields = _megatron_fields(args, world_size)
     source = "Megatron-LM arguments on " + f"{world_size} GPUs: " + " ".join(
         shlex.quote(t) for t in (shlex.split(arguments) if isinstance(arguments, str) else arguments))
-    return ImportedLayout(layout_fields(fields, name), source, model_arguments, unknown)
+    return ImportedLayout(layout_fields(fields, name), source, model_arguments, unknown, notes)
 
 
 def _megatron_fields(args: dict[str, object], world_size: int) -> dict[str, object]:
@@ -178,10 +186,10 @@ def _megatron_fields(args: dict[str, object], world_size: int) -> dict[str, obje
                           "(Megatron asserts it)")
     dispatcher = args.get("--moe-token-dispatcher-type", "allgather")  # Megatron-Core's default
     if dispatcher not in ("alltoall", "allgather"):
-        raise refuse("--moe-token-dispatcher-type", dispatcher, "accepted: alltoall, allgather")
+        raise refuse("--moe-token-dispatcher-type", dispatcher, "alltoall, allgather")
     comm = args.get("--cp-comm-type", ["p2p"])
     if len(set(comm)) != 1 or comm[0] not in CP_COMM_OF_MEGATRON:
-        raise refuse("--cp-comm-type", " ".join(comm), f"accepted: one of {sorted(CP_COMM_OF_MEGATRON)} for all layers")
+        raise refuse("--cp-comm-type", " ".join(comm), f"one of {sorted(CP_COMM_OF_MEGATRON)} for all layers")
     f.update(moe_token_dispatcher=dispatcher, moe_grouped_gemm=bool(args.get("--moe-grouped-gemm")),
              moe_a2a_overlap=bool(args.get("--overlap-moe-expert-parallel-comm")),
              cp_comm_type=CP_COMM_OF_MEGATRON[comm[0]], clip_grad=args.get("--clip-grad", 1.0),
@@ -240,7 +248,7 @@ def layout_stage_count(layout: str) -> int:
         text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
     if set(text) - set("ELtm|"):
         raise refuse("--pipeline-model-parallel-layout", layout,
-                     "accepted: stages split by '|' of E (embedding), t (transformer layer), m (MTP layer), "
+                     "stages split by '|' of E (embedding), t (transformer layer), m (MTP layer), "
                      "L (loss), with (...)*n and x*n repetitions")
     return text.count("|") + 1
 
@@ -257,18 +265,18 @@ def _precision_fields(args: dict[str, object]) -> dict[str, object]:
     if fp8 or fp4:
         if base != "bf16":
             raise refuse("--fp8-format" if fp8 else "--fp4-format", fp8 or fp4,
-                         "trainsim's FP8 and FP4 runs keep bf16 weights: add --bf16")
+                         "with --bf16 (trainsim's FP8 and FP4 runs keep bf16 weights)")
     if fp8:
         if fp8 not in ("hybrid", "e4m3"):
-            raise refuse("--fp8-format", fp8, "accepted: hybrid, e4m3")
+            raise refuse("--fp8-format", fp8, "hybrid, e4m3")
         recipe = args.get("--fp8-recipe", "delayed")  # Megatron-Core's default
         if recipe not in RECIPE_OF_MEGATRON:
-            raise refuse("--fp8-recipe", recipe, f"accepted: {sorted(RECIPE_OF_MEGATRON)}")
+            raise refuse("--fp8-recipe", recipe, f"{sorted(RECIPE_OF_MEGATRON)}")
         f.update(precision="fp8", fp8_recipe=RECIPE_OF_MEGATRON[recipe])
     elif fp4:
         if fp4 != "e2m1" or args.get("--fp4-recipe", "nvfp4") != "nvfp4":
             raise refuse("--fp4-format/--fp4-recipe", f"{fp4}/{args.get('--fp4-recipe', 'nvfp4')}",
-                         "accepted: e2m1 with the nvfp4 recipe")
+                         "e2m1 with the nvfp4 recipe")
         f["precision"] = "fp4"
     f["fp8_param_gather"] = bool(args.get("--fp8-param-gather"))
     if f["fp8_param_gather"] and f["precision"] != "fp8":
@@ -299,10 +307,10 @@ def _recompute_fields(args: dict[str, object], chunks: int) -> dict[str, object]
                               "Megatron accepts them only with full")
         if set(modules) != {"core_attn"}:
             raise refuse("--recompute-modules", " ".join(modules),
-                         "trainsim's selective recomputation recomputes the core attention only: core_attn")
+                         "core_attn (trainsim's selective recomputation recomputes the core attention only)")
         return {"recompute": "selective"}
     if granularity != "full":
-        raise refuse("--recompute-granularity", granularity, "accepted: full, selective")
+        raise refuse("--recompute-granularity", granularity, "full, selective")
     if method is None or count is None:
         raise ConfigError("--recompute-granularity full needs --recompute-method and --recompute-num-layers "
                           "(Megatron-Core requires them)")
@@ -311,8 +319,8 @@ def _recompute_fields(args: dict[str, object], chunks: int) -> dict[str, object]
     if method == "block" and "--num-layers" in args and count >= math.ceil(args["--num-layers"] / chunks):
         return {"recompute": "full"}  # every layer of every model chunk recomputed
     raise refuse("--recompute-method/--recompute-num-layers", f"{method} {count}",
-                 "trainsim recomputes every layer from its own input: uniform 1, or block with at least the "
-                 "layers of a model chunk (with --num-layers given)")
+                 "uniform 1, or block with at least the layers of a model chunk and --num-layers given "
+                 "(trainsim recomputes every layer from its own input)")
 
 
 def _data_parallel_fields(args: dict[str, object], replicas: int, f: dict[str, object]) -> dict[str, object]:
@@ -324,7 +332,7 @@ def _data_parallel_fields(args: dict[str, object], replicas: int, f: dict[str, o
         strategy = args.get("--data-parallel-sharding-strategy", "optim_grads_params")
         if strategy not in FSDP_STRATEGIES:
             raise refuse("--data-parallel-sharding-strategy", strategy,
-                         f"accepted: {sorted(FSDP_STRATEGIES)} (optim_grads keeps replicated weights with sharded "
+                         f"{sorted(FSDP_STRATEGIES)} (optim_grads keeps replicated weights with sharded "
                          f"gradients, which trainsim does not model)")
         zero = FSDP_STRATEGIES[strategy]
     elif "--data-parallel-sharding-strategy" in args:

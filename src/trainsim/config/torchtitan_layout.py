@@ -121,12 +121,12 @@ def _torchtitan_fields(get, where: str, world_size: int | None, num_layers: int 
                             "clip_grad": float(get("training.max_norm", 1.0))}
     rotate = par["context_parallel_rotate_method"]
     if rotate not in ROTATE_METHODS:
-        raise refuse("parallelism.context_parallel_rotate_method", rotate, f"accepted: {sorted(ROTATE_METHODS)}")
+        raise refuse("parallelism.context_parallel_rotate_method", rotate, f"{sorted(ROTATE_METHODS)}")
     f["cp_comm_type"] = ROTATE_METHODS[rotate]
     if fsdp:
         policy = par["fsdp_reshard_after_forward"]
         if policy not in ("default", "always", "never"):
-            raise refuse("parallelism.fsdp_reshard_after_forward", policy, "accepted: default, always, never")
+            raise refuse("parallelism.fsdp_reshard_after_forward", policy, "default, always, never")
         keep = policy == "never" or (policy == "default" and pp > 1)  # torchtitan: default = not pipelined
         f.update(zero_stage=2 if keep else 3, dp_shard_size=shard * cp if replicate > 1 else 0,
                  grad_reduce_in_fp32=True)  # FSDP2 reduce-scatters in fp32 (training.mixed_precision_reduce)
@@ -143,12 +143,12 @@ def _schedule_fields(par: dict, where: str, num_layers: int | None) -> dict[str,
         return {"schedule": "1f1b", "virtual_stages": 1}
     schedule = par["pipeline_parallel_schedule"]
     if schedule not in SCHEDULES:
-        raise refuse("parallelism.pipeline_parallel_schedule", schedule, f"accepted: {sorted(SCHEDULES)}")
+        raise refuse("parallelism.pipeline_parallel_schedule", schedule, f"{sorted(SCHEDULES)}")
     first, last = par["pipeline_parallel_first_stage_less_layers"], par["pipeline_parallel_last_stage_less_layers"]
     for key, value in (("first", first), ("last", last)):
         if value not in (0, 1):
             raise refuse(f"parallelism.pipeline_parallel_{key}_stage_less_layers", value,
-                         "accepted: 1 (the embedding / output layer counted as a layer) or 0")
+                         "1 (the embedding / output layer counted as a layer) or 0")
     virtual = 1
     if SCHEDULES[schedule] == "interleaved-1f1b":
         per_stage = par["pipeline_parallel_layers_per_stage"]
@@ -165,8 +165,7 @@ def _schedule_fields(par: dict, where: str, num_layers: int | None) -> dict[str,
             virtual = stages // pp
     elif par["pipeline_parallel_layers_per_stage"] is not None:
         raise refuse("parallelism.pipeline_parallel_layers_per_stage", par["pipeline_parallel_layers_per_stage"],
-                     f"with the single-stage schedule {schedule} the stages follow pipeline_parallel_degree: leave it "
-                     f"unset")
+                     f"unset with the single-stage schedule {schedule} (its stages follow pipeline_parallel_degree)")
     return {"schedule": SCHEDULES[schedule], "virtual_stages": virtual,
             "account_for_embedding_in_pipeline_split": bool(first), "account_for_loss_in_pipeline_split": bool(last)}
 
@@ -188,14 +187,14 @@ def _batch_fields(get, where: str, dp: int, pp: int, pp_micro: int) -> dict[str,
 def _precision_fields(get, where: str, fsdp: bool, autocast: bool) -> dict[str, object]:
     param = get("training.mixed_precision_param", "bfloat16")
     if get("training.dtype", "float32") != "float32":
-        raise refuse("training.dtype", get("training.dtype", ""), "trainsim keeps fp32 master weights: float32")
+        raise refuse("training.dtype", get("training.dtype", ""), "float32 (trainsim keeps fp32 master weights)")
     if get("training.enable_cpu_offload", False):
-        raise refuse("training.enable_cpu_offload", True, "CPU offload is not modelled: false")
+        raise refuse("training.enable_cpu_offload", True, "false (CPU offload is not modelled)")
     if param not in ("bfloat16", "float32"):
-        raise refuse("training.mixed_precision_param", param, "accepted: bfloat16, float32")
+        raise refuse("training.mixed_precision_param", param, "bfloat16, float32")
     if param == "bfloat16" and not fsdp and autocast:
-        raise refuse("training.mixed_precision_param", param, "without FSDP torchtitan runs DDP under torch.autocast "
-                     "(fp32 weights, bf16 compute), which trainsim does not model: use FSDP or float32")
+        raise refuse("training.mixed_precision_param", param, "FSDP, or float32 (without FSDP "
+                     "torchtitan runs DDP under torch.autocast: fp32 weights, bf16 compute, not modelled)")
     precision = "bf16" if param == "bfloat16" and fsdp else "fp32"  # TP/PP without FSDP: torchtitan trains fp32
     converters = get("model.converters", [])
     converters = [converters] if isinstance(converters, str) else list(converters)
@@ -203,29 +202,29 @@ def _precision_fields(get, where: str, fsdp: bool, autocast: bool) -> dict[str, 
     mx = [c for c in converters if c in ("mx", "quantize.linear.mx")]
     rest = sorted(set(converters) - set(float8) - set(mx))
     if rest:
-        raise refuse("model.converters", rest, "accepted: float8 / quantize.linear.float8, mx / quantize.linear.mx")
+        raise refuse("model.converters", rest, "float8 / quantize.linear.float8, mx / quantize.linear.mx")
     f: dict[str, object] = {"precision": precision, "fp8_recipe": "delayed"}
     section = "quantize.linear.float8" if get("quantize.linear.float8.recipe_name", None) is not None or \
         get("quantize.linear.float8.enable_fsdp_float8_all_gather", None) is not None else "float8"
     gather = bool(get(f"{section}.enable_fsdp_float8_all_gather", False))
     if float8 or mx:
         if precision != "bf16":
-            raise refuse("model.converters", converters, "trainsim's FP8 keeps bf16 weights: FSDP with "
-                         "training.mixed_precision_param bfloat16")
+            raise refuse("model.converters", converters, "FSDP with training.mixed_precision_param "
+                         "bfloat16 (trainsim's FP8 keeps bf16 weights)")
         if float8:
             recipe = get(f"{section}.recipe_name", None)
             if recipe not in FLOAT8_RECIPES:
-                raise refuse(f"{section}.recipe_name", recipe, "accepted: tensorwise (rowwise is not modelled)")
+                raise refuse(f"{section}.recipe_name", recipe, "tensorwise (rowwise is not modelled)")
             f.update(precision="fp8", fp8_recipe=FLOAT8_RECIPES[recipe])
         else:
             recipe = get("quantize.linear.mx.recipe_name", "mxfp8_cublas")
             if not str(recipe).startswith("mxfp8"):
-                raise refuse("quantize.linear.mx.recipe_name", recipe, "accepted: mxfp8 recipes")
+                raise refuse("quantize.linear.mx.recipe_name", recipe, "mxfp8 recipes")
             f.update(precision="fp8", fp8_recipe="mxfp8")
         for key in (f"{section}.filter_fqns", "quantize.linear.mx.filter_fqns"):
             skipped = get(key, [])
             if set(skipped if isinstance(skipped, list) else [skipped]) - {"output"}:
-                raise refuse(key, skipped, "trainsim runs every transformer linear in FP8: [] or ['output']")
+                raise refuse(key, skipped, "[] or ['output'] (trainsim runs every transformer linear in FP8)")
     f["fp8_param_gather"] = gather and fsdp and f["precision"] == "fp8"
     return f
 
@@ -238,5 +237,5 @@ def _recompute_fields(get, where: str) -> dict[str, object]:
     if mode == "selective" and option == "1":
         return {"recompute": "full"}  # every layer checkpointed
     raise refuse("activation_checkpoint", f"mode {mode}, selective_ac_option {option}",
-                 "trainsim recomputes every layer or none: mode none or full, or selective with selective_ac_option "
-                 "'1' (torchtitan's default is selective every 2nd layer; 'op' saves chosen matmul outputs)")
+                 "mode none or full, or selective with selective_ac_option '1' (trainsim recomputes every layer "
+                 "or none; torchtitan's default is selective every 2nd layer, 'op' saves chosen matmul outputs)")
