@@ -143,3 +143,22 @@ pipeline_parallel_microbatch_size = 1""")
         import_torchtitan(TORCHTITAN.replace("[float8]", '[float8]\nrecipe_name = "rowwise"'), 256)
     with pytest.raises(ConfigError, match="parallelism.pipeline_paralel_degree"):
         import_torchtitan(TORCHTITAN.replace("[parallelism]", "[parallelism]\npipeline_paralel_degree = 2"), 256)
+
+
+def test_megatron_bridge_overrides_are_read_as_the_arguments_they_set():
+    layout = import_megatron("model.tensor_model_parallel_size=2 model.pipeline_model_parallel_size=4 "
+                             "model.virtual_pipeline_model_parallel_size=5 model.sequence_parallel=true "
+                             "train.micro_batch_size=1 train.global_batch_size=256 ddp.use_distributed_optimizer=true "
+                             "mixed_precision=bf16_with_mxfp8_mixed model.gradient_accumulation_fusion=false "
+                             "model.num_layers=80 model.recompute_modules=[core_attn]", 64)
+    f = layout.fields
+    assert (f["tp"], f["pp"], f["virtual_stages"], f["dp"], f["global_batch_size"]) == (2, 4, 5, 8, 256)
+    assert (f["precision"], f["fp8_recipe"], f["fp8_param_gather"]) == ("fp8", "mxfp8", True)
+    assert f["sequence_parallel"] and f["zero_stage"] == 1 and f["gradient_accumulation_fusion"] is False
+    assert layout.model_arguments == ["--num-layers 80"]
+    reduced = import_megatron("mixed_precision=bf16_with_fp8_current_scaling_bf16_params_bf16_grad_reduce "
+                              "--use-distributed-optimizer --micro-batch-size 1", 8)
+    assert reduced.fields["fp8_recipe"] == "current" and reduced.fields["grad_reduce_in_fp32"] is False
+    assert "fp8_param_gather" not in reduced.fields and "first_last_layers_bf16" in reduced.notes[0]
+    with pytest.raises(ConfigError, match="mixed_precision=bf16_with_fp9"):
+        import_megatron("mixed_precision=bf16_with_fp9 --micro-batch-size 1", 8)

@@ -19,6 +19,7 @@ import re
 import shlex
 from collections.abc import Sequence
 
+from trainsim.config.bridge_overrides import bridge_to_megatron
 from trainsim.config.choices import PRECISION_WEIGHT_BYTES
 from trainsim.config.imported_layout import (
     ONE_BUCKET_BYTES,
@@ -82,8 +83,8 @@ keeps the weights replicated, has no trainsim counterpart)."""
 
 
 def parse_arguments(arguments: str | Sequence[str]) -> tuple[dict[str, object], list[str], list[str]]:
-    """Split a launch line (`--tp 8 --bf16 --cp-comm-type p2p`, `--x=1`; underscores as dashes, as
-    Megatron-Bridge's scripts spell them) into layout arguments, model arguments and unknown ones.
+    """Split a launch line (`--tensor-model-parallel-size 8 --bf16 --cp-comm-type p2p`, `--x=1`; underscores
+    as dashes) into layout arguments, model arguments and unknown ones.
     Returns ({flag: value}, model arguments as written, unknown arguments as written)."""
     tokens = shlex.split(arguments) if isinstance(arguments, str) else list(arguments)
     layout: dict[str, object] = {}
@@ -98,11 +99,11 @@ def parse_arguments(arguments: str | Sequence[str]) -> tuple[dict[str, object], 
             continue
         flag, _, inline = token.partition("=")
         flag = "--" + flag[2:].replace("_", "-")
+        kind = LAYOUT_ARGUMENTS.get(flag) or MODEL_ARGUMENTS.get(flag)
         values = [inline] if inline else []
-        while not inline and i < len(tokens) and not tokens[i].startswith("--"):
+        while not inline and kind != FLAG and i < len(tokens) and not tokens[i].startswith("--"):
             values.append(tokens[i])
             i += 1
-        kind = LAYOUT_ARGUMENTS.get(flag) or MODEL_ARGUMENTS.get(flag)
         written = " ".join([flag, *values])
         if kind is None:
             unknown.append(written)
@@ -134,8 +135,8 @@ def import_megatron(arguments: str | Sequence[str], world_size: int, name: str =
                     allow_unknown: bool = False) -> ImportedLayout:
     """The layout of a Megatron-LM launch on `world_size` GPUs (Megatron derives dp from the world size).
     Unknown arguments raise ConfigError listing them, unless `allow_unknown` (then they are listed in the result)."""
-    args, model_arguments, unknown = parse_arguments(arguments)
-    notes = []
+    tokens, notes = bridge_to_megatron(shlex.split(arguments) if isinstance(arguments, str) else list(arguments))
+    args, model_arguments, unknown = parse_arguments(tokens)
     tp, ep = args.get("--tensor-model-parallel-size", 1), args.get("--expert-model-parallel-size", 1)
     if "--expert-tensor-parallel-size" not in args and tp > 1 and ep == 1 and not any(
             a.startswith("--num-experts ") for a in model_arguments):
@@ -342,6 +343,8 @@ def _data_parallel_fields(args: dict[str, object], replicas: int, f: dict[str, o
     instances = args.get("--num-distributed-optimizer-instances", 1)
     if instances < 1 or replicas % instances:
         raise ConfigError(f"--num-distributed-optimizer-instances {instances} must divide dp x cp = {replicas}")
+    if f["fp8_param_gather"] and zero == 0:
+        raise ConfigError("--fp8-param-gather needs --use-distributed-optimizer or FSDP (Megatron asserts it)")
     if instances > 1 and zero == 0:
         raise ConfigError("--num-distributed-optimizer-instances needs --use-distributed-optimizer or FSDP")
     grad_bytes = 4 if f["grad_reduce_in_fp32"] else PRECISION_WEIGHT_BYTES.get(f["precision"], 2)
