@@ -349,22 +349,23 @@ def _cmd_import_layout(args, console: Console) -> int:
     import shlex
 
     gpus = args.gpus or (args.nodes * args.gpus_per_node if args.nodes else None)
+    name = args.name or (Path(args.output).stem if args.output and not args.overrides else "")  # as presets: the stem
     if args.megatron is not None:
         from trainsim.config.megatron_layout import import_megatron
 
         if gpus is None:
             raise ConfigError("import-layout --megatron needs the world size (Megatron derives dp from it): "
                               "--gpus N, or --nodes N [--gpus-per-node 8]")
-        layout = import_megatron(args.megatron, gpus, name=args.name, allow_unknown=args.allow_unknown)
+        layout = import_megatron(args.megatron, gpus, name=name, allow_unknown=args.allow_unknown)
     else:
         from trainsim.config.torchtitan_layout import import_torchtitan
 
-        layout = import_torchtitan(Path(args.torchtitan), gpus, name=args.name, allow_unknown=args.allow_unknown,
+        layout = import_torchtitan(Path(args.torchtitan), gpus, name=name, allow_unknown=args.allow_unknown,
                                    num_layers=args.num_layers)
     err = Console(stderr=True)
     for title, items in (("model arguments, not imported by import-layout (they belong to conf/model)",
                           layout.model_arguments), ("not known to import-layout, left out", layout.unknown),
-                         ("not modelled", layout.notes)):
+                         ("note", layout.notes)):
         if items:
             err.print(f"{title}: {'; '.join(items)}", highlight=False, markup=False)
     text = " ".join(shlex.quote(o) for o in layout.overrides()) + "\n" if args.overrides else layout.yaml_text()
@@ -512,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "data_parallel_shard_degree -1 too)")
     p.add_argument("--nodes", type=int, help="world size as nodes x --gpus-per-node")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--name", default="", help="the layout's name (default: from its degrees, e.g. tp8-sp-pp4-dp2)")
+    p.add_argument("--name", default="",
+                   help="the layout's name (default: the -o file's stem, else from its degrees, e.g. tp8-sp-pp4-dp2)")
     p.add_argument("--num-layers", type=int,
                    help="torchtitan: the model's layers, for pipeline_parallel_layers_per_stage")
     p.add_argument("-o", "--output", help="write the YAML (or overrides) to this file instead of stdout")

@@ -17,7 +17,7 @@ def test_megatron_line_becomes_a_parallelism_file(tmp_path, capsys):
     values = yaml.safe_load(out.read_text())
     assert values["defaults"] == ["parallelism_schema", "_self_"]
     assert (values["dp"], values["tp"], values["pp"], values["virtual_stages"]) == (2, 4, 8, 5)
-    assert values["name"] == "tp4-sp-pp8-dp2" and values["zero_stage"] == 1
+    assert values["name"] == "mine" and values["zero_stage"] == 1  # named after the file, as the presets are
     err = capsys.readouterr().err
     assert "--num-layers 80; --hidden-size 8192" in err and "conf/model" in err
 

@@ -79,7 +79,7 @@ class ImportedLayout:
             lines.append(f"# model arguments, not imported by import-layout: {'; '.join(self.model_arguments)}")
         if self.unknown:
             lines.append(f"# not known to import-layout, left out: {'; '.join(self.unknown)}")
-        lines += [f"# not modelled: {note}" for note in self.notes]
+        lines += [f"# note: {note}" for note in self.notes]
         lines += ["defaults:", "  - parallelism_schema", "  - _self_"]
         lines += [f"{key}: {_yaml_value(value)}" for key, value in self.fields.items()]
         return "\n".join(lines) + "\n"
