@@ -50,12 +50,13 @@ def test_megatron_layouts_of_the_shared_contract_are_emitted_by_name():
                      "parallelism.fp8_param_gather=true", "parallelism.dp_shard_size=4", "parallelism.zero_stage=1"):
         assert expected in overrides
     uneven = import_megatron("--pipeline-model-parallel-size 16 --num-virtual-stages-per-pipeline-rank 4 "
-                             "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 3 "
-                             "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+                             "--decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 8 "
                              "--bf16 --fp4-format e2m1 --micro-batch-size 1", 128).fields
-    assert (uneven["first_stage_layers"], uneven["last_stage_layers"], uneven["virtual_stages"]) == (3, 3, 4)
-    assert uneven["account_for_embedding_in_pipeline_split"] and uneven["account_for_loss_in_pipeline_split"]
+    assert (uneven["first_stage_layers"], uneven["last_stage_layers"], uneven["virtual_stages"]) == (4, 8, 4)
     assert uneven["precision"] == "fp4"
+    counted = import_megatron("--pipeline-model-parallel-size 16 --account-for-embedding-in-pipeline-split "
+                              "--account-for-loss-in-pipeline-split --micro-batch-size 1", 128).fields
+    assert counted["account_for_embedding_in_pipeline_split"] and counted["account_for_loss_in_pipeline_split"]
     chunks = import_megatron("--pipeline-model-parallel-size 8 --num-layers-per-virtual-pipeline-stage 2 "
                              "--num-layers 80 --micro-batch-size 1", 64)
     assert chunks.fields["virtual_stages"] == 5 and chunks.model_arguments == ["--num-layers 80"]
@@ -71,6 +72,12 @@ def test_megatron_layouts_of_the_shared_contract_are_emitted_by_name():
     ("--tensor-model-parallel-size 3", "not divisible by tp * pp * cp"),
     ("--tensor-model-parallel-size 2 --tp-comm-overlap", "--sequence-parallel"),
     ("--sequence-parralel", "did you mean --sequence-parallel"),
+    ("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 4 --decoder-first-pipeline-num-layers 3",
+     "--decoder-first-pipeline-num-layers"),
+    ("--pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 3 --account-for-loss-in-pipeline-split",
+     "--account-for-embedding/loss-in-pipeline-split"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Ett|ttL' --account-for-loss-in-pipeline-split",
+     "--pipeline-model-parallel-layout"),
 ])
 def test_megatron_values_trainsim_cannot_model_are_refused_by_name(arguments, named):
     with pytest.raises(ConfigError, match="accepted|Megatron|did you mean") as error:

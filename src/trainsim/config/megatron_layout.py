@@ -210,6 +210,16 @@ def _pipeline_fields(args: dict[str, object], pp: int) -> dict[str, object]:
     last = args.get("--decoder-last-pipeline-num-layers", 0)
     embedding = bool(args.get("--account-for-embedding-in-pipeline-split"))
     loss = bool(args.get("--account-for-loss-in-pipeline-split"))
+    if layout and (first or last or embedding or loss):
+        raise ConfigError("--pipeline-model-parallel-layout cannot be set with --decoder-first/last-pipeline-num-"
+                          "layers or --account-for-embedding/loss-in-pipeline-split (Megatron-Core refuses it): the "
+                          "layout string places the embedding, the loss and every layer itself")
+    if (first or last) and (embedding or loss):
+        raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be set with --account-for-embedding/loss-in-"
+                          "pipeline-split (Megatron-Core refuses it); choose one way to lighten the outer stages")
+    for flag, value in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if flag in args and value <= 0:
+            raise refuse(flag, value, "a layer count larger than 0 (Megatron-Core requires it)")
     virtual = 1
     if layout:
         stages = layout_stage_count(layout)
@@ -233,6 +243,10 @@ def _pipeline_fields(args: dict[str, object], pp: int) -> dict[str, object]:
                               f"(+ embedding/loss accounted: {int(embedding) + int(loss)}) over {pp} stages do not "
                               f"split into chunks of {per_chunk} (Megatron requires it)")
         virtual = per_stage // per_chunk
+    for flag, value in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if value % virtual:
+            raise refuse(flag, value, f"a multiple of the {virtual} virtual stages per rank (Megatron-Core requires "
+                                      f"each virtual stage of the first and last rank to hold the same layers)")
     if virtual > 1 and pp < 2:
         raise ConfigError(f"{given[0]} gives {virtual} virtual stages with --pipeline-model-parallel-size {pp}: "
                           f"interleaving needs pp >= 2")
