@@ -132,6 +132,10 @@ def test_a_torchtitan_job_becomes_hsdp_with_fp8_all_gathers():
     assert (f["precision"], f["fp8_recipe"], f["fp8_param_gather"]) == ("fp8", "current", True)
     assert (f["micro_batch_size"], f["global_batch_size"]) == (2, 64)
     assert "training.seq_len = 8192" in layout.model_arguments and "compile.enable" in layout.notes[0]
+    assert f["etp"] == 1 and "parallelism.etp=8" in layout.notes[1]  # experts over tp only for a MoE model
+    inactive = TORCHTITAN.replace('converters = ["float8"]', "").replace("[float8]", '[quantize.linear.float8]\n'
+                                                                          'filter_fqns = ["output", "wq"]')
+    assert import_torchtitan(inactive, world_size=256).fields["precision"] == "bf16"  # float8 keys inert
     with pytest.raises(ConfigError, match="--gpus"):
         import_torchtitan(TORCHTITAN)  # data_parallel_shard_degree -1 needs the world size
 

@@ -85,13 +85,19 @@ def import_torchtitan(toml: str | Path, world_size: int | None = None, name: str
     fields = _torchtitan_fields(get, where, world_size, num_layers)
     model = [f"{k} = {keys[k]!r}" for k in keys if k in MODEL_KEYS]
     listed = set(MODEL_KEYS) | set(NOT_LAYOUT_KEYS)
+    if fields["precision"] != "fp8":  # torchtitan reads the float8 / MX sections only for an active converter
+        listed |= {k for k in keys if k.startswith(("float8.", "quantize.linear."))}
     other = [k for k in keys if k not in used and k not in listed and k.split(".")[0] not in NOT_LAYOUT_SECTIONS]
     if other and not allow_unknown:
         raise ConfigError(f"{where}: settings not known to import-layout: {other}; pass --allow-unknown to import the "
-                          f"rest (they are listed in the output). Known [parallelism] keys: {sorted(PARALLELISM_KEYS)}")
+                          f"rest (they are listed in the output). Known parallelism.* keys: {sorted(PARALLELISM_KEYS)}")
     unknown = [f"{k} = {keys[k]!r}" for k in other]
     notes = ["compile.enable = true: torch.compile's fusions are not priced (trainsim times eager kernels)"] \
         if keys.get("compile.enable") else []
+    if fields["ep"] == 1 and fields["tp"] > 1:  # trainsim refuses etp > 1 for a model without experts
+        fields["etp"] = 1
+        notes.append(f"expert_parallel_degree 1: torchtitan shards a mixture of experts' experts over tp, written as "
+                     f"etp 1 for a dense model; for a mixture of experts set parallelism.etp={fields['tp']}")
     return ImportedLayout(layout_fields(fields, name), f"torchtitan job config {where}", model, unknown, notes)
 
 
