@@ -114,6 +114,7 @@ seq_len = 8192
 [parallelism]
 data_parallel_replicate_degree = 2
 tensor_parallel_degree = 8
+expert_tensor_parallel_degree = 8
 enable_async_tensor_parallel = true
 [activation_checkpoint]
 mode = "full"
