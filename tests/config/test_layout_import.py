@@ -60,6 +60,11 @@ def test_megatron_layouts_of_the_shared_contract_are_emitted_by_name():
     chunks = import_megatron("--pipeline-model-parallel-size 8 --num-layers-per-virtual-pipeline-stage 2 "
                              "--num-layers 80 --micro-batch-size 1", 64)
     assert chunks.fields["virtual_stages"] == 5 and chunks.model_arguments == ["--num-layers 80"]
+    block = ("--recompute-granularity full --recompute-method block --micro-batch-size 1 "
+             "--pipeline-model-parallel-size 8")
+    assert import_megatron(f"{block} --recompute-num-layers 10 --num-layers 80", 8).fields["recompute"] == "full"
+    with pytest.raises(ConfigError, match="--recompute-method"):  # block 9 of a 10-layer stage: not every layer
+        import_megatron(f"{block} --recompute-num-layers 9 --num-layers 80", 8)
 
 
 @pytest.mark.parametrize("arguments, named", [

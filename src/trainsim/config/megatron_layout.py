@@ -170,7 +170,8 @@ def _megatron_fields(args: dict[str, object], world_size: int) -> dict[str, obje
                             "etp": args.get("--expert-tensor-parallel-size", tp)}
     f.update(_pipeline_fields(args, pp))
     f.update(_precision_fields(args))
-    f.update(_recompute_fields(args, pp * f["virtual_stages"]))
+    f.update(_recompute_fields(args, pp * f["virtual_stages"], max(f["first_stage_layers"], f["last_stage_layers"])
+                               // f["virtual_stages"]))
     f.update(_data_parallel_fields(args, dp * cp, f))
     micro = args.get("--micro-batch-size")
     if micro is None:
@@ -308,7 +309,9 @@ def _precision_fields(args: dict[str, object]) -> dict[str, object]:
     return f
 
 
-def _recompute_fields(args: dict[str, object], chunks: int) -> dict[str, object]:
+def _recompute_fields(args: dict[str, object], chunks: int, outer_chunk_layers: int) -> dict[str, object]:
+    """`chunks` model chunks (pp x virtual stages); `outer_chunk_layers`: the layers of an uneven first or last
+    stage's chunk (0 when even), which a block recomputation must also cover."""
     granularity = args.get("--recompute-granularity", "selective" if args.get("--recompute-activations") else None)
     method, count = args.get("--recompute-method"), args.get("--recompute-num-layers")
     modules = args.get("--recompute-modules", ["core_attn"])
@@ -331,7 +334,8 @@ def _recompute_fields(args: dict[str, object], chunks: int) -> dict[str, object]
                           "(Megatron-Core requires them)")
     if method == "uniform" and count == 1:
         return {"recompute": "full"}
-    if method == "block" and "--num-layers" in args and count >= math.ceil(args["--num-layers"] / chunks):
+    if method == "block" and "--num-layers" in args and count >= max(math.ceil(args["--num-layers"] / chunks),
+                                                                   outer_chunk_layers):
         return {"recompute": "full"}  # every layer of every model chunk recomputed
     raise refuse("--recompute-method/--recompute-num-layers", f"{method} {count}",
                  "uniform 1, or block with at least the layers of a model chunk and --num-layers given "
