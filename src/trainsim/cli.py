@@ -353,9 +353,6 @@ def _cmd_import_layout(args, console: Console) -> int:
     if args.megatron is not None:
         from trainsim.config.megatron_layout import import_megatron
 
-        if gpus is None:
-            raise ConfigError("import-layout --megatron needs the world size (Megatron derives dp from it): "
-                              "--gpus N, or --nodes N [--gpus-per-node 8]")
         layout = import_megatron(args.megatron, gpus, name=name, allow_unknown=args.allow_unknown)
     else:
         from trainsim.config.torchtitan_layout import import_torchtitan
@@ -510,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Megatron-LM / Megatron-Bridge arguments as one quoted string")
     source.add_argument("--torchtitan", metavar="JOB.toml", help="a torchtitan TOML job config")
     p.add_argument("--gpus", type=int, help="world size (Megatron derives dp from it; torchtitan's "
-                                            "data_parallel_shard_degree -1 too)")
+                                            "data_parallel_shard_degree -1 too); default: a torchrun launcher's")
     p.add_argument("--nodes", type=int, help="world size as nodes x --gpus-per-node")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--name", default="",

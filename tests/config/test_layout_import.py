@@ -179,3 +179,13 @@ def test_megatron_bridge_overrides_are_read_as_the_arguments_they_set():
     assert "fp8_param_gather" not in reduced.fields and "first_last_layers_bf16" in reduced.notes[0]
     with pytest.raises(ConfigError, match="mixed_precision=bf16_with_fp9"):
         import_megatron("mixed_precision=bf16_with_fp9 --micro-batch-size 1", 8)
+
+
+def test_a_pasted_torchrun_line_sizes_the_job():
+    line = ("torchrun --nnodes=16 --nproc-per-node 8 pretrain_gpt.py \\\n"
+            "    --tensor-model-parallel-size 8 --micro-batch-size 1 \\\n    --num-layers 80")
+    layout = import_megatron(line)
+    assert layout.fields["dp"] == 16 and layout.model_arguments == ["--num-layers 80"] and not layout.unknown
+    assert import_megatron(line, world_size=64).fields["dp"] == 8  # --gpus wins
+    with pytest.raises(ConfigError, match="elastic"):
+        import_megatron(line.replace("--nnodes=16", "--nnodes=8:16"))

@@ -28,6 +28,7 @@ from trainsim.config.imported_layout import (
     megatron_core_bucket_bytes,
     refuse,
 )
+from trainsim.config.launch_line import launch_tokens
 from trainsim.config.schema import ParallelismConfig
 from trainsim.errors import ConfigError
 
@@ -131,11 +132,18 @@ def _convert(flag: str, kind: str, values: list[str]) -> object:
     return True if kind == FLAG else values if kind == LIST else values[0]
 
 
-def import_megatron(arguments: str | Sequence[str], world_size: int, name: str = "",
+def import_megatron(arguments: str | Sequence[str], world_size: int | None = None, name: str = "",
                     allow_unknown: bool = False) -> ImportedLayout:
-    """The layout of a Megatron-LM launch on `world_size` GPUs (Megatron derives dp from the world size).
-    Unknown arguments raise ConfigError listing them, unless `allow_unknown` (then they are listed in the result)."""
-    tokens, notes = bridge_to_megatron(shlex.split(arguments) if isinstance(arguments, str) else list(arguments))
+    """The layout of a Megatron-LM launch on `world_size` GPUs (Megatron derives dp from the world size; None:
+    from a torchrun launcher in the line). Unknown arguments raise ConfigError listing them, unless
+    `allow_unknown` (then they are listed in the result)."""
+    script_arguments, launched = launch_tokens(arguments)
+    if world_size is None:
+        world_size = launched
+    if world_size is None:
+        raise ConfigError("import-layout --megatron needs the world size (Megatron derives dp from it): --gpus N, "
+                          "or --nodes N [--gpus-per-node 8], or a torchrun launcher with --nproc-per-node")
+    tokens, notes = bridge_to_megatron(script_arguments)
     args, model_arguments, unknown = parse_arguments(tokens)
     tp, ep = args.get("--tensor-model-parallel-size", 1), args.get("--expert-model-parallel-size", 1)
     if "--expert-tensor-parallel-size" not in args and tp > 1 and ep == 1 and not any(
@@ -152,8 +160,7 @@ def import_megatron(arguments: str | Sequence[str], world_size: int, name: str =
                           f"Known: the layout arguments of megatron_layout.LAYOUT_ARGUMENTS and the model arguments "
                           f"of MODEL_ARGUMENTS")
     fields = _megatron_fields(args, world_size)
-    source = "Megatron-LM arguments on " + f"{world_size} GPUs: " + " ".join(
-        shlex.quote(t) for t in (shlex.split(arguments) if isinstance(arguments, str) else arguments))
+    source = f"Megatron-LM arguments on {world_size} GPUs: " + " ".join(shlex.quote(t) for t in script_arguments)
     return ImportedLayout(layout_fields(fields, name), source, model_arguments, unknown, notes)
 
 
