@@ -77,6 +77,7 @@ def test_megatron_layouts_of_the_shared_contract_are_emitted_by_name():
     ("--tensor-model-parallel-size 3", "not divisible by tp * pp * cp"),
     ("--tensor-model-parallel-size 2 --tp-comm-overlap", "--sequence-parallel"),
     ("--sequence-parralel", "did you mean --sequence-parallel"),
+    ("--use-torch-fsdp2 --pipeline-model-parallel-size 2", "--use-torch-fsdp2"),
     ("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 4 --decoder-first-pipeline-num-layers 3",
      "--decoder-first-pipeline-num-layers"),
     ("--pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 3 --account-for-loss-in-pipeline-split",

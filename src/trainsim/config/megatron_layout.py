@@ -364,6 +364,9 @@ def _data_parallel_fields(args: dict[str, object], replicas: int, f: dict[str, o
     elif "--data-parallel-sharding-strategy" in args:
         raise ConfigError("--data-parallel-sharding-strategy needs --use-megatron-fsdp")
     if torch_fsdp:
+        if f["pp"] > 1 or f["ep"] > 1 or zero:
+            raise ConfigError("--use-torch-fsdp2 with pipeline or expert parallelism or --use-distributed-optimizer: "
+                              "Megatron-LM refuses it (use --use-megatron-fsdp)")
         zero = 2 if args.get("--torch-fsdp2-no-reshard-after-forward") else 3
     instances = args.get("--num-distributed-optimizer-instances", 1)
     if instances < 1 or replicas % instances:
