@@ -190,3 +190,31 @@ def test_a_pasted_torchrun_line_sizes_the_job():
     assert import_megatron(line, world_size=64).fields["dp"] == 8  # --gpus wins
     with pytest.raises(ConfigError, match="elastic"):
         import_megatron(line.replace("--nnodes=16", "--nnodes=8:16"))
+
+
+def test_a_2024_torchtitan_job_reads_as_todays():
+    """torchtitan's published December 2024 runs used [training] degrees, [experimental] pipelines and
+    float8.enable_float8_linear."""
+    legacy = """
+[training]
+batch_size = 16
+data_parallel_shard_degree = 32
+tensor_parallel_degree = 8
+compile = true
+[experimental]
+enable_async_tensor_parallel = true
+[activation_checkpoint]
+mode = "full"
+[float8]
+enable_float8_linear = true
+enable_fsdp_float8_all_gather = true
+"""
+    layout = import_torchtitan(legacy)
+    f = layout.fields
+    assert (f["dp"], f["tp"], f["micro_batch_size"], f["zero_stage"]) == (32, 8, 16, 3)
+    assert (f["precision"], f["fp8_param_gather"], f["tp_comm_overlap"]) == ("fp8", True, True)
+    assert "compile.enable" in layout.notes[0]
+    with pytest.raises(ConfigError, match="experimental.pipeline_parallel_split_points"):
+        import_torchtitan(legacy.replace("[experimental]\n", "[experimental]\npipeline_parallel_degree = 2\n"
+                                         "pipeline_parallel_microbatches = 4\n"
+                                         "pipeline_parallel_split_points = ['layers.40']\n"), 512)

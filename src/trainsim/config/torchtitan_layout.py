@@ -54,6 +54,40 @@ NOT_LAYOUT_KEYS = ("training.dataset", "training.dataset_path", "training.steps"
 """Keys of the layout's sections that change no step time trainsim models (or only numerics): listed."""
 
 
+LEGACY_KEYS = {
+    "training.batch_size": "training.local_batch_size",
+    "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
+    "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
+    "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
+    "experimental.enable_async_tensor_parallel": "parallelism.enable_async_tensor_parallel",
+    "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
+    "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
+    "experimental.context_parallel_degree": "parallelism.context_parallel_degree",
+    "experimental.context_parallel_rotate_method": "parallelism.context_parallel_rotate_method",
+    "training.compile": "compile.enable",
+}
+"""Keys of torchtitan's 2024 job configs (the published torchtitan benchmarks ran them) -> today's names."""
+
+
+def modern_keys(keys: dict[str, object], where: str) -> dict[str, object]:
+    """A 2024 torchtitan job's keys under today's names: `float8.enable_float8_linear` becomes the float8
+    converter, `experimental.pipeline_parallel_microbatches` a micro-batch size."""
+    out = {LEGACY_KEYS.get(key, key): value for key, value in keys.items()}
+    if out.pop("float8.enable_float8_linear", False):
+        out["model.converters"] = [*out.get("model.converters", []), "float8"]
+    scaling = {out.pop(f"float8.scaling_type_{t}", "dynamic") for t in ("input", "weight", "grad_output")}
+    if scaling != {"dynamic"}:
+        raise refuse("float8.scaling_type_*", sorted(scaling), "dynamic (per-tensor current scaling)")
+    micro = out.pop("experimental.pipeline_parallel_microbatches", None)
+    if out.get("parallelism.pipeline_parallel_degree", 1) > 1 and "experimental.pipeline_parallel_degree" in keys:
+        local = out.get("training.local_batch_size", 8)
+        if micro is None or local % micro:
+            raise ConfigError(f"{where}: experimental.pipeline_parallel_microbatches {micro}: import-layout needs it "
+                              f"given and dividing training.batch_size {local}")
+        out["parallelism.pipeline_parallel_microbatch_size"] = local // micro
+    return out
+
+
 def flatten(table: dict, prefix: str = "") -> dict[str, object]:
     """{"a": {"b": 1}} -> {"a.b": 1}."""
     out: dict[str, object] = {}
@@ -76,6 +110,7 @@ def import_torchtitan(toml: str | Path, world_size: int | None = None, name: str
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"torchtitan job config {path or '<text>'}: {error}") from error
     where = str(path) if path else "torchtitan TOML"
+    keys = modern_keys(keys, where)
     used: set[str] = set()
 
     def get(key: str, default: object) -> object:
@@ -87,7 +122,8 @@ def import_torchtitan(toml: str | Path, world_size: int | None = None, name: str
     listed = set(MODEL_KEYS) | set(NOT_LAYOUT_KEYS)
     if fields["precision"] != "fp8":  # torchtitan reads the float8 / MX sections only for an active converter
         listed |= {k for k in keys if k.startswith(("float8.", "quantize.linear."))}
-    other = [k for k in keys if k not in used and k not in listed and k.split(".")[0] not in NOT_LAYOUT_SECTIONS]
+    other = [k for k in keys if k not in used and k not in listed and (k.split(".")[0] not in NOT_LAYOUT_SECTIONS
+                                                                    or k.startswith("experimental.pipeline"))]
     if other and not allow_unknown:
         raise ConfigError(f"{where}: settings not known to import-layout: {other}; pass --allow-unknown to import the "
                           f"rest (they are listed in the output). Known parallelism.* keys: {sorted(PARALLELISM_KEYS)}")
