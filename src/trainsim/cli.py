@@ -345,6 +345,35 @@ def _cmd_dvc_yaml(args, console: Console) -> int:
     return 0
 
 
+def _cmd_import_layout(args, console: Console) -> int:
+    import shlex
+
+    gpus = args.gpus or (args.nodes * args.gpus_per_node if args.nodes else None)
+    name = args.name or (Path(args.output).stem if args.output and not args.overrides else "")  # as presets: the stem
+    if args.megatron is not None:
+        from trainsim.config.megatron_layout import import_megatron
+
+        layout = import_megatron(args.megatron, gpus, name=name, allow_unknown=args.allow_unknown)
+    else:
+        from trainsim.config.torchtitan_layout import import_torchtitan
+
+        layout = import_torchtitan(Path(args.torchtitan), gpus, name=name, allow_unknown=args.allow_unknown,
+                                   num_layers=args.num_layers)
+    err = Console(stderr=True)
+    for title, items in (("model arguments, not imported by import-layout (they belong to conf/model)",
+                          layout.model_arguments), ("not known to import-layout, left out", layout.unknown),
+                         ("note", layout.notes)):
+        if items:
+            err.print(f"{title}: {'; '.join(items)}", highlight=False, markup=False)
+    text = " ".join(shlex.quote(o) for o in layout.overrides()) + "\n" if args.overrides else layout.yaml_text()
+    if args.output:
+        Path(args.output).write_text(text)
+        err.print(f"wrote {args.output}", highlight=False, markup=False)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def _add_search_arguments(p: argparse.ArgumentParser) -> None:
     """The layout search's arguments (search and plan)."""
     p.add_argument("overrides", nargs="*", help="Hydra overrides: model, hardware, parallelism.global_batch_size, "
@@ -394,6 +423,11 @@ EXAMPLES = {
              "trainsim plan model=llama3-70b hardware=h100-sxm-dgx parallelism=tp8-sp-pp8-dp4 --gpus 4096 "
              "train.tokens=15e12 --by cost --within-days 90"),
     "dvc-yaml": ("trainsim dvc-yaml > dvc.yaml", "trainsim dvc-yaml --check"),
+    "import-layout": ("trainsim import-layout --gpus 64 --megatron '--tensor-model-parallel-size 4 "
+                      "--pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 5 --sequence-parallel "
+                      "--use-distributed-optimizer --bf16 --micro-batch-size 1 --global-batch-size 128' "
+                      "-o conf/parallelism/mine.yaml",
+                      "trainsim import-layout --torchtitan llama3_70b.toml --gpus 256 --overrides"),
 }
 """Real command lines each verb's --help ends with (tests/cli/test_cli.py wants some for every verb)."""
 
@@ -466,6 +500,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "which layout, to finish in time at the least cost)")
     p.add_argument("--output", help="artifact directory (default artifacts/plans/{hardware}/{model}/{gpus}gpu)")
     p.set_defaults(func=_cmd_plan)
+    p = sub.add_parser("import-layout", help="turn Megatron-LM launch arguments or a torchtitan TOML job into a "
+                                             "conf/parallelism file (or Hydra overrides)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--megatron", metavar="ARGUMENTS",
+                        help="Megatron-LM / Megatron-Bridge arguments as one quoted string")
+    source.add_argument("--torchtitan", metavar="JOB.toml", help="a torchtitan TOML job config")
+    p.add_argument("--gpus", type=int, help="world size (Megatron derives dp from it; torchtitan's "
+                                            "data_parallel_shard_degree -1 too); default: a torchrun launcher's")
+    p.add_argument("--nodes", type=int, help="world size as nodes x --gpus-per-node")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--name", default="",
+                   help="the layout's name (default: the -o file's stem, else from its degrees, e.g. tp8-sp-pp4-dp2)")
+    p.add_argument("--num-layers", type=int,
+                   help="torchtitan: the model's layers, for pipeline_parallel_layers_per_stage")
+    p.add_argument("-o", "--output", help="write the YAML (or overrides) to this file instead of stdout")
+    p.add_argument("--overrides", action="store_true",
+                   help="print Hydra overrides (parallelism.tp=8 ...) instead of YAML")
+    p.add_argument("--allow-unknown", action="store_true",
+                   help="import despite unknown arguments (listed on stderr and in the file)")
+    p.set_defaults(func=_cmd_import_layout)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")
     p.set_defaults(func=_cmd_dvc_yaml)

@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from trainsim.config.data_path import DATA_DIR
+from trainsim.config.imported_layout import megatron_core_bucket_bytes
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.validation.fitting import calibrated_comm, pipeline_slowdown
 from trainsim.validation.kernel_fit import (
@@ -280,12 +281,6 @@ def virtual_stages(layers: int, pp: int, most: int = 4) -> int:
         return 1
     per_stage = layers // pp
     return max(v for v in range(1, most + 1) if per_stage % v == 0)
-
-
-def megatron_core_bucket_bytes(dp: int, grad_bytes: int) -> int:
-    """Megatron-Core DDP's default gradient bucket: max(40M, 1M x dp) parameters (dp counts the context-parallel
-    ranks, which reduce gradients with it), each `grad_bytes` long."""
-    return max(40_000_000, 1_000_000 * dp) * grad_bytes
 
 
 def row_configs(table: Table, row, base_model: ModelConfig, base_par: ParallelismConfig
