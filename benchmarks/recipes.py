@@ -61,12 +61,38 @@ def predictions(composed: list) -> None:
               f"measured {c.recipe.measured_s:.3f} s ({error:+.1f} %)")
 
 
+def layout_round_trip() -> None:
+    """Every conf/parallelism preset through `megatron_arguments` and back (a preset Megatron-LM cannot express,
+    GPipe, counts as a failure with its reason)."""
+    from trainsim.config.imported_layout import read_parallelism_file
+    from trainsim.config.megatron_layout import megatron_arguments, megatron_round_trip_mismatches
+    from trainsim.errors import ConfigError
+
+    presets = {p.stem: read_parallelism_file(p) for p in sorted((REPO / "conf" / "parallelism").glob("*.yaml"))}
+    inexpressible = {}
+    for name, par in presets.items():
+        try:
+            megatron_arguments(par)
+        except ConfigError as error:
+            inexpressible[name] = str(error)
+    failures = {name: m for name, par in presets.items()
+                if name not in inexpressible and (m := megatron_round_trip_mismatches(par))}
+    for name, reason in inexpressible.items():
+        print(f"no Megatron-LM arguments for {name}: {reason.splitlines()[0]}")
+    for name, mismatches in failures.items():
+        print(f"round trip {name}: {'; '.join(m.splitlines()[0] for m in mismatches)}")
+    figure("recipes_layout_presets", len(presets), "presets", "d")
+    figure("recipes_layout_not_megatron", len(inexpressible), "presets", "d")
+    figure("recipes_layout_roundtrip_failures", len(failures), "presets", "d")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compose", action="store_true", help="also predict every accepted row (slow)")
     parser.add_argument("--verbose", action="store_true", help="list the accepted rows too")
     args = parser.parse_args(argv)
     composed = refusals(args.verbose)
+    layout_round_trip()
     if args.compose:
         predictions(composed)
 
