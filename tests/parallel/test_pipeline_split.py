@@ -86,3 +86,21 @@ def test_config_accepts_the_split_and_names_the_fields_it_refuses():
     with pytest.raises(ConfigError, match=r"parallelism.pipeline_layout='Ett\|tt\|L' with parallelism.pp=2, "
                                           r"virtual_stages=2 .*not divisible by the pipeline parallel size 2"):
         compose_run(["parallelism=pp2-interleaved", "parallelism.pipeline_layout=Ett|tt|L"], check="layout")
+
+
+def test_traced_stages_hold_the_layers_the_layout_gives_them():
+    """Memory follows the split: a middle stage with two layers holds more weights than one with one (they are
+    traced apart, not as one middle stage), and the last stage, holding only the output layer and the loss,
+    holds the head alone."""
+    from trainsim.trace import trace_layout
+
+    run = compose_run(["parallelism=pp2", "parallelism.pp=4", "parallelism.pipeline_layout=Et|tt|t|L"],
+                      check="layout")
+    memory = trace_layout(run.model, run.parallelism).memory.to_pandas().set_index("rank_class")
+    weights = memory["parameter_bytes"]
+    layer = weights[1] - weights[2]
+    assert layer > 0
+    even = compose_run(["parallelism=pp2", "parallelism.pp=4"], check="layout")
+    even_weights = trace_layout(even.model, even.parallelism).memory.to_pandas().set_index("rank_class")
+    assert weights[0] == even_weights["parameter_bytes"][0]  # embedding and one layer, as the even split
+    assert weights[3] == even_weights["parameter_bytes"][3] - layer  # the head, without its layer
