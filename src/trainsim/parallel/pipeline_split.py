@@ -165,7 +165,8 @@ def _explicit_split(num_layers: int, pp: int, v: int, layout: str) -> PipelineSp
     if len(stages) // pp != v:
         raise PipelineSplitError(f"virtual_stages={v} conflicts with the layout's {len(stages)} stages on {pp} "
                                  f"pipeline ranks ({len(stages) // pp} virtual stages per rank): set "
-                                 f"parallelism.virtual_stages={len(stages) // pp}")
+                                 f"parallelism.virtual_stages={len(stages) // pp}"
+                                 + (" and schedule=interleaved-1f1b" if len(stages) // pp > 1 else ""))
     flat = "".join(stages)
     if not flat or flat[0] != "E":
         raise PipelineSplitError(f"the first layer must be the embedding 'E', but got {flat[:1]!r}")

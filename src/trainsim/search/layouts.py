@@ -7,8 +7,9 @@ not divide the layers get lighter end stages (first/last_stage_layers; DeepSeek-
 1 on the last), interleaved too where Megatron-Core's split allows it (parallel/pipeline_split.py). World sizes
 are the budget and its halvings down to one node, so the search can trade time for cost. Tensor parallelism
 stays inside a node (its collectives block compute on every layer, so nobody runs it across nodes). Layouts the
-model cannot be split into are dropped here with validate_layout's reason. The base's overlaps
-(overlap_param_gather, moe_a2a_overlap) are kept in the layouts where they apply, off in the others.
+model cannot be split into are dropped here with validate_layout's reason. The base's own split (embedding / loss
+counted as layers, an explicit pipeline_layout) is for its pp only: the searched layouts use the splits above. The
+base's overlaps (overlap_param_gather, moe_a2a_overlap) are kept in the layouts where they apply, off in the others.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
                                 dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
                                 micro_batch_size=mbs, schedule=schedule,
                                 virtual_stages=v, recompute=recompute, zero_stage=zero,
-                                first_stage_layers=first, last_stage_layers=last,
+                                first_stage_layers=first, last_stage_layers=last, pipeline_layout="",
+                                account_for_embedding_in_pipeline_split=False,
+                                account_for_loss_in_pipeline_split=False,
                                 overlap_param_gather=base.overlap_param_gather and zero == 1)
                             if par.moe_a2a_overlap and a2a_overlap_refusal(par):  # where it applies only
                                 par = dataclasses.replace(par, moe_a2a_overlap=False)
