@@ -104,3 +104,29 @@ def test_traced_stages_hold_the_layers_the_layout_gives_them():
     even_weights = trace_layout(even.model, even.parallelism).memory.to_pandas().set_index("rank_class")
     assert weights[0] == even_weights["parameter_bytes"][0]  # embedding and one layer, as the even split
     assert weights[3] == even_weights["parameter_bytes"][3] - layer  # the head, without its layer
+
+
+def test_step_time_and_memory_follow_the_split():
+    """All four layers on the first stage and the last holding only the head: the first stage holds more, the last
+    less, and the step takes longer than with the even split (the first stage's work sets the pace)."""
+    from trainsim.profile.analytical import predict_rows
+    from trainsim.profile.stage import distinct_ops
+    from trainsim.timeline import compose_step
+    from trainsim.timeline.costs import ConstantSlowdown
+    from trainsim.timeline.stage import comm_model
+    from trainsim.trace import trace_layout
+
+    def step(*overrides):
+        run = compose_run(["hardware=h100-sxm-dgx", "parallelism=pp2", "parallelism.global_batch_size=8", *overrides])
+        result = trace_layout(run.model, run.parallelism)
+        graph, rank_classes = result.graph.to_pandas(), result.rank_classes.to_pandas()
+        ops = distinct_ops(graph)
+        times = dict(zip(ops["signature"], predict_rows(ops, run.hardware)))
+        timeline = compose_step(graph, rank_classes, run.parallelism, run.hardware, times,
+                                comm_model(run.hardware, None), ConstantSlowdown(0.2, name="constant"))
+        return timeline.step_time_s, list(result.memory.to_pandas().sort_values("rank_class")["peak_bytes"])
+
+    even_s, even_peak = step()
+    skewed_s, skewed_peak = step("parallelism.pipeline_layout=Etttt|L")
+    assert skewed_s > 1.2 * even_s
+    assert skewed_peak[0] > even_peak[0] and skewed_peak[1] < even_peak[1]
