@@ -509,7 +509,8 @@ class ParallelismConfig:
     stage order (chunk c of rank r is stage c * pp + r), separated by '|'; 'E' embedding, 't' transformer layer,
     'L' loss, 'x*n' and '(...)*n' repeat, commas are cosmetic; e.g. DeepSeek-V3 on PP8 x VP2 without its MTP
     layer: "Et*4|(t*4|)*14,tL". It must hold pp * virtual_stages stages, 'E' first, 'L' last, num_layers 't'.
-    Empty: the split the other fields give."""
+    Empty: the split the other fields give. Quote it in a command-line override:
+    parallelism.pipeline_layout='Et*4|(tttt|)*14tL'."""
     micro_batch_size: int = 1
     """Samples per micro-batch."""
     global_batch_size: int = 1
