@@ -130,3 +130,21 @@ def test_step_time_and_memory_follow_the_split():
     skewed_s, skewed_peak = step("parallelism.pipeline_layout=Etttt|L")
     assert skewed_s > 1.2 * even_s
     assert skewed_peak[0] > even_peak[0] and skewed_peak[1] < even_peak[1]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=llama3.1-405b", "parallelism=tp8-sp-pp16-vp4-dp128", "parallelism.pp=8", "parallelism.virtual_stages=8",
+     "parallelism.dp=256", "parallelism.global_batch_size=2048"],
+    ["model=llama3.1-405b", "parallelism=tp8-sp-pp16-vp4-dp128"],
+    ["model=deepseek-v3", "parallelism=ep64-pp16-dp128", "parallelism.last_stage_layers=0", "parallelism.pp=4",
+     "parallelism.dp=512", "parallelism.global_batch_size=8192", "parallelism.schedule=interleaved-1f1b",
+     "parallelism.virtual_stages=4",
+     "parallelism.pipeline_layout='Et*4|(tttt|)*14tL'"],
+    ["model=deepseek-v3", "parallelism=ep64-pp16-dp128", "parallelism.last_stage_layers=0", "parallelism.pp=8",
+     "parallelism.dp=256", "parallelism.global_batch_size=8192", "parallelism.schedule=interleaved-1f1b",
+     "parallelism.virtual_stages=4",
+     "parallelism.pipeline_layout='Et|(tt|)*30L'"],
+], ids=["llama405b-pp8-vp8", "llama405b-pp16-vp4", "deepseek-v3-pp4-vp4", "deepseek-v3-pp8-vp4"])
+def test_megatron_bridge_layouts_compose_as_written(overrides):
+    run = compose_run(overrides, check="layout")
+    assert run.parallelism.pp * run.parallelism.virtual_stages in (16, 32, 64)
