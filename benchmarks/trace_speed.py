@@ -12,6 +12,11 @@ tables in memory, kernels priced by h100-sxm-dgx's analytical model, the NCCL mo
 overlap slowdown). Targets: <= 60 s and <= 30 s. The same with FSDP (zero_stage 3: weights, gradients and states
 sharded over the 128 dp x cp ranks) in place of the distributed optimizer: `figure
 trace_seconds_llama405b_18432gpu_fsdp`, `figure compose_seconds_llama405b_18432gpu_fsdp`.
+
+Then Llama 3.1 405B's pre-training layout as Meta writes it (TP8 PP16 DP128, 16,384 GPUs, 8,192-token
+sequences): interleaved over 4 virtual stages with the embedding and the loss counted as layers, so the first and
+last stages hold a layer fewer (conf/parallelism/tp8-sp-pp16-vp4-dp128.yaml): `figure
+trace_seconds_llama405b_pp16_vp_uneven_16384gpu`. Target: <= 60 s.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ LLAMA_405B_LONG_CONTEXT = ["hardware=h100-sxm-dgx", "hardware.num_nodes=2304", "
                            "model.seq_length=131072", "parallelism=tp8-sp-cp16-pp18-dp8"]
 LLAMA_405B_VARIANTS = {"": [], "_fsdp": ["parallelism.zero_stage=3", "parallelism.overlap_param_gather=false"]}
 """figure suffix -> overrides: the layout as given (distributed optimizer), and with FSDP over dp x cp instead"""
+LLAMA_405B_PP16_UNEVEN = ["hardware=h100-sxm-dgx", "hardware.num_nodes=2048", "model=llama3.1-405b",
+                          "parallelism=tp8-sp-pp16-vp4-dp128"]
 
 
 def measure(parallelism: str) -> None:
@@ -40,14 +47,15 @@ def measure(parallelism: str) -> None:
     print(f"{seconds:.3f} {result.graph.num_rows} {run.parallelism.pp} {result.rank_classes.num_rows}")
 
 
-def measure_llama_long_context(*overrides: str) -> None:
+def measure_llama(*overrides: str) -> None:
+    """Trace and compose Llama 3.1 405B as the overrides give it (default: its long-context stage)."""
     from trainsim.profile.analytical import predict_rows
     from trainsim.profile.stage import distinct_ops
     from trainsim.timeline import compose_step
     from trainsim.timeline.costs import ConstantSlowdown
     from trainsim.timeline.stage import comm_model
 
-    run = compose_run([*LLAMA_405B_LONG_CONTEXT, *overrides])
+    run = compose_run(list(overrides) or LLAMA_405B_LONG_CONTEXT)
     start = time.perf_counter()
     result = trace_layout(run.model, run.parallelism)
     trace_s = time.perf_counter() - start
@@ -76,8 +84,8 @@ def main() -> None:
     for gpus, seconds in figures:
         figure(f"trace_seconds_gpt175b_{gpus}gpu", seconds, "s")
     for variant, overrides in LLAMA_405B_VARIANTS.items():
-        out = subprocess.run([sys.executable, __file__, "--llama-long-context", *overrides], capture_output=True,
-                             text=True, check=True).stdout.split()
+        out = subprocess.run([sys.executable, __file__, "--llama", *LLAMA_405B_LONG_CONTEXT, *overrides],
+                             capture_output=True, text=True, check=True).stdout.split()
         trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
             int(out[3]), float(out[4]), float(out[5])
         print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 CP16 PP18 DP8, 128K tokens, {variant or 'distributed optimizer'}):"
@@ -85,12 +93,20 @@ def main() -> None:
               f"peak memory {peak_gib:.1f} GiB")
         figure(f"trace_seconds_llama405b_{gpus_405b}gpu{variant}", trace_s, "s")
         figure(f"compose_seconds_llama405b_{gpus_405b}gpu{variant}", compose_s, "s")
+    out = subprocess.run([sys.executable, __file__, "--llama", *LLAMA_405B_PP16_UNEVEN], capture_output=True,
+                         text=True, check=True).stdout.split()
+    trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
+        int(out[3]), float(out[4]), float(out[5])
+    print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 PP16 x VP4 DP128, first/last stages a layer lighter): {events} "
+          f"events traced in {trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, "
+          f"peak memory {peak_gib:.1f} GiB")
+    figure(f"trace_seconds_llama405b_pp16_vp_uneven_{gpus_405b}gpu", trace_s, "s")
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--one":
         measure(sys.argv[2])
-    elif len(sys.argv) >= 2 and sys.argv[1] == "--llama-long-context":
-        measure_llama_long_context(*sys.argv[2:])
+    elif len(sys.argv) >= 2 and sys.argv[1] == "--llama":
+        measure_llama(*sys.argv[2:])
     else:
         main()

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from trainsim.parallel.layout import Layout, chunk_layers, stage_layer_counts
+from trainsim.parallel.layout import Layout
+from trainsim.parallel.pipeline_split import pipeline_split
 from trainsim.parallel.schedules import pipeline_actions
 
 
 def test_uneven_pipeline_split_fixes_first_and_last_and_shares_the_rest():
-    assert stage_layer_counts(61, 16, last=1) == [4] * 15 + [1]  # DeepSeek-V3 on 16 stages
-    assert stage_layer_counts(10, 4, first=1, last=3) == [1, 3, 3, 3]
-    assert stage_layer_counts(8, 4) == [2, 2, 2, 2]
-    with pytest.raises(ValueError, match="not an even split"):
-        stage_layer_counts(10, 4, first=2)
-    layers = [list(chunk_layers(61, 16, 1, stage, 0, last=1)) for stage in range(16)]
-    assert sum(layers, []) == list(range(61))
+    assert pipeline_split(61, 16, last=1).stage_layer_counts() == [4] * 15 + [1]  # DeepSeek-V3 on 16 stages
+    assert pipeline_split(10, 4, first=1, last=3).stage_layer_counts() == [1, 3, 3, 3]
+    assert pipeline_split(8, 4).stage_layer_counts() == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="middle stages, 8, must be divisible by the 3 middle"):
+        pipeline_split(10, 4, first=2)
+    split = pipeline_split(61, 16, last=1)
+    assert sum((list(split.layers(stage, 0)) for stage in range(16)), []) == list(range(61))
     # interleaved: chunk c of stage s holds virtual stage c * pp + s
-    assert list(chunk_layers(8, 2, 2, 1, 1)) == [6, 7]
+    assert list(pipeline_split(8, 2, 2).layers(1, 1)) == [6, 7]
 
 
 def test_megatron_rank_order_tp_fastest_then_dp_then_pp():

@@ -351,6 +351,20 @@ def test_pipeline_depths_that_do_not_divide_the_layers_get_lighter_end_stages():
     assert all(p.last_stage_layers for p in layouts.values() if p.pp > 1)  # 61 is prime
 
 
+def test_uneven_end_stages_are_interleaved_where_megatron_splits_them():
+    """Llama 3.1 405B on 16 stages: 8 layers each, 6 on the last, also as 2 virtual stages (6 and 8 divide by 2),
+    not as 4 (6 does not); the base's own split (embedding and loss counted as layers) is not carried over."""
+    run = compose_run(["hardware=h100-sxm-dgx", "model=llama3.1-405b", "parallelism=tp8-sp-pp16-vp4-dp128"],
+                      check="layout")
+    space = SearchSpace(micro_batch_sizes=(1,), recompute=("full",), tp_sizes=(8,), virtual_stages=(2, 4),
+                        min_world_size=16384)
+    layouts = enumerate_layouts(run.model, run.parallelism, cluster_for(run.hardware, 16384), 16384, space)
+    pp16 = {(p.schedule, p.virtual_stages, p.last_stage_layers) for p in layouts if p.pp == 16}
+    assert pp16 == {("1f1b", 1, 6), ("interleaved-1f1b", 2, 6)}
+    assert not any(p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
+                   for p in layouts)
+
+
 def test_oom_layouts_are_screened_before_timing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = compose_run(["hardware=a100-80g-dgx", "model=gpt-175b", "parallelism=pp16-tp8-dp8"], check="layout")

@@ -494,7 +494,23 @@ class ParallelismConfig:
     """Layers on the first pipeline stage, the rest split evenly (Megatron's --decoder-first-pipeline-num-layers:
     DeepSeek-V3's 61 layers on 16 stages); 0: every stage the same number."""
     last_stage_layers: int = 0
-    """Layers on the last pipeline stage (Megatron's --decoder-last-pipeline-num-layers); 0: as the middle ones."""
+    """Layers on the last pipeline stage (Megatron's --decoder-last-pipeline-num-layers); 0: as the middle ones.
+    With virtual stages each chunk of the first (last) stage holds first (last) / virtual_stages layers, and the
+    middle stages' share must also divide by virtual_stages (parallel/pipeline_split.py)."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as a layer when splitting the layers over the stages (Megatron's
+    --account-for-embedding-in-pipeline-split): the split is of num_layers + 1, and the first virtual stage
+    builds one transformer layer fewer. Llama 3.1 405B's 126 layers as 128 slots: PP8 x VP8, PP16 x VP4."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as a layer in the split (Megatron's --account-for-loss-in-pipeline-split):
+    the last virtual stage builds one transformer layer fewer."""
+    pipeline_layout: str = ""
+    """Explicit split (Megatron-Core's --pipeline-model-parallel-layout): one stage per virtual stage in virtual-
+    stage order (chunk c of rank r is stage c * pp + r), separated by '|'; 'E' embedding, 't' transformer layer,
+    'L' loss, 'x*n' and '(...)*n' repeat, commas are cosmetic; e.g. DeepSeek-V3 on PP8 x VP2 without its MTP
+    layer: "Et*4|(t*4|)*14,tL". It must hold pp * virtual_stages stages, 'E' first, 'L' last, num_layers 't'.
+    Empty: the split the other fields give. Quote it in a command-line override:
+    parallelism.pipeline_layout='Et*4|(tttt|)*14tL'."""
     micro_batch_size: int = 1
     """Samples per micro-batch."""
     global_batch_size: int = 1

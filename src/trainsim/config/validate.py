@@ -31,7 +31,7 @@ from trainsim.config.choices import (
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig, WhatIfConfig
 from trainsim.config.validate_nccl import validate_links
 from trainsim.errors import ConfigError
-from trainsim.parallel.layout import stage_layer_counts
+from trainsim.parallel.pipeline_split import PipelineSplitError, split_of
 
 
 def _divisors(n: int) -> str:
@@ -166,26 +166,7 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         raise ConfigError(f"parallelism.tp={par.tp} does not divide the MLP width {ffn} (model.ffn_hidden_size) of "
                           f"'{model.name}'; choose tp among {_divisors(ffn)}")
 
-    if par.first_stage_layers or par.last_stage_layers:
-        fields = (f"parallelism.first_stage_layers={par.first_stage_layers}, "
-                  f"last_stage_layers={par.last_stage_layers}")
-        if min(par.first_stage_layers, par.last_stage_layers) < 0:
-            raise ConfigError(f"{fields}: layer counts must be >= 0 (0 = as the other stages)")
-        if par.pp < 2 or par.virtual_stages > 1:
-            raise ConfigError(f"{fields} need pipeline stages without virtual stages (pp >= 2, virtual_stages 1; "
-                              f"got pp={par.pp}, virtual_stages={par.virtual_stages})")
-        try:
-            stage_layer_counts(model.num_layers, par.pp, par.first_stage_layers, par.last_stage_layers)
-        except ValueError as exc:
-            raise ConfigError(f"{fields} with parallelism.pp={par.pp} for model.num_layers={model.num_layers} of "
-                              f"'{model.name}': {exc}") from None
-    elif model.num_layers % (chunks := par.pp * par.virtual_stages):
-        raise ConfigError(
-            f"model.num_layers={model.num_layers} of '{model.name}' cannot be split evenly into "
-            f"parallelism.pp * parallelism.virtual_stages = {par.pp} * {par.virtual_stages} = {chunks} stages; "
-            f"choose pp * virtual_stages among {_divisors(model.num_layers)}, or set "
-            "parallelism.first_stage_layers / last_stage_layers"
-        )
+    _validate_pipeline_split(model, par)
 
     samples_per_microbatch_round = par.micro_batch_size * par.dp
     if par.global_batch_size % samples_per_microbatch_round:
@@ -213,6 +194,29 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
             f"(got '{par.schedule}'); set parallelism.schedule=interleaved-1f1b (pp >= 2) or "
             "parallelism.virtual_stages=1"
         )
+
+
+def _validate_pipeline_split(model: ModelConfig, par: ParallelismConfig) -> None:
+    """The layers of every pipeline chunk, as Megatron-Core splits them; its refusals, with the fields named."""
+    uneven = {name: getattr(par, name) for name in ("first_stage_layers", "last_stage_layers",
+                                                     "account_for_embedding_in_pipeline_split",
+                                                     "account_for_loss_in_pipeline_split", "pipeline_layout")
+              if getattr(par, name)}
+    try:
+        split_of(model, par)
+    except PipelineSplitError as exc:
+        if not uneven:
+            raise ConfigError(
+                f"model.num_layers={model.num_layers} of '{model.name}' cannot be split evenly into "
+                f"parallelism.pp * parallelism.virtual_stages = {par.pp} * {par.virtual_stages} = "
+                f"{par.pp * par.virtual_stages} stages; choose pp * virtual_stages among "
+                f"{_divisors(model.num_layers)}, or set parallelism.first_stage_layers / last_stage_layers, "
+                "account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split or pipeline_layout"
+            ) from None
+        fields = ", ".join(f"parallelism.{name}={value!r}" for name, value in uneven.items())
+        raise ConfigError(f"{fields} with parallelism.pp={par.pp}, virtual_stages={par.virtual_stages} for "
+                          f"model.num_layers={model.num_layers} of '{model.name}': {exc} (Megatron-Core refuses "
+                          "this split; see parallel/pipeline_split.py)") from None
 
 
 def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:

@@ -25,48 +25,6 @@ dispatcher gathers tokens); edp, the ranks holding the same expert shards (where
 the tep ranks of every stage of one expert replica (where the experts' gradient norm is summed)."""
 
 
-def stage_layer_counts(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[int]:
-    """Layers per pipeline stage: `first` on stage 0 and `last` on the last stage where set (> 0), the rest
-    split evenly over the other stages (Megatron-Core's --decoder-first/last-pipeline-num-layers). Raises
-    ValueError where the rest does not split evenly."""
-    if pp == 1:
-        return [num_layers]
-    fixed = {0: first, pp - 1: last}
-    fixed = {stage: n for stage, n in fixed.items() if n > 0}
-    rest, others = num_layers - sum(fixed.values()), pp - len(fixed)
-    if rest < others or (others and rest % others) or (not others and rest):
-        raise ValueError(f"{num_layers} layers minus {sum(fixed.values())} on the first/last stage leave {rest} "
-                         f"for {others} other stage(s): not an even split of at least one layer each")
-    return [fixed.get(stage, rest // others if others else 0) for stage in range(pp)]
-
-
-def lighter_end_stages(num_layers: int, pp: int) -> tuple[int, int] | None:
-    """(first_stage_layers, last_stage_layers) for `pp` stages when `num_layers` does not split evenly: the other
-    stages take ceil(num_layers / pp) and the shortfall comes off the last stage (which also holds the output
-    layer and the loss), then the first (the embedding), each keeping a layer (0: as the other stages); None
-    when the split is even or cannot be made so. DeepSeek-V3's 61 layers on 16 stages: 4 each, 1 on the last."""
-    if pp < 2 or num_layers % pp == 0:
-        return None
-    per_stage = -(-num_layers // pp)
-    shortfall = pp * per_stage - num_layers
-    off_last = min(shortfall, per_stage - 1)
-    first, last = per_stage - (shortfall - off_last), per_stage - off_last
-    return (0 if first == per_stage else first, last) if first >= 1 else None
-
-
-def chunk_layers(num_layers: int, pp: int, virtual_stages: int, pp_rank: int, chunk: int,
-                 first: int = 0, last: int = 0) -> range:
-    """Global layer indices of one model chunk: virtual stage chunk * pp + pp_rank of an even split
-    (Megatron's interleaved assignment), or the stage's part of an uneven split (one chunk per stage)."""
-    if first or last:
-        counts = stage_layer_counts(num_layers, pp, first, last)
-        start = sum(counts[:pp_rank])
-        return range(start, start + counts[pp_rank])
-    per_chunk = num_layers // (pp * virtual_stages)
-    start = (chunk * pp + pp_rank) * per_chunk
-    return range(start, start + per_chunk)
-
-
 @dataclass(frozen=True)
 class RankPosition:
     rank: int

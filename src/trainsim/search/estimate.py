@@ -44,7 +44,8 @@ from trainsim.comm.model import CommModel
 from trainsim.comm.network import domain_size, nodes_spanned
 from trainsim.config.choices import PRECISION_WEIGHT_BYTES
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
-from trainsim.parallel.layout import chunk_layers, layout_of
+from trainsim.parallel.layout import layout_of
+from trainsim.parallel.pipeline_split import split_of
 from trainsim.parallel.schedules import passes, pipeline_actions
 from trainsim.search.slices import PART_NAMES, PartCost, SliceCosts
 from trainsim.trace.memory import memory_row
@@ -101,15 +102,17 @@ def _chunk_parts(model: ModelConfig, par: ParallelismConfig) -> dict[tuple[int, 
     """(stage, chunk) -> how many of each part it runs: its layers (a mixture of experts' first dense layers
     apart), the embedding on virtual stage 0, the head on the last."""
     dense_layers = model.moe_first_dense_layers if model.num_experts else 0
-    pp, v = par.pp, par.virtual_stages
+    split = split_of(model, par)
     parts = {}
-    for s in range(pp):
-        for c in range(v):
-            layers = chunk_layers(model.num_layers, pp, v, s, c, par.first_stage_layers, par.last_stage_layers)
+    for s in range(par.pp):
+        for c in range(par.virtual_stages):
+            layers = split.layers(s, c)
             dense = sum(layer < dense_layers for layer in layers)
             parts[(s, c)] = {"layer": len(layers) - dense, "dense_layer": dense}
-    parts[(0, 0)]["first"] = 1
-    parts[(pp - 1, v - 1)]["last"] = 1
+            if split.holds_embedding(s, c):
+                parts[(s, c)]["first"] = 1
+            if split.holds_loss(s, c):
+                parts[(s, c)]["last"] = 1
     return parts
 
 

@@ -4,10 +4,12 @@ A layout is (dp, tp, pp, micro-batch size, schedule with its virtual stages, rec
 experts its expert-parallel and expert-tensor-parallel degrees (folded over a stage's dp * cp * tp ranks;
 tensor parallelism then comes with sequence parallelism, as Megatron-Core requires). Pipeline depths that do
 not divide the layers get lighter end stages (first/last_stage_layers; DeepSeek-V3's 61 layers as 4 per stage,
-1 on the last). World sizes are the budget and its halvings down to one node, so the search can trade time for
-cost. Tensor parallelism stays inside a node (its collectives block compute on every layer, so nobody runs it
-across nodes). Layouts the model cannot be split into are dropped here with validate_layout's reason. The base's
-overlaps (overlap_param_gather, moe_a2a_overlap) are kept in the layouts where they apply, off in the others.
+1 on the last), interleaved too where Megatron-Core's split allows it (parallel/pipeline_split.py). World sizes
+are the budget and its halvings down to one node, so the search can trade time for cost. Tensor parallelism
+stays inside a node (its collectives block compute on every layer, so nobody runs it across nodes). Layouts the
+model cannot be split into are dropped here with validate_layout's reason. The base's own split (embedding / loss
+counted as layers, an explicit pipeline_layout) is for its pp only: the searched layouts use the splits above. The
+base's overlaps (overlap_param_gather, moe_a2a_overlap) are kept in the layouts where they apply, off in the others.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from trainsim.config.choices import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.config.validate import a2a_overlap_refusal, validate_layout
 from trainsim.errors import ConfigError
-from trainsim.parallel.layout import lighter_end_stages
+from trainsim.parallel.pipeline_split import lighter_end_stages
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,6 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
         sequence_parallel = base.sequence_parallel or (model.num_experts > 0 and tp > 1)
         for mbs in space.micro_batch_sizes:
             for schedule in space.schedules:
-                if last and schedule == "interleaved-1f1b":  # an uneven split has one chunk per stage
-                    continue
                 for v in (space.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
                     for recompute in space.recompute:
                         for zero, zero_name in sharding:
@@ -117,7 +117,9 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
                                 dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
                                 micro_batch_size=mbs, schedule=schedule,
                                 virtual_stages=v, recompute=recompute, zero_stage=zero,
-                                first_stage_layers=first, last_stage_layers=last,
+                                first_stage_layers=first, last_stage_layers=last, pipeline_layout="",
+                                account_for_embedding_in_pipeline_split=False,
+                                account_for_loss_in_pipeline_split=False,
                                 overlap_param_gather=base.overlap_param_gather and zero == 1)
                             if par.moe_a2a_overlap and a2a_overlap_refusal(par):  # where it applies only
                                 par = dataclasses.replace(par, moe_a2a_overlap=False)

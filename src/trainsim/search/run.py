@@ -189,6 +189,8 @@ def layout_overrides(row: pd.Series, num_nodes: int) -> list[str]:
             f"parallelism.sequence_parallel={str(bool(row.sequence_parallel)).lower()}",
             f"parallelism.zero_stage={row.zero_stage}", f"parallelism.first_stage_layers={row.first_stage_layers}",
             f"parallelism.last_stage_layers={row.last_stage_layers}",
+            "parallelism.account_for_embedding_in_pipeline_split=false",
+            "parallelism.account_for_loss_in_pipeline_split=false", "parallelism.pipeline_layout=''",
             f"parallelism.micro_batch_size={row.micro_batch_size}", f"parallelism.schedule={row.schedule}",
             f"parallelism.virtual_stages={row.virtual_stages}", f"parallelism.recompute={row.recompute}",
             f"hardware.num_nodes={num_nodes}"]

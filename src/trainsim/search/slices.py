@@ -180,14 +180,17 @@ def _stage_cost(graph: pd.DataFrame, times: dict[str, float], memory: pd.Series,
 
 def _trace_slice(model: ModelConfig, par: ParallelismConfig, layers_per_stage: int):
     """A 2-stage slice of the model with `layers_per_stage` layers per stage, on the fewest data-parallel ranks
-    the layout's expert groups fold into (one without experts)."""
+    the layout's expert groups fold into (one without experts); split evenly, whatever the layout's own split (the
+    search's estimate places the layers by it, search/estimate.py)."""
     from trainsim.trace.tracer import trace_layout  # torch: only when a slice is actually traced
 
     sliced_model = dataclasses.replace(model, num_layers=2 * layers_per_stage)
     dp = par.ep * par.etp // math.gcd(par.ep * par.etp, par.tp * par.cp)
     sliced_par = dataclasses.replace(par, dp=dp, pp=2, virtual_stages=1, schedule="1f1b",
                                      global_batch_size=par.micro_batch_size * dp, zero_stage=0,
-                                     overlap_param_gather=False, first_stage_layers=0, last_stage_layers=0)
+                                     overlap_param_gather=False, first_stage_layers=0, last_stage_layers=0,
+                                     account_for_embedding_in_pipeline_split=False,
+                                     account_for_loss_in_pipeline_split=False, pipeline_layout="")
     result = trace_layout(sliced_model, sliced_par)
     stages = result.rank_classes.to_pandas().groupby("rank_class")["pp_rank"].first()
     return result.graph.to_pandas(), result.memory.to_pandas().set_index("rank_class"), stages

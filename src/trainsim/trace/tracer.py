@@ -29,6 +29,7 @@ from trainsim import processes
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
 from trainsim.parallel.layout import Layout
+from trainsim.parallel.pipeline_split import PipelineSplit, split_of
 from trainsim.parallel.schedules import combined_pairs, step_actions, trace_actions
 from trainsim.trace import variants
 from trainsim.trace.expand import rename_for_rank
@@ -213,9 +214,13 @@ def _trace_group(model_cfg: ModelConfig, par: ParallelismConfig, ranks: list[int
     return [stage or trace_rank(model_cfg, par, rank, plan) for stage, rank in zip(stages, ranks)]
 
 
-def _stage_shape(pp_rank: int, pp: int) -> tuple[bool, bool]:
-    """Stages with the same shape build the same layers; only the first and last differ (embedding, loss)."""
-    return pp_rank == 0, pp_rank == pp - 1
+def _stage_shape(split: PipelineSplit, pp_rank: int, dense_layers: int) -> tuple:
+    """Stages with the same shape build the same layers up to their indices: whether they hold the embedding and
+    the loss, and per chunk how many layers, how many of them a mixture of experts' first dense layers (an
+    uneven or explicit split gives middle stages different chunks)."""
+    chunks = [split.layers(pp_rank, c) for c in range(split.virtual_stages)]
+    return (split.holds_embedding(pp_rank, 0), split.holds_loss(pp_rank, split.virtual_stages - 1),
+            tuple((len(layers), sum(layer < dense_layers for layer in layers)) for layers in chunks))
 
 
 def expert_classes(plan: RoutingPlan | None, ep: int, etp: int = 1) -> list[int]:
@@ -315,9 +320,11 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
     expert_class = expert_classes(plan, par.ep, par.etp)
     per_stage = max(expert_class) + 1
     same_layers = plan is None or bool((plan.counts == plan.counts[:1]).all())
+    split = split_of(model_cfg, par)
+    dense_layers = model_cfg.moe_first_dense_layers if model_cfg.num_experts else 0
     classes = [(pp_rank, cls, layout.stage_representative(pp_rank) + expert_class.index(cls),
                 # stages hold different layers: with a routing that varies by layer, no middle stage is another's
-                (_stage_shape(pp_rank, par.pp) if same_layers else pp_rank, cls))
+                (_stage_shape(split, pp_rank, dense_layers) if same_layers else pp_rank, cls))
                for pp_rank in range(par.pp) for cls in range(per_stage)]
     todo: dict[tuple, int] = {}
     for _, _, representative, shape in classes:

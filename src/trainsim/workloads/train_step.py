@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
-from trainsim.parallel.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, chunk_layers, layout_of
+from trainsim.parallel.layout import EXPERT_GROUP_KINDS, GROUP_KINDS, Layout, layout_of
 from trainsim.parallel.phases import COMBINED
+from trainsim.parallel.pipeline_split import split_of
 from trainsim.parallel.schedules import (
     Action,
     combined_chunk,
@@ -109,15 +110,14 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         ep = ExpertParallel(par.ep, layout.ep_rank(rank), groups["ep"], routing, par.moe_token_dispatcher,
                             par.moe_grouped_gemm, par.etp, layout.etp_rank(rank), groups["etp"])
     chunks = []
+    split = split_of(model_cfg, par)
     try:
         for c in range(v):
-            virtual_stage = c * par.pp + pos.pp_rank
             chunks.append(TransformerChunk(
                 model_cfg,
-                layers=chunk_layers(model_cfg.num_layers, par.pp, v, pos.pp_rank, c, par.first_stage_layers,
-                                    par.last_stage_layers),
-                first=virtual_stage == 0,
-                last=virtual_stage == par.pp * v - 1,
+                layers=split.layers(pos.pp_rank, c),
+                first=split.holds_embedding(pos.pp_rank, c),
+                last=split.holds_loss(pos.pp_rank, c),
                 tp=par.tp, tp_rank=pos.tp_rank, tp_group=groups["tp"],
                 dtype=dtype, recompute=par.recompute, loss_scale=1.0 / par.num_microbatches,
                 sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap, fp8=fp8, cp=cp, ep=ep,
