@@ -45,3 +45,11 @@ def test_an_accepted_recipe_composes_to_the_layout_its_row_states():
     par = composed.run.parallelism
     assert (par.tp, par.pp, par.cp, par.dp, par.virtual_stages) == (4, 4, 2, 2, 5)
     assert composed.run.hardware.num_nodes * composed.run.hardware.devices_per_node >= 64
+
+
+def test_deepseek_v3_composes_with_megatron_bridges_pipeline_layout():
+    recipe = next(r for r in read_recipes("megatron-bridge_25.09_pretrain.csv")
+                  if r.label.startswith("DeepSeekV3 (dropless) DGX-H100") and not r.variant)
+    composed = compose_recipe(recipe)
+    assert composed.refusal is None, composed.refusal
+    assert composed.run.parallelism.pipeline_layout == "Et|(tt|)*30L"

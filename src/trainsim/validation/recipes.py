@@ -68,6 +68,16 @@ MODEL_NOTES = {
     "Llama 3.1 70B": "Llama 3.1 70B as llama3-70b (the same shape; Llama 3.1's rope scaling changes no kernel)",
 }
 
+SIXTY_ONE_LAYER_SPLITS = {
+    4: "Et*16|t*16|t*16|t*13L",
+    8: "Et*8|(t*8|)*6t*5L",
+    16: "Et*4|(tttt|)*14tL",
+    32: "Et|(tt|)*30L",
+}
+"""pp * virtual stages -> Megatron-Bridge's pipeline layout of DeepSeek-V3's 61 layers (its recipes'
+set_deepseek_v3_pipeline_model_parallel_layout, multi-token prediction, not built, left out of the last stage);
+Kimi K2 has the same 61 layers and is split alike."""
+
 PRECISIONS = {
     "FP8": ("fp8", "current"),
     "MXFP8": ("fp8", "mxfp8"),
@@ -185,6 +195,13 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
         overrides += [f"parallelism.virtual_stages={vp}", "parallelism.schedule=interleaved-1f1b"]
     if ep > 1:
         overrides.append(f"parallelism.ep={ep}")
+    if MODELS[model_name] in ("deepseek-v3", "kimi-k2") and pp > 1:
+        if pp * vp not in SIXTY_ONE_LAYER_SPLITS:
+            return Recipe(**base, overrides=(), refusal=f"{model_name} on pp * vp = {pp} * {vp}: Megatron-Bridge "
+                                                         "states no pipeline layout for it")
+        overrides.append(f"parallelism.pipeline_layout='{SIXTY_ONE_LAYER_SPLITS[pp * vp]}'")
+        notes.append("Megatron-Bridge's pipeline layout for 61 layers, without the multi-token-prediction layer "
+                     "(not built)")
     if "tokendrop" in name:
         overrides.append("model.moe_capacity_factor=1.0")
         notes.append("token dropping at capacity factor 1.0 (the row says tokendrop; the factor is not stated)")
