@@ -62,5 +62,7 @@ NCCL_ALGORITHMS = tuple(dict.fromkeys(a for names in ALGORITHMS.values() for a i
 PROTOCOLS = ("LL", "LL128", "Simple")
 TRANSPORTS = ("infiniband", "roce", "efa", "tcp")
 """Inter-node transports (hardware.network.transport); '' means unknown."""
+PLACEMENTS = ("balanced", "packed")
+"""How a scheduler lays a job's nodes (trays) over NVLink domains (hardware.network.placement, comm/placement.py)."""
 OLDEST_NCCL_RELEASE = "2.12"
 """The first NCCL release comm/nccl_constants.yaml has tuning constants for (checked where the file loads)."""
