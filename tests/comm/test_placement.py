@@ -22,6 +22,13 @@ def test_jobs_that_do_not_fill_or_divide_an_nvl72_rack_are_accepted(gpus, racks)
     assert job_placement(nvl72(gpus), gpus).domains == racks
 
 
+def test_a_256_gpu_job_composes_on_gb200_nvl72_as_a_user_writes_it():
+    """No hardware.num_nodes override: the config's cluster holds the job, whatever the domain size."""
+    hw = compose_run(["hardware=gb200-nvl72", "model=gpt-tiny", "parallelism.dp=256",
+                      "parallelism.global_batch_size=256", "parallelism.micro_batch_size=1"], check="run").hardware
+    assert job_placement(hw, 256).domains == 4
+
+
 def test_balanced_spreads_the_trays_over_the_fewest_racks_and_packed_fills_each_first():
     counts = {policy: np.bincount(JobPlacement(256, 4, 72, policy).domain_of_rank).tolist()
               for policy in ("balanced", "packed")}
