@@ -183,3 +183,13 @@ def test_nvlink_efficiency_is_what_its_sources_give():
     from trainsim.comm.nvlink_fit import nvlink_efficiency
 
     assert NVLINK_EFFICIENCY == nvlink_efficiency()
+
+
+def test_blackwell_800g_links_without_a_learned_prior_take_the_infiniband_transports():
+    """ConnectX-8 (XDR, 800 Gb/s per GPU) has no measured cluster: the prior learned over all InfiniBand ones
+    stands in, at the configs' own nominal rate (one NIC per GPU)."""
+    for name in ("gb300-nvl72", "dgx-b300"):
+        prior = network_prior(hardware(name))
+        assert (prior.level, prior.key) == ("transport", "infiniband")
+    assert domain_bandwidth(hardware("gb300-nvl72")) == pytest.approx(72 * 100e9)
+    assert domain_bandwidth(hardware("dgx-b200")) == pytest.approx(8 * 50e9)
