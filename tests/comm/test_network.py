@@ -11,8 +11,9 @@ import yaml
 
 from trainsim.comm.model import CommModel, choose, predict_seconds, prior_params
 from trainsim.comm.nccl_tuner import tuner_estimates, tuner_topology
-from trainsim.comm.network import PRIORS_FILE, domain_bandwidth, domain_size, network_prior, nodes_spanned
+from trainsim.comm.network import PRIORS_FILE, domain_bandwidth, domain_size, network_prior
 from trainsim.comm.network_fit import learn, load_clusters, render
+from trainsim.comm.placement import job_placement
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
 from trainsim.timeline.provenance import calibration_inputs
@@ -28,7 +29,8 @@ def test_an_nvl72_rack_is_one_domain_of_the_collective_model():
     hw = hardware("gb200-nvl72")
     assert domain_size(hw) == 72 and hw.devices_per_node == 4
     assert domain_bandwidth(hw) == pytest.approx(18 * 4 * 50e9)  # 18 trays, one 400 Gb/s NIC per GPU
-    assert nodes_spanned(range(72), hw) == 1 and nodes_spanned([0, 72], hw) == 2
+    rack = job_placement(hw, 144)
+    assert rack.domains_spanned(range(72)) == 1 and rack.domains_spanned([0, 72]) == 2
     model = CommModel.from_hardware(hw)
     assert model.params("all_reduce").fabric.devices_per_node == 72
     # 64 GPUs on 16 trays of one rack all-reduce over NVLink 5, far faster than 64 H100s on 8 DGX nodes
@@ -181,3 +183,13 @@ def test_nvlink_efficiency_is_what_its_sources_give():
     from trainsim.comm.nvlink_fit import nvlink_efficiency
 
     assert NVLINK_EFFICIENCY == nvlink_efficiency()
+
+
+def test_blackwell_800g_links_without_a_learned_prior_take_the_infiniband_transports():
+    """ConnectX-8 (XDR, 800 Gb/s per GPU) has no measured cluster: the prior learned over all InfiniBand ones
+    stands in, at the configs' own nominal rate (one NIC per GPU)."""
+    for name in ("gb300-nvl72", "dgx-b300"):
+        prior = network_prior(hardware(name))
+        assert (prior.level, prior.key) == ("transport", "infiniband")
+    assert domain_bandwidth(hardware("gb300-nvl72")) == pytest.approx(72 * 100e9)
+    assert domain_bandwidth(hardware("dgx-b200")) == pytest.approx(8 * 50e9)

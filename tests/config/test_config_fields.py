@@ -115,8 +115,8 @@ def test_every_schema_field_has_a_docstring():
      "hardware.inter_node_bandwidth_bytes_per_s=1e+11 contradicts hardware.network.nics_per_node x "
      "nic_bandwidth_bytes_per_s = 8 x"),
     ("hardware.network.nvlink_domain_size=12", "hardware.network.nvlink_domain_size=12: must be a multiple of "
-                                               "devices_per_node=8 that divides the cluster's 128 devices"),
-    ("hardware.network.nvlink_domain_size=256", "hardware.network.nvlink_domain_size=256: must be a multiple"),
+                                               "devices_per_node=8 (a domain joins whole nodes/trays)"),
+    ("hardware.network.placement=spread", "hardware.network.placement='spread': supported: balanced, packed"),
     ("hardware.network.oversubscription=0.5", "hardware.network.oversubscription=0.5: must be >= 1"),
     ("hardware.nccl.protocols=[LL,simple]",
      "hardware.nccl.protocols=['LL', 'simple']: 'simple' not modelled; supported: LL, LL128, Simple"),

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trainsim.config.schema import HardwareConfig, ParallelismConfig
+from trainsim.config.schema import HardwareConfig, NetworkConfig, ParallelismConfig
 from trainsim.parallel.layout import Layout
 from trainsim.timeline import TableComm, compose_step
 from trainsim.timeline.chrome import chrome_trace
@@ -183,12 +183,13 @@ def _rank_classes(layout: Layout) -> pd.DataFrame:
                          "pp_rank": [p.pp_rank for p in pos]})
 
 
-def _step(devices_per_node: int, nic_contention: bool, microbatches: int = 4, comm=None, dp: int = 2, pp: int = 2):
+def _step(devices_per_node: int, nic_contention: bool, microbatches: int = 4, comm=None, dp: int = 2, pp: int = 2,
+          network: NetworkConfig | None = None):
     layout = Layout(dp, 1, pp)
     par = ParallelismConfig(name="test", dp=dp, tp=1, pp=pp, micro_batch_size=1,
                             global_batch_size=microbatches * dp, schedule="1f1b")
     hw = HardwareConfig(name="test", device_kind="cuda", devices_per_node=devices_per_node,
-                        memory_capacity_bytes=1e9)
+                        memory_capacity_bytes=1e9, network=network or NetworkConfig())
     graph = pd.DataFrame(_three_d_events(layout))[GRAPH_SCHEMA.names]
     times = {"F": 1.0, "B1": 1.0, "B2": 1.0, "div": 0.0, "OPT": 0.1}
     return compose_step(graph, _rank_classes(layout), par, hw, times, comm or LinkComm(),
@@ -304,3 +305,21 @@ def test_real_trace_multi_node_step_gets_contention_and_stays_consistent():
                                 nic_contention=flag) for flag in (False, True)]
     assert on_one_node[0].step_time_s == on_one_node[1].step_time_s
     assert on_one_node[1].contention_s.sum() == 0
+
+
+def test_the_job_placement_decides_which_groups_cross_the_network():
+    """8 ranks (pp 2 x dp 4) on trays of 2 in NVLink domains of 3 trays: the job needs 2 domains. Balanced puts 2
+    trays in each, so each stage's dp group stays on NVLink; packed fills the first domain (ranks 0-5), so stage
+    1's dp group (ranks 4-7) spans both domains and its gradient all-reduce goes over the slow network."""
+    def step(placement):
+        return _step(devices_per_node=2, nic_contention=False, dp=4,
+                     network=NetworkConfig(nvlink_domain_size=6, placement=placement))
+
+    def gradient_all_reduce_s(t, stage):
+        kind = t.graph.table.kind[t.graph.tnode]
+        return float(t.duration_s[(kind == 2) & (t.graph.cls == stage)].max())
+
+    balanced, packed = step("balanced"), step("packed")
+    # a 1 MiB all-reduce: 1 s over the network, 1/64 s over NVLink
+    assert gradient_all_reduce_s(balanced, 1) < 0.1 < 1.0 < gradient_all_reduce_s(packed, 1)
+    assert gradient_all_reduce_s(packed, 0) < 0.1  # stage 0 (ranks 0-3) stays in the first domain either way

@@ -9,7 +9,8 @@ NCCL network plugin and over all clusters. A prediction takes the most specific 
 reports that level's leave-one-cluster-out error as its uncertainty band.
 
 The "node" of the collective model is the NVLink domain: inside it collectives run over NVLink (a
-DGX's 8 GPUs; the 72 GPUs of a GB200 NVL72 rack, 18 trays of 4), between domains over the network.
+DGX's 8 GPUs; the 72 GPUs of a GB200 NVL72 rack, 18 trays of 4), between domains over the network. Which
+domain a job's rank is in depends on the job's size and the scheduler's placement: comm/placement.py.
 """
 
 from __future__ import annotations
@@ -55,12 +56,6 @@ def domain_bandwidth(hw: HardwareConfig) -> float:
     """Nominal network bandwidth of one NVLink domain (the nodes it spans)."""
     nodes = domain_size(hw) // hw.devices_per_node if hw.devices_per_node else 1
     return node_bandwidth(hw) * max(nodes, 1)
-
-
-def nodes_spanned(ranks, hw: HardwareConfig) -> int:
-    """NVLink domains a group of global ranks touches (ranks fill domains in order)."""
-    size = max(domain_size(hw), 1)
-    return len({int(r) // size for r in ranks})
 
 
 def tuner(hw: HardwareConfig) -> str:

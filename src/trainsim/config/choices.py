@@ -44,6 +44,8 @@ always (model), or never (none); slowdown/choice.py."""
 # kernels
 FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64", "fp8")
 """Compute dtypes with a rate in hardware.peak_flops_per_s; 'fp8' is the rate of FP8 GEMMs (_scaled_mm)."""
+PEAK_RATE_DTYPES = (*FLOAT_DTYPES, "fp4")
+"""Keys hardware.peak_flops_per_s accepts: the compute dtypes and 'fp4', the dense NVFP4 GEMM rate of Blackwell."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}
 """Bytes per element of each compute dtype."""
 MATMUL_KINDS = ("matmul", "attention")
@@ -62,5 +64,7 @@ NCCL_ALGORITHMS = tuple(dict.fromkeys(a for names in ALGORITHMS.values() for a i
 PROTOCOLS = ("LL", "LL128", "Simple")
 TRANSPORTS = ("infiniband", "roce", "efa", "tcp")
 """Inter-node transports (hardware.network.transport); '' means unknown."""
+PLACEMENTS = ("balanced", "packed")
+"""How a scheduler lays a job's nodes (trays) over NVLink domains (hardware.network.placement, comm/placement.py)."""
 OLDEST_NCCL_RELEASE = "2.12"
 """The first NCCL release comm/nccl_constants.yaml has tuning constants for (checked where the file loads)."""

@@ -60,6 +60,11 @@ class NetworkConfig:
     nvlink_domain_size: int = 0
     """GPUs joined by NVLink/NVSwitch (8 in a DGX, 72 in a GB200 NVL72 rack); collectives inside one domain
     run at NVLink speed even across nodes. 0 = devices_per_node (the domain is the node)."""
+    placement: str = "balanced"
+    """How the scheduler lays a job over NVLink domains when it is smaller than one or not a multiple of one
+    (comm/placement.py): 'balanced' spreads the job's nodes (trays) evenly over the fewest domains that hold it,
+    as Slurm's topology/block plugin does with equal segments and as NVL72 jobs are run (256 GPUs: 4 racks of
+    64); 'packed' fills one domain before the next (72 + 72 + 72 + 40)."""
     nvls: bool = False
     """NVLink SHARP in the NVSwitches (H100 and later): NCCL's NVLS all-reduce inside an NVLink domain (NVLSTree
     across domains, where a tuner plugin picks it), when hardware.nccl.algorithms lists 'nvls'. InfiniBand

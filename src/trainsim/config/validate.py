@@ -14,12 +14,12 @@ from trainsim.config.choices import (
     CP_COMM_TYPES,
     DEVICE_KINDS,
     FAMILIES,
-    FLOAT_DTYPES,
     FP8_RECIPES,
     MOE_DISPATCHERS,
     MOE_ROUTERS,
     MOE_ROUTINGS,
     OP_KINDS,
+    PEAK_RATE_DTYPES,
     PRECISIONS,
     PROFILE_BACKENDS,
     RECOMPUTE_MODES,
@@ -320,9 +320,9 @@ def validate_what_if(hw: HardwareConfig) -> None:
 def _validate_rates(hw: HardwareConfig) -> None:
     """Peak rates only for dtypes ops run in, efficiencies only for op kinds the kernel model has."""
     for dtype, rate in hw.peak_flops_per_s.items():
-        if dtype not in FLOAT_DTYPES:
+        if dtype not in PEAK_RATE_DTYPES:
             raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate:g}: no op is timed at a {dtype!r} rate; "
-                              f"supported: {', '.join(FLOAT_DTYPES)}")
+                              f"supported: {', '.join(PEAK_RATE_DTYPES)}")
         if rate <= 0:
             raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate} must be positive (or leave it out)")
     kinds = OP_KINDS

@@ -8,7 +8,7 @@ and what is supported. The supported sets are config/choices.py's, which the mod
 
 from __future__ import annotations
 
-from trainsim.config.choices import NCCL_ALGORITHMS, OLDEST_NCCL_RELEASE, PROTOCOLS, TRANSPORTS
+from trainsim.config.choices import NCCL_ALGORITHMS, OLDEST_NCCL_RELEASE, PLACEMENTS, PROTOCOLS, TRANSPORTS
 from trainsim.config.devices import NVLS_DEVICES
 from trainsim.config.schema import HardwareConfig, NcclConfig
 from trainsim.errors import ConfigError
@@ -90,11 +90,12 @@ def validate_network(hw: HardwareConfig) -> None:
                           f"{field}.nics_per_node x nic_bandwidth_bytes_per_s = {net.nics_per_node} x "
                           f"{net.nic_bandwidth_bytes_per_s:g} = {total:g}; set one of them (or 0)")
     domain, devices = net.nvlink_domain_size, hw.devices_per_node
-    if domain and devices and (domain % devices or domain > devices * hw.num_nodes
-                               or (devices * hw.num_nodes) % domain):
+    if domain and devices and domain % devices:  # a job smaller than a domain, or not a multiple of it, is fine
         raise ConfigError(f"{field}.nvlink_domain_size={domain}: must be a multiple of devices_per_node={devices} "
-                          f"that divides the cluster's {devices * hw.num_nodes} devices (num_nodes={hw.num_nodes}); "
-                          "0 = one node per domain")
+                          "(a domain joins whole nodes/trays); 0 = one node per domain")
+    if net.placement not in PLACEMENTS:
+        raise ConfigError(f"{field}.placement={net.placement!r}: supported: {', '.join(PLACEMENTS)} ('balanced': the "
+                          "job's nodes spread evenly over the fewest NVLink domains; 'packed': fill one domain first)")
     if net.oversubscription < 1:
         raise ConfigError(f"{field}.oversubscription={net.oversubscription}: must be >= 1 (1 = non-blocking; 2 = 2:1)")
     nvls_asked = "nvls" in hw.nccl.algorithms

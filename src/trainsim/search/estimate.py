@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from trainsim.comm.model import CommModel
-from trainsim.comm.network import domain_size, nodes_spanned
+from trainsim.comm.placement import job_placement
 from trainsim.config.choices import PRECISION_WEIGHT_BYTES
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.parallel.layout import layout_of
@@ -284,10 +284,10 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
     if memory_only or oom:
         return LayoutEstimate(math.nan, math.nan, math.nan, math.nan, math.nan, peak, oom)
 
-    domain = domain_size(hw)  # the collective model's node: an NVLink domain
-    tp_nodes = nodes_spanned(layout.group_ranks(0, "tp"), hw)
-    cp_nodes = nodes_spanned(layout.group_ranks(0, "cp"), hw)
-    expert_groups = {kind: (len(ranks), nodes_spanned(ranks, hw))
+    placement = job_placement(hw, par.world_size)  # the collective model's node: an NVLink domain
+    tp_nodes = placement.domains_spanned(layout.group_ranks(0, "tp"))
+    cp_nodes = placement.domains_spanned(layout.group_ranks(0, "cp"))
+    expert_groups = {kind: (len(ranks), placement.domains_spanned(ranks))
                      for kind in ("ep", "etp", "tep") for ranks in [layout.group_ranks(0, kind)]}
 
     def pass_seconds(part: PartCost, phase: str) -> tuple[float, float, float, float]:
@@ -310,8 +310,8 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         return compute, comm_s, host, exchange_s
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in PART_NAMES}
-    dp_nodes = nodes_spanned(layout.group_ranks(0, "dp"), hw)  # (FSDP; the buckets below: per stage)
-    edp_nodes = nodes_spanned(layout.group_ranks(0, "edp"), hw)
+    dp_nodes = placement.domains_spanned(layout.group_ranks(0, "dp"))  # (FSDP; the buckets below: per stage)
+    edp_nodes = placement.domains_spanned(layout.group_ranks(0, "edp"))
     if par.zero_stage >= 2:  # FSDP: each part's compute beside its weights' gather and gradients' scatter
         for name, by_phase in per_part.items():
             gather_s, scatter_s = _fsdp_seconds(getattr(costs, name), par, comm, dp_nodes, edp_nodes)
@@ -326,7 +326,8 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
             table[(s, c)], host_s[(phase, s, c)], exchange_s[(phase, s, c)] = compute + collectives, host, exchange
             tp_comm[s] += collectives * m
     next_stage = layout.rank_of(0, 0, 1) if pp > 1 else 0
-    p2p_s = comm.p2p_seconds(costs.p2p_message_bytes, same_node=next_stage // domain == 0) if pp > 1 else 0.0
+    same_domain = placement.domains_spanned([0, next_stage]) == 1
+    p2p_s = comm.p2p_seconds(costs.p2p_message_bytes, same_node=same_domain) if pp > 1 else 0.0
     ends, backward_start, backward_len = play_pipeline(forward, backward, p2p_s, pp, v, par.schedule, m, host_s,
                                                        exchange_s if par.moe_a2a_overlap else None)
 
@@ -350,7 +351,7 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
                 continue
             buckets = max(1, math.ceil(group_bytes / par.dp_bucket_size_bytes))
             bucket_bytes = math.ceil(group_bytes / buckets)
-            group_nodes = nodes_spanned(layout.group_ranks(representative, kind), hw)
+            group_nodes = placement.domains_spanned(layout.group_ranks(representative, kind))
             reduction = "reduce_scatter" if par.zero_stage >= 1 else "all_reduce"
             bucket_s = comm.collective_seconds(reduction, bucket_bytes, replicas, group_nodes)
             if par.zero_stage >= 1 and not par.overlap_param_gather:

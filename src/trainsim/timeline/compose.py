@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from trainsim.comm.network import domain_size
+from trainsim.comm.placement import job_placement
 from trainsim.config.schema import HardwareConfig, ParallelismConfig
 from trainsim.errors import ConfigError
 from trainsim.parallel.layout import Layout, layout_of
@@ -224,6 +224,7 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
     runs_cache: dict = {}
     described: dict = {}
     groups: dict = {}  # op_costs' group members -> (their classes, nodes)
+    domain_of_rank = job_placement(hw, par.world_size).domain_of_rank
     programs, info, pp_rank = [], TemplateInfo(), []
     for c in range(classes.count):
         base, rep = int(classes.base_class[c]), int(classes.representative[c])
@@ -241,7 +242,7 @@ def _class_programs(graph: pd.DataFrame, rank_classes: pd.DataFrame, par: Parall
                                None if base == structure.base else graph.iloc[rows_of_base[base]])
         templates = []
         for i, p in enumerate(passes):
-            costs = op_costs(p, c, classes.class_of_rank, rep, float(classes.compute_factor[c]), domain_size(hw),
+            costs = op_costs(p, c, classes.class_of_rank, rep, float(classes.compute_factor[c]), domain_of_rank,
                              lookup, comm_s, comm.sync_wait_s, groups)
             key = (shape, i, costs.kind.tobytes(), costs.internal.tobytes(), collapse)
             nodes = pass_nodes(p, costs, collapse, runs_cache.get(key))

@@ -208,7 +208,7 @@ def pass_nodes(p: PassOps, costs: OpCosts, collapse: bool, node: np.ndarray | No
 
 
 def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representative: int, factor: float,
-             node_size: int, compute_seconds: Callable[[pd.DataFrame, np.ndarray], np.ndarray],
+             domain_of_rank: np.ndarray, compute_seconds: Callable[[pd.DataFrame, np.ndarray], np.ndarray],
              comm_seconds: Callable[..., float], sync_wait: Callable[[float, int], float],
              groups: dict[tuple, tuple] | None = None) -> OpCosts:
     """Durations and synchronisation of a pass's kernels as run by `class_id` (groups already renamed).
@@ -218,6 +218,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
     synchronisation (`sync_wait`), which is added to the collective's time.
     Communication whose group spans nodes also gets its bandwidth-bound part (`nic_s`: its time minus
     that of a 1-byte message on the same ranks), which NIC contention stretches (contention.py).
+    domain_of_rank: the NVLink domain (the collective model's node) of each global rank (comm/placement.py).
     groups: a cache of (member classes, nodes spanned) by group members, shared by the calls of one step."""
     ops = p.ops
     kind_col = ops["kind"].to_numpy()
@@ -232,8 +233,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
     nic_s = np.zeros(len(ops))
     internal = np.zeros(len(ops), dtype=bool)
     sync_key: list = [None] * len(ops)
-    per_node = max(node_size, 1)  # devices per node of the collective model: an NVLink domain
-    node_of = representative // per_node
+    node_of = domain_of_rank[representative]
     group_ranks, message = ops["group_ranks"].to_numpy(), ops["message_bytes"].to_numpy()
     group_kind, peers = ops["group_kind"].to_numpy(), ops["peer"].to_numpy()
     groups = {} if groups is None else groups
@@ -242,7 +242,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
         if members_key not in groups:
             members = np.asarray(members_key, dtype=np.int64)
             groups[members_key] = (tuple(np.unique(class_of_rank[members]).tolist()),
-                                   len(np.unique(members // per_node)))
+                                   len(np.unique(domain_of_rank[members])))
         member_classes, nodes = groups[members_key]
         fixed_s[i] = comm_seconds(collective[i], int(message[i]), len(members_key), nodes)
         if nodes > 1:
@@ -254,7 +254,7 @@ def op_costs(p: PassOps, class_id: int, class_of_rank: np.ndarray, representativ
     for i in np.flatnonzero((kind == SEND) | (kind == RECV)):
         peer = int(peers[i])
         peer_class = int(class_of_rank[peer])
-        same_node = peer // per_node == node_of
+        same_node = domain_of_rank[peer] == node_of
         fixed_s[i] = comm_seconds("p2p", int(message[i]), 2, 1 if same_node else 2)
         if not same_node:
             nic_s[i] = bandwidth_part(fixed_s[i], comm_seconds("p2p", 1, 2, 2))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from trainsim.artifacts.store import MANIFEST
 from trainsim.comm.model import FIT_FILE
-from trainsim.comm.network import domain_size, network_prior, node_bandwidth
+from trainsim.comm.network import network_prior, node_bandwidth
+from trainsim.comm.placement import job_placement
 from trainsim.config.choices import MEASURED_BACKENDS
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig
 from trainsim.slowdown.choice import choose_slowdown
@@ -162,7 +163,7 @@ def prediction_inputs(hw: HardwareConfig, inputs: dict[str, Path], backends: dic
 
 def search_inputs(hw: HardwareConfig, calibration_dir: Path | None, budget_gpus: int) -> dict:
     """The `inputs` of a layout search: its collective model and kernel model; it never models slowdown."""
-    calibration, w1 = calibration_inputs(hw, calibration_dir, -(-budget_gpus // domain_size(hw)))
+    calibration, w1 = calibration_inputs(hw, calibration_dir, job_placement(hw, budget_gpus).domains)
     kernel_model = hw.kernel_model.fitted_on or "schema defaults (not fitted)"
     w2 = [] if hw.kernel_model.fitted_on or hw.device_kind == "cpu" else [
         f"kernels: the analytical model runs with its default efficiencies, not fitted to {hw.name}"]

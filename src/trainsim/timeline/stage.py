@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from trainsim.artifacts import atomic_artifact, read_manifest, read_table
 from trainsim.comm.model import CommModel
-from trainsim.comm.network import domain_size
+from trainsim.comm.placement import job_placement
 from trainsim.config.devices import device_type_of
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.slowdown.choice import choose_slowdown
@@ -103,7 +103,7 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     compute = scaled_compute_times(compute, graph[graph["kind"] == "compute"], hw)
     comm = comm_model(hw, inputs.get("calibration"))
     slowdown = slowdown_model(hw, inputs.get("slowdown_model"))
-    used = prediction_inputs(hw, inputs, backends, nodes_used=-(-par.world_size // domain_size(hw)),
+    used = prediction_inputs(hw, inputs, backends, nodes_used=job_placement(hw, par.world_size).domains,
                              device_type=device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type),
                              run_values=run_values(model, par))
     config = timeline_config(hw, model, par)
