@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from trainsim import processes
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
-from trainsim.parallel.layout import Layout
+from trainsim.parallel.layout import Layout, chunk_layers
 from trainsim.parallel.schedules import combined_pairs, step_actions, trace_actions
 from trainsim.trace import variants
 from trainsim.trace.expand import rename_for_rank
@@ -213,6 +213,18 @@ def _trace_group(model_cfg: ModelConfig, par: ParallelismConfig, ranks: list[int
     return [stage or trace_rank(model_cfg, par, rank, plan) for stage, rank in zip(stages, ranks)]
 
 
+def _layer_kinds(model_cfg: ModelConfig, par: ParallelismConfig, pp_rank: int) -> str:
+    """The hybrid layer kinds (model.hybrid_layer_pattern) of a pipeline rank's chunks, '|' between chunks; '' for a
+    transformer, whose stages all hold the same kind of layers."""
+    pattern = model_cfg.hybrid_layer_pattern
+    if not pattern:
+        return ""
+    return "|".join("".join(pattern[i] for i in chunk_layers(model_cfg.num_layers, par.pp, par.virtual_stages,
+                                                               pp_rank, c, par.first_stage_layers,
+                                                               par.last_stage_layers))
+                    for c in range(par.virtual_stages))
+
+
 def _stage_shape(pp_rank: int, pp: int) -> tuple[bool, bool]:
     """Stages with the same shape build the same layers; only the first and last differ (embedding, loss)."""
     return pp_rank == 0, pp_rank == pp - 1
@@ -317,7 +329,9 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
     same_layers = plan is None or bool((plan.counts == plan.counts[:1]).all())
     classes = [(pp_rank, cls, layout.stage_representative(pp_rank) + expert_class.index(cls),
                 # stages hold different layers: with a routing that varies by layer, no middle stage is another's
-                (_stage_shape(pp_rank, par.pp) if same_layers else pp_rank, cls))
+                # nor with a hybrid model's layer kinds that differ between them
+                ((_stage_shape(pp_rank, par.pp), _layer_kinds(model_cfg, par, pp_rank)) if same_layers else pp_rank,
+                 cls))
                for pp_rank in range(par.pp) for cls in range(per_stage)]
     todo: dict[tuple, int] = {}
     for _, _, representative, shape in classes:
