@@ -3,8 +3,11 @@ its convolution."""
 
 from __future__ import annotations
 
+import pytest
+
 from trainsim.config import compose_run
 from trainsim.profile.analytical import op_kind, predict_rows
+from trainsim.report.efficiency import forward_flops_per_token
 from trainsim.trace import trace_layout
 
 # hidden 64 -> 2 * 64 / 16 = 8 heads of 16 channels (inner width 128), 2 groups of state 8; 256 tokens = 2 chunks
@@ -30,6 +33,9 @@ def test_one_mamba_layer_forward_matmul_flops_match_the_hand_count():
                 + 2 * tokens * inner * hidden  # out_proj
                 + 2 * tokens * hidden * vocab)  # the output layer
     assert int(matmul["flops"].sum()) == expected
+    # MFU's model FLOPs count the same work (all but the tiny state passing between chunks)
+    model = forward_flops_per_token(vars(run.model))
+    assert (model["layers"] + model["logits"]) * tokens == pytest.approx(expected, rel=1e-3)
 
 
 def test_causal_convolution_is_one_memory_bound_pass():

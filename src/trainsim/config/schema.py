@@ -111,6 +111,9 @@ class CalibrationConfig:
     """Measurements made elsewhere (nccl-tests logs, cluster sweeps) on this hardware."""
 
 
+MAMBA_CHUNK_TOKENS = 128  # set: Megatron-Core MambaMixer's chunk_size default (mamba_chunk_scan_combined)
+"""Tokens per chunk of the Mamba-2 SSD scan: its quadratic part works on [chunk, chunk] blocks."""
+
 RANGE_SETTINGS = {"hidden_size": "model", "seq_length": "model", "num_layers": "model", "tp": "parallelism",
                   "micro_batch_size": "parallelism"}
 """Run settings KernelModelConfig.fitted_range may bound, and their config group."""

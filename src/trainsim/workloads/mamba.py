@@ -23,12 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainsim.config.schema import ModelConfig
+from trainsim.config.schema import MAMBA_CHUNK_TOKENS, ModelConfig
 from trainsim.workloads.fp8 import Fp8Region
 from trainsim.workloads.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-CHUNK_TOKENS = 128  # set: Megatron-Core MambaMixer's chunk_size default (mamba_chunk_scan_combined)
-"""Tokens per SSD chunk: the quadratic part works on [chunk, chunk] blocks."""
 DT_INIT_RANGE = (1e-3, 1e-1)  # cite: Mamba-2 reference MambaMixer dt_min / dt_max (Dao & Gu 2024)
 """Range the time steps are initialised in (log-uniform), through the inverse softplus of dt_bias."""
 
@@ -224,7 +222,7 @@ class MambaMixer(nn.Module):
         b = b.reshape(bsz, s, self.groups, self.state_dim)
         c = c.reshape(bsz, s, self.groups, self.state_dim)
         dt = nn.functional.softplus(dt.float() + self.dt_bias.float())
-        chunk = min(CHUNK_TOKENS, s)
+        chunk = min(MAMBA_CHUNK_TOKENS, s)
         pad = -s % chunk  # zero tokens at the end: causal, so earlier outputs are unchanged
         if pad:
             x, b, c = (nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, b, c))
