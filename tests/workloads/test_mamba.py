@@ -104,3 +104,15 @@ def test_real_tensor_and_sequence_parallel_hybrid_step_matches_its_trace():
                 == list(expected[expected["kind"] == "collective"][comm].astype(str).itertuples(index=False)))
         ops = ["op", "input_shapes"]
         assert list(recorded[ops].itertuples(index=False)) == list(expected[ops].itertuples(index=False))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=nemotron-h-8b", "parallelism.dp=1", "parallelism.tp=8", "parallelism.sequence_parallel=true"],
+    # Megatron-Bridge 26.04's Nemotron_3_Nano row on 16 H100s: TP1 PP1 CP1 EP8, MBS 1, GBS 1024
+    ["model=nemotron-3-nano", "parallelism.dp=16", "parallelism.ep=8", "parallelism.micro_batch_size=1",
+     "parallelism.global_batch_size=1024"],
+])
+def test_published_hybrid_models_compose_with_their_layouts(overrides):
+    model = compose_run(overrides, check="layout").model
+    assert len(model.hybrid_layer_pattern) == model.num_layers == 52
+    assert set(model.hybrid_layer_pattern) <= set("M*-E")
