@@ -76,6 +76,8 @@ def test_pattern_builds_megatron_hybrid_layers_and_stages_of_other_kinds_trace_a
     (["model.hybrid_layer_pattern='M*-'"], "has 3 layers but model.num_layers=4"),
     (["model.hybrid_layer_pattern='M*|-'"], "'|'"),
     (["model.hybrid_layer_pattern='M*-E'"], "num_experts=0"),
+    (["model.hybrid_layer_pattern='M*-E'", "model.num_experts=4", "model.moe_first_dense_layers=1"],
+     "pattern says which layers are MoE"),
     (["model.hybrid_layer_pattern='M*-M'", "model.mamba_num_groups=3"], "must divide the 8 Mamba heads"),
     (["model.hybrid_layer_pattern='M*-M'", "parallelism.tp=4"], "does not divide the model.mamba_num_groups = 2"),
     (["model.hybrid_layer_pattern='M*-M'", "parallelism.cp=2"], "cp=2 with Mamba layers"),

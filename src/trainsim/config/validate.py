@@ -98,6 +98,10 @@ def _validate_hybrid(model: ModelConfig) -> None:
     if "E" in pattern and not model.num_experts:
         raise ConfigError(f"model.hybrid_layer_pattern={pattern!r} has MoE layers ('E') but model.num_experts=0; "
                           "set num_experts, or use '-' for dense MLP layers")
+    if model.moe_first_dense_layers:
+        raise ConfigError(f"model.moe_first_dense_layers={model.moe_first_dense_layers} with "
+                          "model.hybrid_layer_pattern: the pattern says which layers are MoE ('E') and which dense "
+                          "('-'); set it to 0")
     if "M" not in pattern:
         return
     _positive("model", model, "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_conv_kernel")
