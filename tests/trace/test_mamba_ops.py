@@ -38,7 +38,7 @@ def test_one_mamba_layer_forward_matmul_flops_match_the_hand_count():
     assert (model["layers"] + model["logits"]) * tokens == pytest.approx(expected, rel=1e-3)
 
 
-def test_causal_convolution_is_one_memory_bound_pass():
+def test_causal_convolution_and_gated_norm_are_one_memory_bound_pass_each():
     """Its bytes are its input, output, weight and bias once (causal-conv1d's kernel), and its time does not
     change when its recorded arithmetic (one per output) becomes the real one (2 per kernel tap and the SiLU)."""
     run = compose_run(MAMBA_LAYER)
@@ -47,6 +47,8 @@ def test_causal_convolution_is_one_memory_bound_pass():
     assert len(conv) == 1 and op_kind(conv["op"].iloc[0]) == "elementwise"
     channels, kernel = 128 + 2 * 2 * 8, 4
     assert int(conv["bytes_moved"].iloc[0]) == 4 * (2 * 2 * 256 * channels + channels * kernel + channels)  # fp32
+    norm = graph[graph["op"] == "trainsim::gated_rms_norm"]  # one pass too: y and the gate z in, the output out
+    assert len(norm) == 1 and int(norm["bytes_moved"].iloc[0]) == 4 * (3 * 2 * 256 * 128 + 128)
     seconds = predict_rows(conv, run.hardware)
     more_arithmetic = conv.assign(flops=conv["flops"] * (2 * kernel + 4))
     assert predict_rows(more_arithmetic, run.hardware)[0] == seconds[0] > 0
