@@ -116,6 +116,9 @@ class CalibrationConfig:
     """Measurements made elsewhere (nccl-tests logs, cluster sweeps) on this hardware."""
 
 
+MAMBA_CHUNK_TOKENS = 128  # set: Megatron-Core MambaMixer's chunk_size default (mamba_chunk_scan_combined)
+"""Tokens per chunk of the Mamba-2 SSD scan: its quadratic part works on [chunk, chunk] blocks."""
+
 RANGE_SETTINGS = {"hidden_size": "model", "seq_length": "model", "num_layers": "model", "tp": "parallelism",
                   "micro_batch_size": "parallelism"}
 """Run settings KernelModelConfig.fitted_range may bound, and their config group."""
@@ -443,6 +446,29 @@ class ModelConfig:
     """Real runs route by model.moe_routing too (each token's experts assigned from the plan, weighted by the
     router's scores for them) instead of by the router's top-k: a controlled imbalance for benchmarks, as
     Megatron-Core's --moe-router-force-load-balancing forces a balanced one."""
+
+    hybrid_layer_pattern: str = ""
+    """Layer kinds of a hybrid Mamba model, one character per layer (Megatron's --hybrid-override-pattern):
+    'M' a Mamba-2 mixer, '*' self-attention, '-' an MLP, 'E' an MoE layer, each with its own pre-norm and residual
+    (workloads/mamba.py); num_layers must equal its length, and pipeline splits count its characters. '' = every
+    layer a transformer block (attention and MLP or MoE)."""
+    mamba_state_dim: int = 128  # set: Megatron-Core's --mamba-state-dim default (Nemotron-H uses it)
+    """SSM state size N of each Mamba-2 head (the width of B and C per group)."""
+    mamba_head_dim: int = 64  # set: Megatron-Core's --mamba-head-dim default (Nemotron-H uses it)
+    """Channels P of one Mamba-2 head."""
+    mamba_num_heads: int = 0
+    """Mamba-2 heads; 0 = 2 * hidden_size / mamba_head_dim (expand 2, Megatron-Core's default). The mixer's inner
+    width is mamba_num_heads * mamba_head_dim."""
+    mamba_num_groups: int = 8  # set: Megatron-Core's --mamba-num-groups default (Nemotron-H uses it)
+    """Groups of heads sharing one B and C (Mamba-2's multi-value grouping, like GQA's key-value groups); split over
+    tensor-parallel ranks with the heads."""
+    mamba_conv_kernel: int = 4  # set: Mamba-2's d_conv default (Megatron-Core MambaMixer, Nemotron-H)
+    """Width of the causal depthwise convolution over x, B and C."""
+
+    @property
+    def mamba_heads(self) -> int:
+        """Mamba-2 heads (mamba_num_heads, else 2 * hidden_size / mamba_head_dim)."""
+        return self.mamba_num_heads or 2 * self.hidden_size // self.mamba_head_dim
 
     @property
     def expert_ffn_hidden_size(self) -> int:

@@ -15,6 +15,7 @@ from trainsim.config.choices import (
     DEVICE_KINDS,
     FAMILIES,
     FP8_RECIPES,
+    HYBRID_LAYER_KINDS,
     MOE_DISPATCHERS,
     MOE_ROUTERS,
     MOE_ROUTINGS,
@@ -79,6 +80,43 @@ def validate_model(model: ModelConfig) -> None:
         _validate_experts(model)
     elif model.num_experts < 0:
         raise ConfigError(f"model.num_experts={model.num_experts} must be >= 0 (0 = a dense model)")
+    if model.hybrid_layer_pattern:
+        _validate_hybrid(model)
+
+
+def _validate_hybrid(model: ModelConfig) -> None:
+    """Megatron-Core's rules for a hybrid Mamba stack (mamba_hybrid_layer_allocation.py, MambaMixer)."""
+    pattern = model.hybrid_layer_pattern
+    accepted = ", ".join(f"'{c}' {kind}" for c, kind in HYBRID_LAYER_KINDS.items())
+    unknown = sorted(set(pattern) - set(HYBRID_LAYER_KINDS))
+    if unknown:
+        raise ConfigError(f"model.hybrid_layer_pattern={pattern!r} has {', '.join(map(repr, unknown))}; accepted "
+                          f"characters: {accepted} (Megatron's --hybrid-override-pattern; no '|' pipeline marks)")
+    if len(pattern) != model.num_layers:
+        raise ConfigError(f"model.hybrid_layer_pattern has {len(pattern)} layers but model.num_layers="
+                          f"{model.num_layers}; set num_layers to the pattern's length")
+    if "E" in pattern and not model.num_experts:
+        raise ConfigError(f"model.hybrid_layer_pattern={pattern!r} has MoE layers ('E') but model.num_experts=0; "
+                          "set num_experts, or use '-' for dense MLP layers")
+    if model.moe_first_dense_layers:
+        raise ConfigError(f"model.moe_first_dense_layers={model.moe_first_dense_layers} with "
+                          "model.hybrid_layer_pattern: the pattern says which layers are MoE ('E') and which dense "
+                          "('-'); set it to 0")
+    if "M" not in pattern:
+        return
+    _positive("model", model, "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_conv_kernel")
+    if model.mamba_num_heads < 0:
+        raise ConfigError(f"model.mamba_num_heads={model.mamba_num_heads} must be >= 0 "
+                          "(0 = 2 * hidden_size / mamba_head_dim)")
+    heads = model.mamba_heads
+    if heads < 1 or (not model.mamba_num_heads and (2 * model.hidden_size) % model.mamba_head_dim):
+        raise ConfigError(f"model.mamba_head_dim={model.mamba_head_dim} does not divide 2 * hidden_size="
+                          f"{2 * model.hidden_size}; set model.mamba_num_heads, or a head dim among "
+                          f"{_divisors(2 * model.hidden_size)}")
+    if heads % model.mamba_num_groups:
+        raise ConfigError(f"model.mamba_num_groups={model.mamba_num_groups} must divide the {heads} Mamba heads "
+                          f"(model.mamba_num_heads, or 2 * hidden_size / mamba_head_dim); choose among "
+                          f"{_divisors(heads)}")
 
 
 def _validate_experts(model: ModelConfig) -> None:
@@ -151,6 +189,8 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
                           "modelled (FP8 weight all-gathers, as torchtitan's float8 FSDP, are not built): use "
                           "zero_stage 0 or 1 with fp8, or precision bf16 with FSDP")
     _validate_expert_layout(model, par)
+    if "M" in model.hybrid_layer_pattern:
+        _validate_mamba_layout(model, par)
     if par.clip_grad < 0:
         raise ConfigError(f"parallelism.clip_grad={par.clip_grad} must be >= 0 (0 = no gradient clipping)")
 
@@ -217,6 +257,18 @@ def _validate_pipeline_split(model: ModelConfig, par: ParallelismConfig) -> None
         raise ConfigError(f"{fields} with parallelism.pp={par.pp}, virtual_stages={par.virtual_stages} for "
                           f"model.num_layers={model.num_layers} of '{model.name}': {exc} (Megatron-Core refuses "
                           "this split; see parallel/pipeline_split.py)") from None
+
+
+def _validate_mamba_layout(model: ModelConfig, par: ParallelismConfig) -> None:
+    """Megatron-Core's MambaMixer splits heads and groups over tp; context parallelism of Mamba is not built."""
+    for field_name, value in (("mamba heads (model.mamba_num_heads, or 2 * hidden_size / mamba_head_dim)",
+                               model.mamba_heads), ("model.mamba_num_groups", model.mamba_num_groups)):
+        if value % par.tp:
+            raise ConfigError(f"parallelism.tp={par.tp} does not divide the {field_name} = {value} of "
+                              f"'{model.name}'; choose tp among {_divisors(value)}")
+    if par.cp > 1:
+        raise ConfigError(f"parallelism.cp={par.cp} with Mamba layers (model.hybrid_layer_pattern has 'M') is not "
+                          "built: the Mamba-2 scan runs over the whole sequence on one rank; use cp=1")
 
 
 def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from trainsim.config.schema import MAMBA_CHUNK_TOKENS
+
 
 def forward_flops_per_token(model: dict[str, Any]) -> dict[str, float]:
     """Forward matmul FLOPs per token: the transformer layers, the part of them that is core attention
@@ -25,7 +27,8 @@ def forward_flops_per_token(model: dict[str, Any]) -> dict[str, float]:
     Per layer: 2 x (QKV h (a + 2 a_kv) d + output projection a d h + MLP n h f) plus 4 s a d for attention
     scores and values (a heads of width d, a_kv key/value heads); logits 2 h V. In an MoE layer the MLP term
     counts what a token activates: its top-k experts, the shared expert and the router (2 h E), as MFU of
-    MoE runs is reported.
+    MoE runs is reported. A hybrid model (model.hybrid_layer_pattern) counts each layer as its kind: attention
+    alone, an MLP, an MoE layer or a Mamba-2 mixer (mamba_flops_per_token).
     """
     h, layers, s = model["hidden_size"], model["num_layers"], model["seq_length"]
     heads = model["num_attention_heads"]
@@ -40,8 +43,26 @@ def forward_flops_per_token(model: dict[str, Any]) -> dict[str, float]:
     moe_layers = layers - (model.get("moe_first_dense_layers") or 0) if experts else 0
     moe_mlp = 2 * mlp_matrices * h * (model.get("moe_top_k", 2) * (model.get("moe_ffn_hidden_size") or ffn)
                                       + (model.get("moe_shared_expert_ffn_hidden_size") or 0)) + 2 * h * experts
+    pattern = model.get("hybrid_layer_pattern") or ""
+    if pattern:  # a hybrid model's layers each hold one of these
+        per_kind = {"*": attention, "-": dense_mlp, "E": moe_mlp, "M": mamba_flops_per_token(model)}
+        return {"layers": sum(per_kind[kind] for kind in pattern),
+                "core_attention": pattern.count("*") * core_attention, "logits": 2 * h * model["vocab_size"]}
     return {"layers": layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp,
             "core_attention": layers * core_attention, "logits": 2 * h * model["vocab_size"]}
+
+
+def mamba_flops_per_token(model: dict[str, Any]) -> float:
+    """Forward matmul FLOPs per token of one Mamba-2 layer (workloads/mamba.py): in_proj 2 h (2 e + 2 g n + H),
+    out_proj 2 e h, and the chunked scan: C B^T inside a chunk 2 l g n, its product with x 2 l e, each chunk's
+    state and the outputs from the states 2 x 2 e n (e = H P the inner width, l the chunk's tokens; the states
+    passed between chunks are negligible)."""
+    h, head_dim = model["hidden_size"], model.get("mamba_head_dim") or 64
+    heads = model.get("mamba_num_heads") or 2 * h // head_dim
+    groups, state = model.get("mamba_num_groups") or 8, model.get("mamba_state_dim") or 128
+    inner, chunk = heads * head_dim, min(MAMBA_CHUNK_TOKENS, model["seq_length"])
+    return (2 * h * (2 * inner + 2 * groups * state + heads) + 2 * inner * h
+            + 2 * chunk * groups * state + 2 * chunk * inner + 4 * inner * state)
 
 
 def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:

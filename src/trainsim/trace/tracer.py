@@ -214,13 +214,21 @@ def _trace_group(model_cfg: ModelConfig, par: ParallelismConfig, ranks: list[int
     return [stage or trace_rank(model_cfg, par, rank, plan) for stage, rank in zip(stages, ranks)]
 
 
-def _stage_shape(split: PipelineSplit, pp_rank: int, dense_layers: int) -> tuple:
+def layer_kind(model_cfg: ModelConfig, layer: int) -> str:
+    """What a layer builds, as far as its ops go: its hybrid kind (model.hybrid_layer_pattern) and whether a
+    mixture of experts' layer is one of its first dense layers."""
+    pattern = model_cfg.hybrid_layer_pattern
+    dense = bool(model_cfg.num_experts) and layer < model_cfg.moe_first_dense_layers
+    return (pattern[layer] if pattern else "") + ("d" if dense else "")
+
+
+def _stage_shape(model_cfg: ModelConfig, split: PipelineSplit, pp_rank: int) -> tuple:
     """Stages with the same shape build the same layers up to their indices: whether they hold the embedding and
-    the loss, and per chunk how many layers, how many of them a mixture of experts' first dense layers (an
-    uneven or explicit split gives middle stages different chunks)."""
+    the loss, and per chunk the kind of each of its layers (an uneven or explicit split gives middle stages
+    different chunks; a hybrid model or a mixture of experts' first dense layers, different layers)."""
     chunks = [split.layers(pp_rank, c) for c in range(split.virtual_stages)]
     return (split.holds_embedding(pp_rank, 0), split.holds_loss(pp_rank, split.virtual_stages - 1),
-            tuple((len(layers), sum(layer < dense_layers for layer in layers)) for layers in chunks))
+            tuple(tuple(layer_kind(model_cfg, layer) for layer in layers) for layers in chunks))
 
 
 def expert_classes(plan: RoutingPlan | None, ep: int, etp: int = 1) -> list[int]:
@@ -321,10 +329,10 @@ def trace_layout(model_cfg: ModelConfig, par: ParallelismConfig, progress=None, 
     per_stage = max(expert_class) + 1
     same_layers = plan is None or bool((plan.counts == plan.counts[:1]).all())
     split = split_of(model_cfg, par)
-    dense_layers = model_cfg.moe_first_dense_layers if model_cfg.num_experts else 0
     classes = [(pp_rank, cls, layout.stage_representative(pp_rank) + expert_class.index(cls),
                 # stages hold different layers: with a routing that varies by layer, no middle stage is another's
-                (_stage_shape(split, pp_rank, dense_layers) if same_layers else pp_rank, cls))
+                # nor with a hybrid model's layer kinds that differ between them
+                (_stage_shape(model_cfg, split, pp_rank) if same_layers else pp_rank, cls))
                for pp_rank in range(par.pp) for cls in range(per_stage)]
     todo: dict[tuple, int] = {}
     for _, _, representative, shape in classes:

@@ -18,6 +18,7 @@ from trainsim.workloads.combined_passes import Step
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
 from trainsim.workloads.fused import RMSNorm, rotary, swiglu
+from trainsim.workloads.mamba import MambaMixer
 from trainsim.workloads.moe import ExpertParallel, MoE
 from trainsim.workloads.observe import observer
 from trainsim.workloads.tensor_parallel import (
@@ -164,27 +165,47 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """One layer: a token mixer (attention or Mamba-2) and an MLP (or MoE), each after its norm and added to the
+    residual. `kind` '' is a transformer block (both); a hybrid model's layers have one part each, as Megatron-Core's
+    hybrid stack builds them (model.hybrid_layer_pattern: 'M' Mamba-2, '*' attention, '-' MLP, 'E' MoE)."""
+
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute: str, sequence_parallel: bool = False,
                  comm_overlap: bool = False, fp8: Fp8Region | None = None, cp: ContextParallel | None = None,
-                 experts: MoE | None = None):
+                 experts: MoE | None = None, kind: str = ""):
         super().__init__()
         self.dropout = cfg.dropout
-        self.norm1 = _norm(cfg, dtype, sequence_parallel)
-        self.attn = Attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
-                              sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8, cp=cp)
-        self.norm2 = _norm(cfg, dtype, sequence_parallel)
-        self.mlp = experts or MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
-        if fp8 is not None:  # Megatron-Core's TE spec: the norms run inside linear_qkv and linear_fc1
-            self.attn.qkv.fp8.input_from_norm = True
-            if experts is None:
+        self.attn: Attention | None = None
+        self.mamba: MambaMixer | None = None
+        self.mlp: MLP | MoE | None = None
+        if kind in ("", "*", "M"):
+            self.norm1 = _norm(cfg, dtype, sequence_parallel)
+        if kind in ("", "*"):
+            self.attn = Attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
+                                  sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8, cp=cp)
+        elif kind == "M":
+            self.mamba = MambaMixer(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8)
+        if kind in ("", "-", "E"):
+            self.norm2 = _norm(cfg, dtype, sequence_parallel)
+            self.mlp = experts or MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
+        if fp8 is not None:  # Megatron-Core's TE spec: the norms run inside linear_qkv, in_proj and linear_fc1
+            if self.attn is not None:
+                self.attn.qkv.fp8.input_from_norm = True
+            if self.mamba is not None:
+                self.mamba.in_proj.fp8.input_from_norm = True
+            if isinstance(self.mlp, MLP):
                 self.mlp.up.fp8.input_from_norm = True
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.dropout) if self.dropout else x
 
+    def _mix(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        if self.attn is not None:
+            return x + self._drop(self.attn(self.norm1(x), rotary))
+        return x if self.mamba is None else x + self._drop(self.mamba(self.norm1(x)))
+
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.norm1(x), rotary))
-        return x + self._drop(self.mlp(self.norm2(x)))
+        x = self._mix(x, rotary)
+        return x if self.mlp is None else x + self._drop(self.mlp(self.norm2(x)))
 
     def steps(self, rotary=None) -> list[Step]:
         """This block's forward as steps (combined_passes.py): cut at the experts' all-to-alls, if it has them."""
@@ -193,7 +214,7 @@ class Block(nn.Module):
             return [Step("block", lambda st: {"x": self(st["x"], rotary)})]
 
         def attention(st):
-            x1 = st["x"] + self._drop(self.attn(self.norm1(st["x"]), rotary))
+            x1 = self._mix(st["x"], rotary)
             h = self.norm2(x1)
             tokens, probs, logits, exchange = moe.dispatch_preprocess(h)
             return {"x1": x1, "h": h, "tokens": tokens, "probs": probs, "logits": logits, "exchange": exchange}
@@ -249,8 +270,10 @@ class TransformerChunk(nn.Module):
                 nn.init.normal_(self.positions, std=0.02)
                 # context parallelism: this rank's rows of the position table (an embedding lookup, as Megatron)
                 self.register_buffer("position_ids", positions if cp else None, persistent=False)
+        kinds = cfg.hybrid_layer_pattern
         self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
-                                          tp_comm_overlap, self.fp8, cp, self._experts(layer, dtype, ep))
+                                          tp_comm_overlap, self.fp8, cp, self._experts(layer, dtype, ep),
+                                          kinds[layer] if kinds else "")
                                     for layer in layers)
         if self.fp8 is not None:
             self.fp8.allocate()
@@ -261,9 +284,12 @@ class TransformerChunk(nn.Module):
             self.vocab_start = tp_rank * (vocab // tp)
 
     def _experts(self, layer: int, dtype: torch.dtype, ep: ExpertParallel | None) -> MoE | None:
-        """The MoE layer in place of the MLP of `layer`, if it has experts (none in the first dense layers)."""
+        """The MoE layer in place of the MLP of `layer`, if it has experts (none in the first dense layers; in a hybrid
+        model, the 'E' layers of its pattern)."""
         cfg = self.cfg
         if not cfg.num_experts or layer < cfg.moe_first_dense_layers:
+            return None
+        if cfg.hybrid_layer_pattern and cfg.hybrid_layer_pattern[layer] != "E":
             return None
         width = cfg.moe_shared_expert_ffn_hidden_size
         shared = MLP(cfg, self.tp, self.tp_group, dtype, self.sequence_parallel, fp8=self.fp8, ffn=width) \

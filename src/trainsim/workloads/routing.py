@@ -168,7 +168,9 @@ def model_routing_plan(model_cfg: ModelConfig, par: ParallelismConfig) -> Routin
     if not model_cfg.num_experts:
         return None
     tokens = par.micro_batch_size * model_cfg.seq_length // par.cp // (par.tp if par.sequence_parallel else 1)
-    layers = moe_layers(model_cfg.num_layers, model_cfg.moe_first_dense_layers, model_cfg.num_experts)
+    layers = ([i for i, kind in enumerate(model_cfg.hybrid_layer_pattern) if kind == "E"]
+              if model_cfg.hybrid_layer_pattern else
+              moe_layers(model_cfg.num_layers, model_cfg.moe_first_dense_layers, model_cfg.num_experts))
     return routing_plan(model_cfg.moe_routing, layers, model_cfg.num_experts, par.ep * par.etp, tokens,
                         model_cfg.moe_top_k)
 
