@@ -79,6 +79,10 @@ class Fp8Settings:
     recipe: str
     amax_group: object | None = None
     history_len: int = AMAX_HISTORY_LEN
+    cache_weights: bool = True
+    """Keep each weight's FP8 copy from the step's first micro-batch (TE's is_first_microbatch); False under
+    FSDP, where a weight exists only while its unit is gathered: it is cast at every use, as torchao's
+    Float8Linear does under torchtitan's FSDP."""
 
 
 def fp8_settings(par, amax_group) -> Fp8Settings | None:
@@ -89,7 +93,7 @@ def fp8_settings(par, amax_group) -> Fp8Settings | None:
     if par.fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(FP8_RECIPES)}")
     reduce = par.fp8_recipe == "delayed" and par.dp * par.cp * par.tp > 1
-    return Fp8Settings(par.fp8_recipe, amax_group if reduce else None)
+    return Fp8Settings(par.fp8_recipe, amax_group if reduce else None, cache_weights=par.zero_stage < 2)
 
 
 def _amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,7 +101,7 @@ def _amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=out)
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FORWARD_DTYPE) -> torch.Tensor:
     """x * scale rounded to `dtype` (saturating), one kernel."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     return torch.mul(x, scale, out=out)
@@ -175,7 +179,7 @@ class Fp8Region:
                     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
             scale = amax.clamp(min=1e-12).reciprocal().mul(FP8_MAX[dtype])
         with observer().kernel_notes(fused=1) if from_norm and self.delayed else contextlib.nullcontext():
-            x_fp8 = _cast(x, scale, dtype)
+            x_fp8 = cast_fp8(x, scale, dtype)
         return x_fp8, scale.reciprocal()
 
     def reduce_and_update(self, forward: bool) -> None:
@@ -204,6 +208,9 @@ class Fp8Linear:
         """Set by the layer when its input is a norm's output (TE's LayerNormLinear: qkv and the first MLP linear)."""
         self._weight_version: int | None = None
         self._weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.gathered_scale = None
+        """With FP8 all-gathers (fully_sharded.Fp8GatherScales): () -> the scale the weight was gathered in FP8
+        with; the weight then arrives in FP8 and needs no cast kernel."""
 
     def quantize_input(self, x: torch.Tensor, gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return self.region.quantize(x, True, 2 * self.index, self.tp_group if gathered else None,
@@ -214,7 +221,19 @@ class Fp8Linear:
 
     def weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(W, W^T contiguous, inverse scale) in FP8, cast when the weight changed since the last cast: once
-        per step, on its first micro-batch (TE with is_first_microbatch)."""
+        per step, on its first micro-batch (TE with is_first_microbatch); at every use without the cache (FSDP);
+        never where the weight was all-gathered in FP8 (its bytes are the FP8 weight: the cast here is noted
+        fused, only the transposed copy the backward's GEMM needs K-major is a kernel of its own)."""
+        if self.gathered_scale is not None:
+            scale = self.gathered_scale()
+            with torch.no_grad():
+                with observer().kernel_notes(fused=1):
+                    w_fp8 = cast_fp8(weight.detach(), scale, FORWARD_DTYPE)
+                return w_fp8, w_fp8.transpose(-2, -1).contiguous(), scale.reciprocal()
+        if not self.region.settings.cache_weights:
+            with torch.no_grad():
+                w_fp8, scale_inv = self.region.quantize(weight.detach(), True, 2 * self.index + 1)
+                return w_fp8, _transposed(w_fp8), scale_inv
         if self._weight is None or self._weight_version != weight._version:
             with observer().once_per_step(), torch.no_grad():
                 w_fp8, scale_inv = self.region.quantize(weight.detach(), True, 2 * self.index + 1)
