@@ -140,7 +140,8 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                 setattr(chunk.get_parameter(name), tag, True)
         params = [p for chunk in chunks for p in chunk.parameters()]
         optimizer = MixedPrecisionAdamW([local(p) for p in params], [local(p.grad) for p in params],
-                                        clip_grad=par.clip_grad, norm_group=None, reduce_norm=layout.world_size > 1)
+                                        clip_grad=par.clip_grad, norm_group=None, reduce_norm=layout.world_size > 1,
+                                        norm_copies=par.shard_replicas)
         return RankModel(layout, rank, model_cfg, par, groups, chunks, [], optimizer, cp, fp8_gather_scales=scales)
     shard = par.zero_stage == 1
     grad_dtype = torch.float32 if par.grad_reduce_in_fp32 else None
@@ -164,7 +165,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         weights = [w for b in buckets + expert_buckets for w in b.param_shards()]
         grads = [g for b in buckets + expert_buckets for g in b.grad_shards()]
         optimizer = MixedPrecisionAdamW(weights, grads, clip_grad=par.clip_grad, norm_group=None,
-                                        reduce_norm=layout.world_size > 1)
+                                        reduce_norm=layout.world_size > 1, norm_copies=par.shard_replicas)
     else:  # the experts' norm is summed over the ranks of one expert replica, the rest over the model's ranks
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         params.sort(key=lambda p: getattr(p, "expert", False))
