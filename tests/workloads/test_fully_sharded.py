@@ -135,7 +135,8 @@ def test_shard_and_replicate_groups_cut_the_data_parallel_group():
     assert layout.group_ranks(6, "dp_replicate") == [6, 14]
     assert layout.group_ranks(9, "dp_shard") == [9, 11, 13, 15]
     whole = Layout(dp=4, tp=1, pp=1)
-    assert whole.group_ranks(1, "dp_shard") == whole.group_ranks(1, "dp") and whole.group_ranks(1, "dp_replicate") == [1]
+    assert whole.group_ranks(1, "dp_shard") == whole.group_ranks(1, "dp")
+    assert whole.group_ranks(1, "dp_replicate") == [1]
 
 
 @pytest.mark.parametrize("overrides, message", [
