@@ -207,7 +207,9 @@ def test_fp8_gathered_weights_train_like_bf16_gathered_ones():
     bf16, fp8 = (spawn_ranks(_weights_after_two_steps, r.parallelism, r.model, r.parallelism) for r in runs)
     assert torch.equal(fp8[0][0], fp8[1][0])
     assert not torch.equal(fp8[0][0], bf16[0][0])
-    torch.testing.assert_close(fp8[0][0], bf16[0][0], rtol=0.05, atol=2e-3)
+    # the gradients (Adam moves every weight by about its learning rate whatever they are): the same up to FP8's
+    # rounding of the weights with another scale
+    assert fp8[0][1] == pytest.approx(bf16[0][1], rel=0.02)
 
 
 def test_layout_search_tries_fsdp_and_prices_its_communication():
