@@ -108,7 +108,8 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
     figures = efficiency(step_time_s, run.group("hardware"), run.group("model"), run.group("parallelism"),
                          train_tokens=run.train.tokens)
     at = BREAKDOWN_COLUMNS.index("exposed_other_s") + 1
-    others = [c for c in classes.columns if c.startswith("exposed_") and c not in BREAKDOWN_COLUMNS and classes[c].any()]
+    others = [c for c in classes.columns
+              if c.startswith("exposed_") and c not in BREAKDOWN_COLUMNS and classes[c].any()]
     columns = [*BREAKDOWN_COLUMNS[:at], *others, *BREAKDOWN_COLUMNS[at:]]
     return Prediction(step_time_s=step_time_s, breakdown=classes[columns],
                       memory=memory, critical_path=summary["critical_path"], inputs=summary["inputs"],
