@@ -77,6 +77,9 @@ def test_fsdp_with_fp8_casts_the_gathered_weights_at_every_use():
     assert _fp8_casts(sharded)["per_microbatch"].all()
     parameters = replicated_memory["parameter_bytes"] // 2  # bf16 weights, plus FP8 copies held for the step
     assert sharded_memory["parameter_bytes"] < 1.02 * 4 * parameters / 4  # the fp32 shards alone
+    # nor between a block's forward and its backward (which casts the gathered weight again)
+    _, _, bf16_memory = _trace("parallelism.precision=bf16", "parallelism.zero_stage=3")
+    assert sharded_memory["transient_bytes"] <= bf16_memory["transient_bytes"]
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
