@@ -246,6 +246,14 @@ def test_layout_search_tries_fsdp_and_prices_its_communication():
     assert fsdp.optimizer_s < replicated.optimizer_s  # each rank updates its shard
     # with little compute per layer the gathers and scatters are not hidden
     assert estimate(1e-7, zero_stage=3).pipeline_s > estimate(1e-7, zero_stage=0).pipeline_s
+    # HSDP: the state over 4 of the 8 replicas (more memory), the gradients also all-reduced across the 2 replicas
+    hsdp = estimate(1e-7, zero_stage=3, dp_shard_size=4)
+    assert hsdp.peak_memory_bytes - fsdp.peak_memory_bytes == layers * (16 << 20) // 8
+    assert hsdp.pipeline_s > estimate(1e-7, zero_stage=3).pipeline_s
+    # FP8 all-gathers: the blocks' weights gathered and held in 1 byte each
+    fp8 = estimate(1e-7, zero_stage=3, precision="fp8")
+    fp8_gathered = estimate(1e-7, zero_stage=3, precision="fp8", fp8_param_gather=True)
+    assert fp8_gathered.pipeline_s < fp8.pipeline_s and fp8_gathered.peak_memory_bytes < fp8.peak_memory_bytes
 
 
 def test_fsdp_copy_ops_are_timed_by_replay():

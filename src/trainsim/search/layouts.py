@@ -118,7 +118,11 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
                                 micro_batch_size=mbs, schedule=schedule,
                                 virtual_stages=v, recompute=recompute, zero_stage=zero,
                                 first_stage_layers=first, last_stage_layers=last,
-                                overlap_param_gather=base.overlap_param_gather and zero == 1)
+                                overlap_param_gather=base.overlap_param_gather and zero == 1,
+                                # HSDP's shard group where it still divides the replicas (else all of them)
+                                dp_shard_size=base.dp_shard_size if zero and base.dp_shard_size
+                                and (dp * cp) % base.dp_shard_size == 0 else 0,
+                                fp8_param_gather=base.fp8_param_gather and zero >= 2)
                             if par.moe_a2a_overlap and a2a_overlap_refusal(par):  # where it applies only
                                 par = dataclasses.replace(par, moe_a2a_overlap=False)
                             try:
