@@ -37,7 +37,8 @@ class Prediction:
     breakdown: pd.DataFrame
     """Per rank class (seconds): compute, slowdown from overlap, exposed communication per group kind,
     pipeline bubble, idle, the optimizer step's part of them, and the communication time added by
-    concurrent inter-node transfers sharing a NIC (BREAKDOWN_COLUMNS; meanings in
+    concurrent inter-node transfers sharing a NIC (BREAKDOWN_COLUMNS, and the exposed time of any other group
+    kind where it is not zero: cp, ep, HSDP's dp_shard and dp_replicate, ...; meanings in
     summary['field_meanings'])."""
     memory: pd.DataFrame
     """Per rank class (bytes): weights, gradients, optimizer state, peak activations, peak, capacity, OOM
@@ -106,7 +107,11 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
     step_time_s = float(summary["step_time_s"])
     figures = efficiency(step_time_s, run.group("hardware"), run.group("model"), run.group("parallelism"),
                          train_tokens=run.train.tokens)
-    return Prediction(step_time_s=step_time_s, breakdown=classes[BREAKDOWN_COLUMNS],
+    at = BREAKDOWN_COLUMNS.index("exposed_other_s") + 1
+    others = [c for c in classes.columns
+              if c.startswith("exposed_") and c not in BREAKDOWN_COLUMNS and classes[c].any()]
+    columns = [*BREAKDOWN_COLUMNS[:at], *others, *BREAKDOWN_COLUMNS[at:]]
+    return Prediction(step_time_s=step_time_s, breakdown=classes[columns],
                       memory=memory, critical_path=summary["critical_path"], inputs=summary["inputs"],
                       warnings=list(summary["inputs"]["warnings"]), efficiency=figures, summary=summary,
                       artifact_dir=out_dir)

@@ -90,6 +90,19 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
     pytest.param(["parallelism=dp2", "parallelism.zero_stage=3", "parallelism.precision=bf16", "parallelism.pp=2",
                   "parallelism.tp=2", "parallelism.sequence_parallel=true", "parallelism.global_batch_size=8",
                   "hardware.devices_per_node=8"], id="fsdp2-tp2-sp-pp2"),
+    pytest.param(["parallelism=dp2", "parallelism.zero_stage=3", "parallelism.precision=fp8"], id="fsdp2-zero3-fp8"),
+    pytest.param(["parallelism=dp2", "parallelism.zero_stage=2", "parallelism.precision=fp8",
+                  "parallelism.fp8_recipe=current", "parallelism.fp8_param_gather=true"], id="fsdp2-zero2-fp8-gather"),
+    pytest.param(["parallelism=dp2", "parallelism.dp=2", "parallelism.tp=2", "parallelism.sequence_parallel=true",
+                  "parallelism.zero_stage=3", "parallelism.precision=fp8", "parallelism.fp8_param_gather=true",
+                  "parallelism.global_batch_size=4", "hardware.devices_per_node=4"], id="fsdp2-tp2-sp-fp8-gather"),
+    pytest.param(["parallelism=dp2", "parallelism.dp=4", "parallelism.dp_shard_size=2", "parallelism.zero_stage=3",
+                  "parallelism.precision=bf16", "parallelism.global_batch_size=8", "hardware.devices_per_node=4"],
+                 id="hsdp2x2-zero3"),
+    pytest.param(["parallelism=dp2", "parallelism.dp=4", "parallelism.dp_shard_size=2", "parallelism.zero_stage=1",
+                  "parallelism.precision=bf16", "parallelism.global_batch_size=8", "hardware.devices_per_node=4"],
+                 id="zero1-two-instances"),
+    pytest.param(["parallelism=cp2", "parallelism.zero_stage=3", "parallelism.precision=bf16"], id="fsdp2-cp2"),
 ])
 def test_real_gloo_step_matches_ex_situ_trace(overrides):
     run = compose_run(overrides)

@@ -564,6 +564,19 @@ class ParallelismConfig:
     block's weights all-gathered (bf16) before its forward and gradients reduce-scattered (fp32) after every
     micro-batch's backward; 2 keeps the gathered weights until the backward (SHARD_GRAD_OP), 3 frees them
     after the forward and gathers them again for the backward (FULL_SHARD, ZeRO-3)."""
+    dp_shard_size: int = 0
+    """Ranks the sharded state of zero_stage >= 1 is split over: 0 = all dp * cp ranks (plain FSDP / one
+    distributed optimizer); a proper divisor of dp * cp = HSDP (torchtitan's data_parallel_shard_degree, with
+    dp * cp / dp_shard_size replicas: data_parallel_replicate_degree) or, with zero_stage 1, Megatron-Core's
+    --num-distributed-optimizer-instances = dp * cp / dp_shard_size. Gradients are reduce-scattered within a
+    shard group and the shards all-reduced across the replicas; weights are all-gathered within the shard
+    group (parallel/layout.py: groups 'dp_shard' and 'dp_replicate')."""
+    fp8_param_gather: bool = False
+    """With precision 'fp8' and FSDP (zero_stage 2, 3): the weights are cast to FP8 per shard before they are
+    all-gathered, so the all-gather carries 1 byte per weight instead of 2 and the gathered weights are held in
+    FP8 (torchtitan's enable_fsdp_float8_all_gather with precompute_float8_dynamic_scale_for_fsdp: one
+    all-reduce (MAX) of every unit's amax per step over the shard group; Megatron --fp8-param-gather).
+    workloads/fully_sharded.py."""
     grad_reduce_in_fp32: bool = False
     """With low-precision weights (bf16, fp16, fp8 runs): accumulate gradients in an fp32 buffer (each weight's
     `main_grad`: a micro-batch's gradient is added into it and freed) and reduce them over data parallelism in
@@ -607,6 +620,16 @@ class ParallelismConfig:
         """Ranks holding the same weights (every dp and cp rank of a model shard): where gradients are averaged
         and the distributed optimizer shards."""
         return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks the sharded state (zero_stage >= 1) is split over: dp_shard_size, or every weight replica."""
+        return self.dp_shard_size or self.weight_replicas
+
+    @property
+    def shard_replicas(self) -> int:
+        """Copies of the sharded state (HSDP replicas, distributed-optimizer instances); 1 without HSDP."""
+        return self.weight_replicas // self.shard_ranks
 
     @property
     def num_microbatches(self) -> int:

@@ -184,10 +184,7 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         raise ConfigError("parallelism.overlap_param_gather=true overlaps the distributed optimizer's parameter "
                           f"all-gather: it needs parallelism.zero_stage=1 (got {par.zero_stage}; FSDP, stages 2 "
                           "and 3, always prefetches the next layer's weights)")
-    if par.zero_stage >= 2 and par.precision == "fp8":
-        raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with parallelism.precision='fp8' is not "
-                          "modelled (FP8 weight all-gathers, as torchtitan's float8 FSDP, are not built): use "
-                          "zero_stage 0 or 1 with fp8, or precision bf16 with FSDP")
+    _validate_sharding(model, par)
     _validate_expert_layout(model, par)
     if "M" in model.hybrid_layer_pattern:
         _validate_mamba_layout(model, par)
@@ -269,6 +266,37 @@ def _validate_mamba_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if par.cp > 1:
         raise ConfigError(f"parallelism.cp={par.cp} with Mamba layers (model.hybrid_layer_pattern has 'M') is not "
                           "built: the Mamba-2 scan runs over the whole sequence on one rank; use cp=1")
+
+
+def _validate_sharding(model: ModelConfig, par: ParallelismConfig) -> None:
+    """HSDP (dp_shard_size) and FP8 weight all-gathers (fp8_param_gather)."""
+    replicas = par.dp * par.cp
+    if par.dp_shard_size:
+        field = f"parallelism.dp_shard_size={par.dp_shard_size}"
+        if par.dp_shard_size < 0 or replicas % par.dp_shard_size:
+            raise ConfigError(f"{field} must divide dp * cp = {par.dp} * {par.cp} = {replicas} (the ranks holding "
+                              f"the same weights; 0 = all of them); choose among 0, {_divisors(replicas)}")
+        if par.zero_stage < 1:
+            raise ConfigError(f"{field} splits the sharded training state, but parallelism.zero_stage=0 shards "
+                              "nothing; set zero_stage 1 (distributed-optimizer instances), 2 or 3 (HSDP), or "
+                              "dp_shard_size=0")
+        if model.num_experts and par.dp_shard_size < replicas:
+            raise ConfigError(f"{field} < dp * cp = {replicas} (HSDP / several distributed-optimizer instances) "
+                              f"with experts (model '{model.name}', num_experts={model.num_experts}) is not built: "
+                              "the expert-data-parallel group is not cut into shard and replica groups; set "
+                              f"dp_shard_size=0 or {replicas}")
+    elif par.dp_shard_size < 0:
+        raise ConfigError(f"parallelism.dp_shard_size={par.dp_shard_size} must be >= 0 (0 = all dp * cp ranks)")
+    if par.fp8_param_gather:
+        if par.precision != "fp8":
+            raise ConfigError(f"parallelism.fp8_param_gather=true all-gathers FP8 weights: it needs "
+                              f"parallelism.precision='fp8' (got {par.precision!r})")
+        if par.zero_stage < 2:
+            raise ConfigError(f"parallelism.fp8_param_gather=true with parallelism.zero_stage={par.zero_stage}: "
+                              "FP8 weight all-gathers are built for FSDP (zero_stage 2 or 3, torchtitan's "
+                              "enable_fsdp_float8_all_gather); with the distributed optimizer (zero_stage 1, "
+                              "Megatron's --fp8-param-gather) they are not built yet; set zero_stage 2 or 3, or "
+                              "fp8_param_gather=false")
 
 
 def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:

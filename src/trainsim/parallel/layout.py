@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GROUP_KINDS = ("tp", "cp", "dp", "pp", "mp", "amax")
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "mp", "amax", "dp_shard", "dp_replicate")
 """tp, cp, pp; dp: the ranks that hold the same weights (every dp and cp rank of one model shard: Megatron's
 data-parallel group with context parallelism, where gradients are reduced and the distributed optimizer
 shards); mp: the model-parallel group (every tp and pp rank of one replica; Megatron's
 get_model_parallel_group, where the gradient norm is summed); amax: every dp, cp and tp rank of one
-pipeline stage (Megatron's amax-reduction group, over which FP8 delayed scaling reduces its amaxes)."""
+pipeline stage (Megatron's amax-reduction group, over which FP8 delayed scaling reduces its amaxes);
+dp_shard, dp_replicate: the dp group cut for HSDP (parallelism.dp_shard_size): dp_shard, dp_shard_size
+consecutive members of the dp group (in its order, cp varying fastest), over which the training state is
+sharded (torchtitan's flattened dp_shard x cp mesh dimension; Megatron-Core's intra distributed-optimizer
+instance group); dp_replicate, the members at the same place of every dp_shard group (torchtitan's
+dp_replicate dimension, Megatron's inter-instance group), over which the shards are all-reduced. Without HSDP
+dp_shard is dp and dp_replicate the rank alone."""
 
 EXPERT_GROUP_KINDS = ("ep", "etp", "tep", "edp", "emp")
 """Groups of MoE models (Megatron-Core's parallel folding, expert rank order 'tp-ep-dp-pp'): the dp * cp * tp ranks of
@@ -42,6 +48,8 @@ class Layout:
     cp: int = 1
     ep: int = 1
     etp: int = 1
+    dp_shard: int = 0
+    """Members of a dp_shard group (parallelism.dp_shard_size); 0: the whole dp group."""
 
     @property
     def stage_size(self) -> int:
@@ -101,6 +109,13 @@ class Layout:
             return [self.rank_of(d, t, i, c) for i in range(self.pp)]
         if kind == "mp":
             return [self.rank_of(d, i, j, c) for j in range(self.pp) for i in range(self.tp)]
+        if kind in ("dp_shard", "dp_replicate"):
+            members = self.group_ranks(rank, "dp")
+            shard = self.dp_shard or len(members)
+            start, place = divmod(members.index(rank), shard)
+            if kind == "dp_shard":
+                return members[start * shard:(start + 1) * shard]
+            return members[place::shard]
         if kind == "amax":
             return [self.rank_of(i, k, s, j) for i in range(self.dp) for j in range(self.cp) for k in range(self.tp)]
         base, local = divmod(rank, self.stage_size)
@@ -135,4 +150,4 @@ class Layout:
 
 def layout_of(par) -> Layout:
     """The layout of a ParallelismConfig."""
-    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp)
+    return Layout(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp, dp_shard=par.dp_shard_size)

@@ -65,7 +65,8 @@ def breakdown_figure(table: pd.DataFrame) -> str:
 
 
 COMM_COLOURS = {"tp": "#c44e52", "cp": "#8172b3", "pp": "#937860", "dp": "#da8bc3", "ep": "#ccb974",
-                "etp": "#e5ae38", "edp": "#b07aa1", "emp": "#ff9da7", "mp": "#64b5cd", "world": "#4d4d4d"}
+                "etp": "#e5ae38", "edp": "#b07aa1", "emp": "#ff9da7", "mp": "#64b5cd", "world": "#4d4d4d",
+                "dp_shard": "#a64d79", "dp_replicate": "#f0b6d5"}
 IDLE_COLOUR = "#e3e3e3"
 MAX_TIMELINE_CLASSES = 16
 

@@ -207,11 +207,11 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: Paralleli
     if par.zero_stage >= 2:  # FSDP: 16 bytes per parameter sharded; gathered weights and gradients transient
         # (experts sharded over their replicas, the rest over the model's)
         element = PRECISION_WEIGHT_BYTES[par.precision]
-        sharded = states["parameter_bytes"] // element * ((1 - expert) / par.weight_replicas
+        sharded = states["parameter_bytes"] // element * ((1 - expert) / par.shard_ranks
                                                            + expert / expert_replicas(par))
         states = {"parameter_bytes": int(4 * sharded), "gradient_bytes": int(4 * sharded),
                   "optimizer_state_bytes": int(8 * sharded)}
-        layer = costs.layer.parameter_bytes
+        layer = costs.layer.parameter_bytes // (element if par.fp8_param_gather else 1)  # held in FP8: 1 byte
         weights = 2 * layer if par.zero_stage >= 3 else sum(parts[(s, c)]["layer"] for c in range(v)) * layer
         # the root unit (embedding; final norm and output layer) stays gathered through its backward
         roots = sum(getattr(costs, p).parameter_bytes for c in range(v) for p in ("first", "last")
@@ -231,24 +231,31 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: Paralleli
 
 
 def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_nodes: int,
-                  edp_nodes: int) -> tuple[float, float]:
+                  edp_nodes: int, replicate_nodes: int = 1, fp8_gather: bool = False) -> tuple[float, float]:
     """(all-gather of a part's weights in the compute dtype, reduce-scatter of its gradients in fp32): the dense
-    weights over the model's replicas, the experts' over theirs."""
+    weights over their shard group (HSDP: then the scattered shard all-reduced over the replicas), the experts'
+    over their replicas. fp8_gather: the dense weights travel in FP8 (a block with parallelism.fp8_param_gather)."""
     gather_s = scatter_s = 0.0
-    for parameter_bytes, replicas, nodes in ((part.parameter_bytes - part.expert_parameter_bytes,
-                                              par.weight_replicas, dp_nodes),
-                                             (part.expert_parameter_bytes, expert_replicas(par), edp_nodes)):
-        if replicas == 1 or parameter_bytes <= 0:
+    for dense, parameter_bytes, replicas, nodes in ((True, part.parameter_bytes - part.expert_parameter_bytes,
+                                                     par.shard_ranks, dp_nodes),
+                                                    (False, part.expert_parameter_bytes, expert_replicas(par),
+                                                     edp_nodes)):
+        if parameter_bytes <= 0 or (replicas == 1 and not (dense and par.shard_replicas > 1)):
             continue
         parameters = parameter_bytes // PRECISION_WEIGHT_BYTES[par.precision]
-        gather_s += comm.collective_seconds("all_gather", parameter_bytes, replicas, nodes)
-        scatter_s += comm.collective_seconds("reduce_scatter", 4 * parameters, replicas, nodes)
+        if replicas > 1:
+            gathered = parameters if dense and fp8_gather else parameter_bytes
+            gather_s += comm.collective_seconds("all_gather", gathered, replicas, nodes)
+            scatter_s += comm.collective_seconds("reduce_scatter", 4 * parameters, replicas, nodes)
+        if dense and par.shard_replicas > 1:
+            scatter_s += comm.collective_seconds("all_reduce", 4 * parameters // replicas, par.shard_replicas,
+                                                 replicate_nodes)
     return gather_s, scatter_s
 
 
 def optimizer_shards(par: ParallelismConfig) -> int:
     """Over how many replicas (ranks with the same weights) the optimizer's states and update are split."""
-    return par.weight_replicas if par.zero_stage >= 1 else 1
+    return par.shard_ranks if par.zero_stage >= 1 else 1
 
 
 def expert_replicas(par: ParallelismConfig) -> int:
@@ -310,11 +317,13 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         return compute, comm_s, host, exchange_s
 
     per_part = {name: {ph: pass_seconds(getattr(costs, name), ph) for ph in "FB"} for name in PART_NAMES}
-    dp_nodes = placement.domains_spanned(layout.group_ranks(0, "dp"))  # (FSDP; the buckets below: per stage)
+    dp_nodes = placement.domains_spanned(layout.group_ranks(0, "dp_shard"))  # (FSDP; the buckets below: per stage)
     edp_nodes = placement.domains_spanned(layout.group_ranks(0, "edp"))
+    replicate_nodes = placement.domains_spanned(layout.group_ranks(0, "dp_replicate"))
     if par.zero_stage >= 2:  # FSDP: each part's compute beside its weights' gather and gradients' scatter
-        for name, by_phase in per_part.items():
-            gather_s, scatter_s = _fsdp_seconds(getattr(costs, name), par, comm, dp_nodes, edp_nodes)
+        for name, by_phase in per_part.items():  # (the blocks gather in FP8 with fp8_param_gather, the root not)
+            gather_s, scatter_s = _fsdp_seconds(getattr(costs, name), par, comm, dp_nodes, edp_nodes,
+                                                replicate_nodes, par.fp8_param_gather and name == "layer")
             for phase, comm_s in (("F", gather_s), ("B", scatter_s + (gather_s if par.zero_stage >= 3 else 0.0))):
                 compute, collectives, host, exchange = by_phase[phase]
                 by_phase[phase] = (max(compute, comm_s - collectives), collectives, host, exchange)
@@ -341,19 +350,25 @@ def estimate_layout(costs: SliceCosts, model: ModelConfig, par: ParallelismConfi
         representative = layout.rank_of(0, 0, s)
         if par.zero_stage >= 2:  # the last part's reduce-scatter has no compute left beside it
             last_part = costs.first if s == 0 else costs.layer
-            scatter_s = _fsdp_seconds(last_part, par, comm, dp_nodes, edp_nodes)[1]
+            scatter_s = _fsdp_seconds(last_part, par, comm, dp_nodes, edp_nodes, replicate_nodes)[1]
             exposed_max = max(exposed_max, scatter_s)
             end += scatter_s
         # dense gradients over the model's replicas, expert gradients over the experts' (own stream each)
-        for group_bytes, replicas, kind in ((grads * (1 - expert), par.weight_replicas, "dp"),
+        for group_bytes, replicas, kind in ((grads * (1 - expert), par.shard_ranks if par.zero_stage else
+                                             par.weight_replicas, "dp_shard"),
                                             (grads * expert, expert_replicas(par), "edp")):
-            if par.zero_stage >= 2 or replicas == 1 or group_bytes <= 0:
+            instances = par.shard_replicas if kind == "dp_shard" and par.zero_stage == 1 else 1
+            if par.zero_stage >= 2 or replicas * instances == 1 or group_bytes <= 0:
                 continue
             buckets = max(1, math.ceil(group_bytes / par.dp_bucket_size_bytes))
             bucket_bytes = math.ceil(group_bytes / buckets)
             group_nodes = placement.domains_spanned(layout.group_ranks(representative, kind))
             reduction = "reduce_scatter" if par.zero_stage >= 1 else "all_reduce"
-            bucket_s = comm.collective_seconds(reduction, bucket_bytes, replicas, group_nodes)
+            bucket_s = comm.collective_seconds(reduction, bucket_bytes, replicas, group_nodes) if replicas > 1 else 0.0
+            if instances > 1:  # distributed-optimizer instances: the reduce-scattered slice across them
+                bucket_s += comm.collective_seconds("all_reduce", bucket_bytes // replicas, instances,
+                                                    placement.domains_spanned(
+                                                        layout.group_ranks(representative, "dp_replicate")))
             if par.zero_stage >= 1 and not par.overlap_param_gather:
                 gather_s += buckets * comm.collective_seconds("all_gather", bucket_bytes, replicas, group_nodes)
             clock = backward_start[s]

@@ -120,7 +120,11 @@ def enumerate_layouts(model: ModelConfig, base: ParallelismConfig, hw: HardwareC
                                 first_stage_layers=first, last_stage_layers=last, pipeline_layout="",
                                 account_for_embedding_in_pipeline_split=False,
                                 account_for_loss_in_pipeline_split=False,
-                                overlap_param_gather=base.overlap_param_gather and zero == 1)
+                                overlap_param_gather=base.overlap_param_gather and zero == 1,
+                                # HSDP's shard group where it still divides the replicas (else all of them)
+                                dp_shard_size=base.dp_shard_size if zero and base.dp_shard_size
+                                and (dp * cp) % base.dp_shard_size == 0 else 0,
+                                fp8_param_gather=base.fp8_param_gather and zero >= 2)
                             if par.moe_a2a_overlap and a2a_overlap_refusal(par):  # where it applies only
                                 par = dataclasses.replace(par, moe_a2a_overlap=False)
                             try:

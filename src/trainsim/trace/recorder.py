@@ -197,7 +197,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         # the model-parallel and amax groups have the ranks of another kind's group when some degrees are 1
         # (mp = tp when pp = 1, amax = dp when tp = 1, ...): those names win (later entries overwrite)
         # (expert groups first: where one has a dense group's ranks, the dense name wins; MoE code names its own)
-        kinds = (*EXPERT_GROUP_KINDS, "amax", "mp", *(k for k in GROUP_KINDS if k not in ("amax", "mp")))
+        # (HSDP's dp_shard is dp without HSDP: dp wins)
+        first = ("dp_replicate", "dp_shard", "amax", "mp")
+        kinds = (*EXPERT_GROUP_KINDS, *first, *(k for k in GROUP_KINDS if k not in first))
         self._group_kind = {tuple(layout.group_ranks(rank, k)): k for k in kinds}
         self._named_kind: str | None = None  # the kind the step says it communicates in (observer.communication)
         self._stands_for: tuple | None = None

@@ -145,7 +145,7 @@ def _trace_ranks(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, plan
             params = rm.parameters()
             # what the step holds beyond the micro-batch's saved activations (FSDP's gathered weights are resized
             # storages no op shows: counted from the units' sizes)
-            gathered = gathered_weight_bytes(rm.chunks, par.zero_stage, DTYPES[par.precision])
+            gathered = gathered_weight_bytes(rm.chunks, par.zero_stage, DTYPES[par.precision], par.fp8_param_gather)
             traced = _TracedStage(
                 rank=rank,
                 events=recorder.events,

@@ -49,12 +49,16 @@ def gradient(p: nn.Parameter) -> torch.Tensor | None:
 class GradientBuckets:
     def __init__(self, params: list[nn.Parameter], bucket_size_bytes: int, group, dp: int,
                  shard: bool = False, modules: list[nn.Module] = (), average_over: int | None = None,
-                 grad_dtype: torch.dtype | None = None, fused_accumulation: frozenset = frozenset()):
+                 grad_dtype: torch.dtype | None = None, fused_accumulation: frozenset = frozenset(),
+                 replicate_group=None):
         """dp: ranks in `group` (that reduce, and shard with `shard`); average_over: replicas the gradients are
         averaged over (default dp; MoE experts: every data replica, though fewer ranks hold each expert);
         grad_dtype: the buckets' dtype (default the weights'); fused_accumulation: the weights whose gradient
-        the GEMM accumulates into the buffer itself."""
+        the GEMM accumulates into the buffer itself; replicate_group: with `shard`, the ranks holding the same
+        slice in the other distributed-optimizer instances (Megatron-Core's
+        --num-distributed-optimizer-instances): a reduce-scattered slice is then all-reduced over them."""
         self.group, self.dp, self.shard, self.grad_dtype = group, dp, shard, grad_dtype
+        self.replicate_group = replicate_group
         self.fused_accumulation = fused_accumulation
         self.average_over = dp if average_over is None else average_over
         self.sync_enabled = False
@@ -145,12 +149,17 @@ class GradientBuckets:
             buffer = self._buckets[index][0]
             with observer().once_per_step():
                 buffer.div_(self.average_over)  # average (gloo has no AVG reduction; DDP divides before too)
-                if self.dp == 1:
+                if self.dp == 1 and self.replicate_group is None:
                     return
                 with observer().communication(async_op=True):  # waited for in finish(), before the optimizer
                     if self.shard:
                         work = reduce_scatter_flat(self._my_slice(buffer), buffer, group=self.group,
-                                                          async_op=True)
+                                                   async_op=True) if self.dp > 1 else None
+                        if self.replicate_group is not None:  # then the slice across the instances (Megatron's
+                            if work is not None:  # second stream waits for the first: ordered, as here)
+                                work.wait()
+                            work = dist.all_reduce(self._my_slice(buffer), group=self.replicate_group,
+                                                   async_op=True)
                     else:
                         work = dist.all_reduce(buffer, group=self.group, async_op=True)
                     self._works.append(work)

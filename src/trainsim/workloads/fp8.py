@@ -79,6 +79,10 @@ class Fp8Settings:
     recipe: str
     amax_group: object | None = None
     history_len: int = AMAX_HISTORY_LEN
+    cache_weights: bool = True
+    """Keep each weight's FP8 copy from the step's first micro-batch (TE's is_first_microbatch); False under
+    FSDP, where a weight exists only while its unit is gathered: it is cast at every use, as torchao's
+    Float8Linear does under torchtitan's FSDP."""
 
 
 def fp8_settings(par, amax_group) -> Fp8Settings | None:
@@ -89,7 +93,7 @@ def fp8_settings(par, amax_group) -> Fp8Settings | None:
     if par.fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(FP8_RECIPES)}")
     reduce = par.fp8_recipe == "delayed" and par.dp * par.cp * par.tp > 1
-    return Fp8Settings(par.fp8_recipe, amax_group if reduce else None)
+    return Fp8Settings(par.fp8_recipe, amax_group if reduce else None, cache_weights=par.zero_stage < 2)
 
 
 def _amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,7 +101,7 @@ def _amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=out)
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FORWARD_DTYPE) -> torch.Tensor:
     """x * scale rounded to `dtype` (saturating), one kernel."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     return torch.mul(x, scale, out=out)
@@ -175,7 +179,7 @@ class Fp8Region:
                     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
             scale = amax.clamp(min=1e-12).reciprocal().mul(FP8_MAX[dtype])
         with observer().kernel_notes(fused=1) if from_norm and self.delayed else contextlib.nullcontext():
-            x_fp8 = _cast(x, scale, dtype)
+            x_fp8 = cast_fp8(x, scale, dtype)
         return x_fp8, scale.reciprocal()
 
     def reduce_and_update(self, forward: bool) -> None:
@@ -204,6 +208,9 @@ class Fp8Linear:
         """Set by the layer when its input is a norm's output (TE's LayerNormLinear: qkv and the first MLP linear)."""
         self._weight_version: int | None = None
         self._weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.gathered_scale = None
+        """With FP8 all-gathers (fully_sharded.Fp8GatherScales): () -> the scale the weight was gathered in FP8
+        with; the weight then arrives in FP8 and needs no cast kernel."""
 
     def quantize_input(self, x: torch.Tensor, gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return self.region.quantize(x, True, 2 * self.index, self.tp_group if gathered else None,
@@ -214,13 +221,35 @@ class Fp8Linear:
 
     def weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(W, W^T contiguous, inverse scale) in FP8, cast when the weight changed since the last cast: once
-        per step, on its first micro-batch (TE with is_first_microbatch)."""
+        per step, on its first micro-batch (TE with is_first_microbatch); at every use without the cache (FSDP);
+        never where the weight was all-gathered in FP8 (its bytes are the FP8 weight: the cast here is noted
+        fused, only the transposed copy the backward's GEMM needs K-major is a kernel of its own)."""
+        if self.gathered_scale is not None:
+            scale = self.gathered_scale()
+            with torch.no_grad():
+                with observer().kernel_notes(fused=1):
+                    w_fp8 = cast_fp8(weight.detach(), scale, FORWARD_DTYPE)
+                return w_fp8, w_fp8.transpose(-2, -1).contiguous(), scale.reciprocal()
+        if not self.region.settings.cache_weights:
+            with torch.no_grad():
+                w_fp8, scale_inv = self.region.quantize(weight.detach(), True, 2 * self.index + 1)
+                return w_fp8, _transposed(w_fp8), scale_inv
         if self._weight is None or self._weight_version != weight._version:
             with observer().once_per_step(), torch.no_grad():
                 w_fp8, scale_inv = self.region.quantize(weight.detach(), True, 2 * self.index + 1)
                 self._weight = w_fp8, _transposed(w_fp8), scale_inv
             self._weight_version = weight._version
         return self._weight
+
+    def kept_for_backward(self, weight: torch.Tensor, cast: tuple) -> tuple | torch.Tensor:
+        """What the backward's GEMMs take their FP8 weight from: the step's cached copies, or, without the cache
+        (FSDP), the weight itself, cast again in backward (torchao saves the high-precision weight: FSDP frees the
+        gathered weights after forward and gathers them again, so no FP8 copy is held in between)."""
+        return cast if self.region.settings.cache_weights else weight
+
+    def for_backward(self, kept: tuple | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W, W^T, inverse scale) in FP8 for the backward, from what kept_for_backward returned."""
+        return kept if isinstance(kept, tuple) else self.weight(kept)
 
     def cached_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._weight) if self._weight else 0
@@ -247,7 +276,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
         y = _gemm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, bias=bias)
         ctx.save_for_backward(_transposed(x_fp8), x_inv)  # the FP8 input, K-major for wgrad
-        ctx.fp8, ctx.weight_t, ctx.weight_inv = fp8, w_t_fp8, w_inv  # the module's cache, not an activation
+        ctx.fp8, ctx.weights = fp8, fp8.kept_for_backward(weight, (w_fp8, w_t_fp8, w_inv))  # not an activation
         ctx.shape, ctx.has_bias = shape, bias is not None
         ctx.reduce_backward = fp8.region.claim_first()
         return y.view(*shape[:-1], y.shape[-1])
@@ -257,7 +286,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_t_fp8, x_inv = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         g_fp8, g_inv = ctx.fp8.quantize_grad(g)
-        dgrad = _gemm(g_fp8, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype)
+        _, weight_t, weight_inv = ctx.fp8.for_backward(ctx.weights)
+        dgrad = _gemm(g_fp8, weight_t, g_inv, weight_inv, grad.dtype)
         wgrad = _gemm(_transposed(g_fp8), x_t_fp8, g_inv, x_inv, grad.dtype)
         dbias = g.sum(0) if ctx.has_bias else None
         if ctx.reduce_backward:
@@ -281,7 +311,7 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
         w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
         y = fp8_grouped_mm(x_fp8, w_t_fp8, x_inv, w_inv, counts)
         ctx.save_for_backward(_transposed(x_fp8), x_inv)  # the FP8 tokens, K-major for wgrad
-        ctx.fp8, ctx.weight, ctx.weight_inv, ctx.counts = fp8, w_fp8, w_inv, counts  # the module's cache
+        ctx.fp8, ctx.weights, ctx.counts = fp8, fp8.kept_for_backward(weight, (w_fp8, w_t_fp8, w_inv)), counts
         ctx.reduce_backward = fp8.region.claim_first()
         return y
 
@@ -289,7 +319,8 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x_t_fp8, x_inv = ctx.saved_tensors
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
-        dgrad = fp8_grouped_mm(g_fp8, ctx.weight, g_inv, ctx.weight_inv, ctx.counts)
+        weight, _, weight_inv = ctx.fp8.for_backward(ctx.weights)
+        dgrad = fp8_grouped_mm(g_fp8, weight, g_inv, weight_inv, ctx.counts)
         wgrad = fp8_grouped_mm_weight_grad(x_t_fp8, _transposed(g_fp8), x_inv, g_inv, ctx.counts)
         if ctx.reduce_backward:
             ctx.fp8.region.reduce_and_update(forward=False)
@@ -313,7 +344,8 @@ class _Fp8OverlappedColumnLinear(torch.autograd.Function):
             x_fp8, w_fp8, group, tp, out_dtype=x.dtype,
             mm=lambda block, out: _gemm(block, w_fp8, x_inv, w_inv, x.dtype, out=out))
         ctx.save_for_backward(gathered.t().contiguous(), x_inv)
-        ctx.fp8, ctx.weight_t, ctx.weight_inv, ctx.group, ctx.tp = fp8, w_t_fp8, w_inv, group, tp
+        ctx.fp8, ctx.group, ctx.tp = fp8, group, tp
+        ctx.weights = fp8.kept_for_backward(weight, (w_fp8, w_t_fp8, w_inv))
         ctx.reduce_backward = fp8.region.claim_first()
         return out
 
@@ -321,7 +353,8 @@ class _Fp8OverlappedColumnLinear(torch.autograd.Function):
     def backward(ctx, grad):
         gathered_t, x_inv = ctx.saved_tensors
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
-        grad_input = _gemm(g_fp8, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype)
+        _, weight_t, weight_inv = ctx.fp8.for_backward(ctx.weights)
+        grad_input = _gemm(g_fp8, weight_t, g_inv, weight_inv, grad.dtype)
         grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp)
         wgrad = _gemm(g_fp8.t().contiguous(), gathered_t, g_inv, x_inv, grad.dtype)
         wait_all(scattering)
@@ -341,7 +374,8 @@ class _Fp8OverlappedRowLinear(torch.autograd.Function):
         y = ring_matmul_reduce_scatter(x_fp8, w_fp8, group, tp,
                                        mm=lambda block: _gemm(block, w_fp8, x_inv, w_inv, x.dtype))
         ctx.save_for_backward(x_fp8.t().contiguous(), x_inv)
-        ctx.fp8, ctx.weight_t, ctx.weight_inv, ctx.group, ctx.tp = fp8, w_t_fp8, w_inv, group, tp
+        ctx.fp8, ctx.group, ctx.tp = fp8, group, tp
+        ctx.weights = fp8.kept_for_backward(weight, (w_fp8, w_t_fp8, w_inv))
         ctx.reduce_backward = fp8.region.claim_first()
         return y
 
@@ -349,9 +383,10 @@ class _Fp8OverlappedRowLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x_t_fp8, x_inv = ctx.saved_tensors
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous(), gathered=True)
+        _, weight_t, weight_inv = ctx.fp8.for_backward(ctx.weights)
         grad_x, gathered = ring_all_gather_matmul(
-            g_fp8, ctx.weight_t, ctx.group, ctx.tp, out_dtype=grad.dtype,
-            mm=lambda block, out: _gemm(block, ctx.weight_t, g_inv, ctx.weight_inv, grad.dtype, out=out))
+            g_fp8, weight_t, ctx.group, ctx.tp, out_dtype=grad.dtype,
+            mm=lambda block, out: _gemm(block, weight_t, g_inv, weight_inv, grad.dtype, out=out))
         wgrad = _gemm(gathered.t().contiguous(), x_t_fp8, g_inv, x_inv, grad.dtype)
         if ctx.reduce_backward:
             ctx.fp8.region.reduce_and_update(forward=False)

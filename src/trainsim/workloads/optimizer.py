@@ -39,12 +39,17 @@ from trainsim.workloads.observe import observer
 class MixedPrecisionAdamW:
     def __init__(self, weights: list[torch.Tensor], grads: list[torch.Tensor], lr: float = 1e-4,
                  weight_decay: float = 0.01, clip_grad: float = 0.0, norm_group=None, reduce_norm: bool = False,
-                 expert_tensors: int = 0, expert_norm_group=None, reduce_expert_norm: bool = False):
+                 expert_tensors: int = 0, expert_norm_group=None, reduce_expert_norm: bool = False,
+                 norm_copies: int = 1):
         """weights[i] is updated from grads[i] (model parameters and their gradients, or the distributed
         optimizer's slices of the flat buffers); the norm is all-reduced over `norm_group` when
         `reduce_norm` (None = every rank). The last `expert_tensors` are MoE experts' (replicated on fewer
-        ranks): their squared norm is all-reduced over `expert_norm_group` apart and added, as Megatron-Core."""
+        ranks): their squared norm is all-reduced over `expert_norm_group` apart and added, as Megatron-Core.
+        norm_copies: ranks of `norm_group` holding each of these gradients (HSDP replicas, distributed-optimizer
+        instances), each counting 1/norm_copies of its square, so the sum is one replica's (torchtitan's DTensor
+        norm over a replicated mesh dimension, Megatron-Core's norm over one instance)."""
         self.params, self.grads = list(weights), list(grads)
+        self.norm_copies = norm_copies
         self.clip_grad, self.norm_group, self.reduce_norm = clip_grad, norm_group, reduce_norm
         self.expert_tensors, self.expert_norm_group = expert_tensors, expert_norm_group
         self.reduce_expert_norm = reduce_expert_norm
@@ -85,16 +90,18 @@ class MixedPrecisionAdamW:
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
         split = len(grads) - self.expert_tensors
-        squared = self._squared_norm(grads[:split], self.reduce_norm, self.norm_group)
+        squared = self._squared_norm(grads[:split], self.reduce_norm, self.norm_group, self.norm_copies)
         if self.expert_tensors:
             squared = squared + self._squared_norm(grads[split:], self.reduce_expert_norm, self.expert_norm_group)
         scale = torch.clamp(squared.rsqrt() * self.clip_grad, max=1.0)  # a zero norm gives inf -> 1
         torch._foreach_mul_(grads, scale)
 
     @staticmethod
-    def _squared_norm(grads: list[torch.Tensor], reduce: bool, group) -> torch.Tensor:
+    def _squared_norm(grads: list[torch.Tensor], reduce: bool, group, copies: int = 1) -> torch.Tensor:
         norms = torch.stack(torch._foreach_norm(grads))
         squared = torch.dot(norms, norms)
+        if copies > 1:
+            squared = squared / copies
         if reduce:
             with observer().communication():
                 dist.all_reduce(squared, group=group)

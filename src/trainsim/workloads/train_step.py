@@ -29,7 +29,7 @@ from trainsim.workloads.combined_passes import ChunkPass, interleave, run_alone
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.data_parallel import GradientBuckets, gradient
 from trainsim.workloads.fp8 import fp8_settings
-from trainsim.workloads.fully_sharded import local, shard_chunk
+from trainsim.workloads.fully_sharded import Fp8GatherScales, local, shard_chunk
 from trainsim.workloads.model import DTYPES, TransformerChunk
 from trainsim.workloads.moe import ExpertParallel
 from trainsim.workloads.observe import observer
@@ -76,6 +76,8 @@ class RankModel:
     expert_buckets: list[GradientBuckets] = field(default_factory=list)
     """Per chunk, the gradient buckets of its experts (MoE models; empty otherwise)."""
     pending_sends: list = field(default_factory=list)
+    fp8_gather_scales: Fp8GatherScales | None = None
+    """FSDP with parallelism.fp8_param_gather: the units' FP8 scales, recomputed after each optimizer step."""
 
     def chunk_buckets(self, chunk: int) -> list[GradientBuckets]:
         return [self.buckets[chunk]] + ([self.expert_buckets[chunk]] if self.expert_buckets else [])
@@ -125,17 +127,22 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     except (RuntimeError, ValueError) as exc:
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
                          f"tp_rank={pos.tp_rank}, cp_rank={pos.cp_rank}) for {model_cfg.name}: {exc}") from exc
+    hsdp = par.shard_replicas > 1
+    shard_group = groups["dp_shard"] if hsdp else groups["dp"]
     if par.zero_stage >= 2:  # FSDP2: sharded weights, gradients and states; the norm over every rank
+        scales = Fp8GatherScales(shard_group, par.shard_ranks) if par.fp8_param_gather else None
         for chunk in chunks:
             tagged = [(name, tag) for name, p in chunk.named_parameters() for tag in ("sequence_parallel", "expert")
                       if getattr(p, tag, False)]
-            shard_chunk(chunk, groups["dp"], par.zero_stage, dtype, groups.get("edp"), par.weight_replicas)
+            shard_chunk(chunk, shard_group, par.zero_stage, dtype, groups.get("edp"), par.weight_replicas,
+                        groups["dp_replicate"] if hsdp else None, scales)
             for name, tag in tagged:  # fully_shard replaces the parameters: tag the new ones
                 setattr(chunk.get_parameter(name), tag, True)
         params = [p for chunk in chunks for p in chunk.parameters()]
         optimizer = MixedPrecisionAdamW([local(p) for p in params], [local(p.grad) for p in params],
-                                        clip_grad=par.clip_grad, norm_group=None, reduce_norm=layout.world_size > 1)
-        return RankModel(layout, rank, model_cfg, par, groups, chunks, [], optimizer, cp)
+                                        clip_grad=par.clip_grad, norm_group=None, reduce_norm=layout.world_size > 1,
+                                        norm_copies=par.shard_replicas)
+        return RankModel(layout, rank, model_cfg, par, groups, chunks, [], optimizer, cp, fp8_gather_scales=scales)
     shard = par.zero_stage == 1
     grad_dtype = torch.float32 if par.grad_reduce_in_fp32 else None
     buckets, expert_buckets = [], []
@@ -146,8 +153,10 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         modules = list(chunk.modules())
         fused = frozenset(m.weight for m in modules if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
                           ) if par.gradient_accumulation_fusion else frozenset()
-        buckets.append(GradientBuckets(dense, par.dp_bucket_size_bytes, groups["dp"], par.weight_replicas,
-                                       shard=shard, modules=modules, grad_dtype=grad_dtype, fused_accumulation=fused))
+        buckets.append(GradientBuckets(dense, par.dp_bucket_size_bytes, shard_group, par.shard_ranks,
+                                       shard=shard, modules=modules, average_over=par.weight_replicas,
+                                       grad_dtype=grad_dtype, fused_accumulation=fused,
+                                       replicate_group=groups["dp_replicate"] if hsdp else None))
         if experts:
             expert_buckets.append(GradientBuckets(experts, par.dp_bucket_size_bytes, groups["edp"],
                                                   layout.expert_replicas, shard=shard, modules=modules,
@@ -156,7 +165,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         weights = [w for b in buckets + expert_buckets for w in b.param_shards()]
         grads = [g for b in buckets + expert_buckets for g in b.grad_shards()]
         optimizer = MixedPrecisionAdamW(weights, grads, clip_grad=par.clip_grad, norm_group=None,
-                                        reduce_norm=layout.world_size > 1)
+                                        reduce_norm=layout.world_size > 1, norm_copies=par.shard_replicas)
     else:  # the experts' norm is summed over the ranks of one expert replica, the rest over the model's ranks
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         params.sort(key=lambda p: getattr(p, "expert", False))
@@ -302,6 +311,8 @@ def train_step(rm: RankModel, actions: list[Action], batch) -> None:
             buckets.finish()
         allreduce_sequence_parallel_grads(rm)
         rm.optimizer.step()
+        if rm.fp8_gather_scales is not None:  # the next step's FP8 all-gathers use the updated weights' amaxes
+            rm.fp8_gather_scales.precompute()
         if not rm.buckets:  # FSDP: the sharded gradients (FSDP adds each micro-batch's into them)
             rm.optimizer.zero_grad()
         for buckets in rm.all_buckets():  # zero after the step (buffers start at zero), as torch's idiom
