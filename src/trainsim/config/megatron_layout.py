@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import shlex
 from collections.abc import Sequence
 
@@ -31,6 +30,7 @@ from trainsim.config.imported_layout import (
 from trainsim.config.launch_line import launch_tokens
 from trainsim.config.schema import ParallelismConfig
 from trainsim.errors import ConfigError
+from trainsim.parallel.pipeline_split import PipelineSplitError, parse_pipeline_layout
 
 FLAG, INT, FLOAT, TEXT, LIST = "flag", "int", "float", "text", "list"
 
@@ -264,16 +264,11 @@ def _pipeline_fields(args: dict[str, object], pp: int) -> dict[str, object]:
 
 
 def layout_stage_count(layout: str) -> int:
-    """Stages (pp x virtual) of a --pipeline-model-parallel-layout string: `(...)*n` and `x*n` unrolled, then
-    counted by '|' as Megatron-Core does (commas are cosmetic)."""
-    text = layout.replace(",", "")
-    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
-    if set(text) - set("ELtm|"):
-        raise refuse("--pipeline-model-parallel-layout", layout,
-                     "stages split by '|' of E (embedding), t (transformer layer), m (MTP layer), "
-                     "L (loss), with (...)*n and x*n repetitions")
-    return text.count("|") + 1
+    """Stages (pp x virtual) of a --pipeline-model-parallel-layout string, parsed as the pipeline split parses it."""
+    try:
+        return len(parse_pipeline_layout(layout))
+    except PipelineSplitError as error:
+        raise refuse("--pipeline-model-parallel-layout", layout, str(error)) from None
 
 
 def _precision_fields(args: dict[str, object]) -> dict[str, object]:
