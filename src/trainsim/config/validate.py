@@ -30,6 +30,7 @@ from trainsim.config.choices import (
 )
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig, WhatIfConfig
 from trainsim.config.validate_nccl import validate_links
+from trainsim.config.validate_precision import validate_block_scaling, validate_precision_hardware
 from trainsim.errors import ConfigError
 from trainsim.parallel.layout import stage_layer_counts
 
@@ -114,6 +115,7 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     _one_of("parallelism", "precision", par.precision, PRECISIONS)
     if par.precision == "fp8":
         _one_of("parallelism", "fp8_recipe", par.fp8_recipe, FP8_RECIPES)
+    validate_block_scaling(model, par)
     if par.dp_bucket_size_bytes < 1:
         raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} must be positive "
                           "(bytes per gradient bucket; the default is 26214400, 25 MiB)")
@@ -360,6 +362,7 @@ def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig)
     validate_hardware(hw)
     validate_layout(model, par)
     _validate_fp8_hardware(hw, par)
+    validate_precision_hardware(hw, par)
     devices = hw.num_nodes * hw.devices_per_node
     if par.world_size > devices:
         raise ConfigError(
