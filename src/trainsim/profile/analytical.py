@@ -88,7 +88,7 @@ MISALIGNED_EFFICIENCY = 0.69
 
 def gemm_dims(op: str, shapes: list) -> tuple[int, int, int, int] | None:
     """(batch, m, n, k) of a matmul-class aten op from its input shapes; None when they do not say."""
-    base = op.removeprefix("aten::").split(".")[0].lstrip("_")
+    base = op.split("::")[-1].split(".")[0].lstrip("_")
     try:
         if base == "block_scaled_mm" and len(shapes) >= 2:  # a [m, k], b_t [n, k] (FP4: k/2, see op_dtype)
             (m, k), n = shapes[0], shapes[1][0]
