@@ -361,8 +361,8 @@ def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig)
     """All rules of a full simulation point."""
     validate_hardware(hw)
     validate_layout(model, par)
+    validate_precision_hardware(hw, par)  # (first: names the GPU a block recipe needs, not only its FP8 peak)
     _validate_fp8_hardware(hw, par)
-    validate_precision_hardware(hw, par)
     devices = hw.num_nodes * hw.devices_per_node
     if par.world_size > devices:
         raise ConfigError(
