@@ -48,10 +48,12 @@ def test_block_quantisation_keeps_values_and_the_gemm_matches_bf16(recipe):
     fmt = BLOCK_FORMATS[recipe]
     x = torch.randn(128, 256, dtype=torch.bfloat16) * torch.logspace(-3, 3, 256).to(torch.bfloat16)  # wide range
     w, g = torch.randn(128, 256, dtype=torch.bfloat16), torch.randn(128, 128, dtype=torch.bfloat16)
-    amax = (lambda t: t.float().abs().amax()) if recipe == "nvfp4" else (lambda t: None)
+    amax = block_scaling.nvfp4_amax if recipe == "nvfp4" else (lambda t: None)
     qx = quantize(x, fmt, "activation", global_amax=amax(x))
     qw = quantize(w, fmt, "weight", global_amax=amax(w))
     qg = quantize(g, fmt, "gradient", global_amax=amax(g))
+    # the column-wise copy (wgrad's operand, reduced over the tokens) has its 1 x b blocks along the tokens
+    assert qx.scale_t.shape == (256, 128 // fmt.activation_block[1])
     # per-block scales follow a column's range across 6 decades (one per-tensor scale could not)
     tolerance = 0.15 if recipe == "nvfp4" else 0.04
     assert _relative_error(dequantize(*qx.rowwise), x) < tolerance
@@ -73,7 +75,7 @@ def test_nvfp4_rounds_gradients_stochastically_and_inputs_to_nearest():
     fmt = BLOCK_FORMATS["nvfp4"]
     g = torch.full((16, 16), 2.2)
     g[:, 0] = 15.0  # each block's scale maps 15 to E2M1's 6: 2.2 lands at 0.88, between the values 0.5 and 1
-    amax = g.abs().amax()
+    amax = block_scaling.nvfp4_amax(g)
     nearest = {tuple(dequantize(*quantize(g, fmt, "activation", False, amax).rowwise).flatten().tolist())
                for _ in range(3)}
     assert len(nearest) == 1
@@ -109,7 +111,9 @@ def test_block_recipes_trace_one_quantisation_kernel_per_tensor_and_no_amax_all_
     assert not ((collectives["phase"] != "optimizer") & (collectives["comm_dtype"] == "fp32")
                 & (collectives["message_bytes"] < 256)).any()  # no amax all-reduce
     norms = (graph["op"].str.startswith("aten::linalg_vector_norm") & (graph["phase"] != "optimizer")).sum()
-    assert norms == (3 * linears if recipe == "nvfp4" else 0)  # NVFP4's per-tensor amax only
+    assert norms == 0
+    amaxes = (graph["op"] == "trainsim::nvfp4_amax").sum()
+    assert amaxes == (3 * linears if recipe == "nvfp4" else 0)  # NVFP4's per-tensor amaxes only
     del layers
 
 
@@ -185,3 +189,24 @@ def test_mxfp8_experts_run_block_scaled_grouped_gemms_close_to_bf16():
     assert _relative_error(grads[1], grads[0]) < 0.1  # wgrad from the column-wise (token-blocked) copies
     w1, w2 = layer.experts.w1.numel(), layer.experts.w2.numel()
     assert fp8_weight_bytes(layer) == 2 * (w1 + w2) * (1 + 1 / 32)  # both copies, an E8M0 scale per 32
+
+
+@pytest.mark.parametrize("recipe", list(BLOCK_FORMATS))
+def test_tp_overlap_rings_carry_whole_blocks_that_unpack_to_the_gathered_tensor(recipe):
+    from trainsim.workloads.block_overlap import pack, unpack
+
+    torch.manual_seed(0)
+    fmt = BLOCK_FORMATS[recipe]
+    shards = torch.randn(2, 256, 128, dtype=torch.bfloat16)  # two tp ranks' tokens
+    amax = torch.stack([block_scaling.nvfp4_amax(s) for s in shards]).amax(0)  # reduced over the ranks
+    quantized = [quantize(s, fmt, "activation", global_amax=amax) for s in shards]
+    groups = 256 // fmt.activation_block[1]
+    gathered = unpack(torch.cat([pack(q, groups, columnwise=True) for q in quantized]), quantized[0], groups, True)
+    whole = torch.cat(list(shards))
+    assert torch.equal(dequantize(*gathered.rowwise), torch.cat([dequantize(*q.rowwise) for q in quantized]))
+    assert torch.equal(dequantize(*gathered.columnwise), torch.cat([dequantize(*q.columnwise) for q in quantized], 1))
+    rotate = _hadamard16() if recipe == "nvfp4" else torch.eye(16)
+    whole_t = (whole.t().float().reshape(128, -1, 16) @ rotate).reshape(128, 512)
+    assert _relative_error(dequantize(*gathered.columnwise), whole_t) < (0.15 if recipe == "nvfp4" else 0.04)
+    one = unpack(pack(quantized[1], groups, columnwise=False)[:groups], quantized[1], groups, False)
+    assert torch.equal(dequantize(*one.rowwise), dequantize(*quantized[1].rowwise))

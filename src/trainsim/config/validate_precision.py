@@ -38,10 +38,6 @@ def validate_block_scaling(model: ModelConfig, par: ParallelismConfig) -> None:
         return
     what = _describe(recipe)
     block = BLOCK_ELEMENTS[recipe]
-    if par.tp_comm_overlap:
-        raise ConfigError(f"{what} with parallelism.tp_comm_overlap=true is not modelled (the ring exchange of "
-                          "block-scaled shards and their scales is not built): set tp_comm_overlap=false, or use "
-                          "fp8_recipe 'delayed' / 'current'")
     if par.zero_stage >= 2:
         raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with {what} is not modelled: use "
                           "zero_stage 0 or 1")
@@ -60,6 +56,9 @@ def validate_block_scaling(model: ModelConfig, par: ParallelismConfig) -> None:
         "the tokens of a micro-batch (micro_batch_size * seq_length / cp)":
             par.micro_batch_size * model.seq_length // par.cp,
     }
+    if par.tp_comm_overlap:  # the ring carries each rank's tokens in whole blocks
+        widths["the tokens of a micro-batch per tp rank (micro_batch_size * seq_length / cp / tp, "
+               "parallelism.tp_comm_overlap)"] = par.micro_batch_size * model.seq_length // par.cp // par.tp
     if model.num_experts:
         widths["model.moe_ffn_hidden_size / etp"] = model.expert_ffn_hidden_size // par.etp
     for name, value in widths.items():

@@ -77,6 +77,24 @@ def _hadamard16(device: torch.device) -> torch.Tensor:
     return h / 4.0
 
 
+def _rotated(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] with each run of 16 elements along C times the Hadamard matrix (the random Hadamard transform)."""
+    return (x.reshape(*x.shape[:-1], -1, 16) @ _hadamard16(x.device)).reshape(x.shape)
+
+
+@torch.library.custom_op("trainsim::nvfp4_amax", mutates_args=())
+def nvfp4_amax(x: torch.Tensor) -> torch.Tensor:
+    """[max |x|, max |Hadamard-transformed x^T|]: the amaxes NVFP4's per-tensor scales come from, of the row-wise
+    copy and of the column-wise (wgrad) copy, read in one pass as TE's amax kernel does."""
+    x = x.float()
+    return torch.stack([x.abs().amax(), _rotated(x.transpose(-2, -1)).abs().amax()])
+
+
+@nvfp4_amax.register_fake
+def _(x):
+    return x.new_empty((2,), dtype=torch.float32)
+
+
 def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """x [..., R, C] viewed as [..., R/br, br, C/bc, bc]."""
     *lead, rows, cols = x.shape
@@ -120,8 +138,7 @@ def _quantize(x: torch.Tensor, fmt: str, block: tuple[int, int], global_amax: to
     """(data, block scales, per-tensor dequantisation factor) of x [..., R, C], blocks along its last dims."""
     x = x.float()
     if hadamard:
-        x = (x.reshape(*x.shape[:-1], -1, 16) @ _hadamard16(x.device)).reshape(x.shape)
-        global_amax = x.abs().amax()
+        x = _rotated(x)
     blocks = _blocks(x, block)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., R/br, C/bc]
     if fmt == "nvfp4":
@@ -151,12 +168,14 @@ def quantize_blocks(x: torch.Tensor, fmt: str, block_rows: int, block_cols: int,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TE's block quantisation kernel: reads x [..., R, C] once and writes the requested copies, each (data,
     block scales, per-tensor factor): row-wise, blocks (block_rows, block_cols) along C; column-wise, x^T
-    [..., C, R] with the transposed blocks along R. A copy not requested is empty (no bytes)."""
+    [..., C, R] with the same blocks, now along R (1D blocks run along the other dimension; square 2D blocks are
+    the row-wise ones transposed). A copy not requested is empty (no bytes). global_amax: NVFP4's two amaxes
+    (nvfp4_amax), unused by the FP8 formats."""
     empty = (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.uint8), x.new_ones((), dtype=torch.float32))
-    row = _quantize(x, fmt, (block_rows, block_cols), global_amax, stochastic, False) if rowwise else empty
-    col = (_quantize(x.transpose(-2, -1), fmt, (block_cols, block_rows), global_amax, stochastic,
-                     hadamard_columnwise) if columnwise else empty)
-    return (*row, *col)
+    row = _quantize(x, fmt, (block_rows, block_cols), global_amax[0], stochastic, False) if rowwise else empty
+    col = (_quantize(x.transpose(-2, -1), fmt, (block_rows, block_cols), global_amax[int(hadamard_columnwise)],
+                     stochastic, hadamard_columnwise) if columnwise else empty)
+    return tuple(t.contiguous() for t in (*row, *col))  # the layouts register_fake gives (tracing)
 
 
 SCALE_DTYPES = {"mxfp8": torch.float8_e8m0fnu, "blockwise": torch.float32, "nvfp4": torch.float8_e4m3fn}
@@ -177,7 +196,7 @@ def _copy_like(x: torch.Tensor, fmt: str, block: tuple[int, int]) -> tuple[torch
 def _(x, fmt, block_rows, block_cols, rowwise, columnwise, global_amax, stochastic, hadamard_columnwise):
     empty = (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.uint8), x.new_empty((), dtype=torch.float32))
     row = _copy_like(x, fmt, (block_rows, block_cols)) if rowwise else empty
-    col = _copy_like(x.transpose(-2, -1), fmt, (block_cols, block_rows)) if columnwise else empty
+    col = _copy_like(x.transpose(-2, -1), fmt, (block_rows, block_cols)) if columnwise else empty
     return (*row, *col)
 
 
@@ -227,11 +246,11 @@ class BlockQuantized:
 def quantize(x: torch.Tensor, fmt: BlockFormat, role: str, columnwise: bool = True,
              global_amax: torch.Tensor | None = None) -> BlockQuantized:
     """x in `fmt` for `role` ('activation', 'weight', 'gradient'): both copies in one kernel. NVFP4 needs the
-    tensor's amax (`global_amax`, from the caller's amax kernel)."""
+    tensor's amaxes (`global_amax`: nvfp4_amax, or its reduction over the ranks that gather the tensor)."""
     block = getattr(fmt, f"{role}_block")
     stochastic = fmt.stochastic_gradients and role == "gradient"
     hadamard = fmt.hadamard_wgrad and role != "weight"
-    amax = global_amax if global_amax is not None else torch.ones((), device=x.device)
+    amax = global_amax if global_amax is not None else torch.ones(2, device=x.device)
     return BlockQuantized(*quantize_blocks(x, fmt.name, *block, True, columnwise, amax, stochastic, hadamard))
 
 

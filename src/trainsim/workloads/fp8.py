@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from trainsim.config.choices import FP8_RECIPES
 from trainsim.workloads import block_scaling
+from trainsim.workloads.block_overlap import BlockOverlappedColumnLinear, BlockOverlappedRowLinear
 from trainsim.workloads.block_scaling import BLOCK_FORMATS, BlockQuantized
 from trainsim.workloads.grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_weight_grad
 from trainsim.workloads.observe import observer
@@ -191,7 +192,7 @@ class Fp8Region:
         are gathered quantised."""
         amax = None
         if self.block.name == "nvfp4":
-            amax = _amax(x)
+            amax = block_scaling.nvfp4_amax(x)
             if tp_group is not None:
                 with observer().communication():
                     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
@@ -441,8 +442,12 @@ class _Fp8OverlappedRowLinear(torch.autograd.Function):
 
 
 def fp8_overlapped_column_linear(x, weight, fp8: Fp8Linear, group, tp: int) -> torch.Tensor:
+    if fp8.region.block is not None:
+        return BlockOverlappedColumnLinear.apply(x, weight, fp8, group, tp)
     return _Fp8OverlappedColumnLinear.apply(x, weight, fp8, group, tp)
 
 
 def fp8_overlapped_row_linear(x, weight, fp8: Fp8Linear, group, tp: int) -> torch.Tensor:
+    if fp8.region.block is not None:
+        return BlockOverlappedRowLinear.apply(x, weight, fp8, group, tp)
     return _Fp8OverlappedRowLinear.apply(x, weight, fp8, group, tp)
