@@ -42,9 +42,10 @@ def test_block_recipes_refuse_widths_and_token_counts_off_their_block(recipe, bl
         compose_run([*recipe, f"model.seq_length={block + 2}"], check="layout")
 
 
-def test_block_recipes_refuse_what_is_not_built():
-    with pytest.raises(ConfigError, match=r"tp_comm_overlap=true is not modelled"):
-        compose_run([*MXFP8, "parallelism=tp2", "parallelism.sequence_parallel=true",
-                     "parallelism.tp_comm_overlap=true"], check="layout")
+def test_block_recipes_refuse_what_is_not_built_and_ring_shards_off_their_block():
+    overlap = ("parallelism=tp2", "parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true")
+    compose_run([*MXFP8, *overlap], check="layout")  # 2 x 64 tokens: 64 per rank, whole blocks of 32
+    with pytest.raises(ConfigError, match=r"blocks of 32 elements: the tokens of a micro-batch per tp rank .* = 48"):
+        compose_run([*MXFP8, *overlap, "model.seq_length=48"], check="layout")  # 96 tokens fit, 48 per rank not
     with pytest.raises(ConfigError, match=r"parallelism.precision='fp4' with experts"):
         compose_run([*FP4, "model.num_experts=4"], check="layout")
