@@ -80,7 +80,7 @@ def test_wrongly_typed_field_names_field_and_value():
     (["parallelism=pp2-interleaved", "parallelism.global_batch_size=6", "parallelism.pp=1"],
      r"needs pp >= 2 and virtual_stages >= 2"),
     (["parallelism.schedule=zigzag"], r"schedule='zigzag' is not supported; accepted: gpipe, 1f1b"),
-    (["parallelism.precision=fp4"], r"precision='fp4' is not supported"),
+    (["parallelism.precision=fp6"], r"precision='fp6' is not supported"),
     (["model.num_kv_heads=3"], r"num_kv_heads=3 must divide.*choose num_kv_heads among 1, 2, 4"),
     (["parallelism.tp=2", "model.ffn_hidden_size=33"], r"MLP width 33 .*choose tp among 1, 3, 11, 33"),
     (["parallelism=cp2", "model.seq_length=66"], r"seq_length=66 is not divisible by 4; choose cp among 1, 3, 11"),

@@ -11,13 +11,16 @@ from __future__ import annotations
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Built-in pipeline schedules (parallel/schedules.py); timeline.register_schedule adds more."""
 RECOMPUTE_MODES = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-"""Training precisions (parallelism.precision)."""
-PRECISION_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
-"""Bytes per weight (and gradient) element a precision trains with: FP8 training keeps bf16 weights and casts
-them for its GEMMs (workloads/fp8.py)."""
-FP8_RECIPES = ("delayed", "current")
-"""Transformer Engine's per-tensor FP8 recipes (workloads/fp8.py)."""
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
+"""Training precisions (parallelism.precision); 'fp4' is NVFP4 (workloads/block_scaling.py)."""
+PRECISION_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "fp4": 2}
+"""Bytes per weight (and gradient) element a precision trains with: FP8 and FP4 training keep bf16 weights and
+cast them for their GEMMs (workloads/fp8.py)."""
+FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise")
+"""Transformer Engine's FP8 recipes: per-tensor 'delayed' and 'current' (workloads/fp8.py), block-scaled 'mxfp8'
+and 'blockwise' (workloads/block_scaling.py)."""
+BLOCK_FP8_RECIPES = ("mxfp8", "blockwise")
+"""The FP8 recipes with block scales (no amax history, no amax all-reduce)."""
 ZERO_STAGES = (0, 1, 2, 3)
 """0 replicated (DDP), 1 distributed optimizer, 2 and 3 FSDP2 (workloads/fully_sharded.py)."""
 CP_COMM_TYPES = ("p2p", "all_gather")
@@ -44,11 +47,10 @@ SLOWDOWN_USES = ("auto", "model", "none")
 always (model), or never (none); slowdown/choice.py."""
 
 # kernels
-FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64", "fp8")
-"""Compute dtypes with a rate in hardware.peak_flops_per_s; 'fp8' is the rate of FP8 GEMMs (_scaled_mm)."""
-PEAK_RATE_DTYPES = (*FLOAT_DTYPES, "fp4")
-"""Keys hardware.peak_flops_per_s accepts: the compute dtypes and 'fp4', the dense NVFP4 GEMM rate of Blackwell."""
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}
+FLOAT_DTYPES = ("fp32", "bf16", "fp16", "fp64", "fp8", "fp4")
+"""Compute dtypes with a rate in hardware.peak_flops_per_s; 'fp8' is the rate of FP8 GEMMs (_scaled_mm, and the
+MXFP8 / blockwise block-scaled GEMMs), 'fp4' that of NVFP4 GEMMs (dense, Blackwell)."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1, "fp4": 0.5}
 """Bytes per element of each compute dtype."""
 MATMUL_KINDS = ("matmul", "attention")
 """Op kinds timed against a dtype's peak FLOP rate."""

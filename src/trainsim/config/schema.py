@@ -323,7 +323,8 @@ class HardwareConfig:
     device_name: str = ""
     """Marketing name of the device, e.g. 'NVIDIA A100-SXM4-80GB'."""
     peak_flops_per_s: dict[str, float] = field(default_factory=dict)
-    """Dense peak FLOP/s per op dtype ('fp32', 'bf16', 'fp16', 'fp64'); empty = unknown (measured)."""
+    """Dense peak FLOP/s per op dtype ('fp32', 'bf16', 'fp16', 'fp64'; 'fp8' for FP8 GEMMs, per-tensor or
+    block-scaled; 'fp4' for NVFP4 GEMMs, Blackwell only: precision 'fp4' needs it); empty = unknown (measured)."""
     memory_bandwidth_bytes_per_s: float = 0.0
     """Device memory bandwidth; 0 = unknown (measured by the profile stage)."""
     sm_count: int = 0
@@ -606,10 +607,17 @@ class ParallelismConfig:
     gradients, summed over the model-parallel group, and a scale of every gradient; 0 = no clipping."""
     precision: str = "bf16"
     """'fp32', or 'bf16' / 'fp16' mixed precision with fp32 master weights and Adam states; 'fp8': bf16 as
-    above, with the transformer linears' GEMMs in FP8 as Transformer Engine runs them (workloads/fp8.py)."""
+    above, with the transformer linears' GEMMs in FP8 as Transformer Engine runs them (workloads/fp8.py);
+    'fp4': the same with NVFP4 GEMMs (TE NVFP4BlockScaling, Megatron --fp4-format e2m1 --fp4-recipe nvfp4: E2M1
+    values, an E4M3 scale per 16 elements and an fp32 scale per tensor; fprop, dgrad and wgrad in FP4, stochastic
+    rounding of gradients, Hadamard transform of wgrad's operands; workloads/block_scaling.py), Blackwell only."""
     fp8_recipe: str = "delayed"
     """With precision 'fp8': 'delayed' (TE DelayedScaling: scales from an amax history, amaxes all-reduced
-    over the dp x tp group after each forward and backward pass) or 'current' (per-tensor current scaling)."""
+    over the dp x tp group after each forward and backward pass), 'current' (per-tensor current scaling),
+    'mxfp8' (TE MXFP8BlockScaling, Blackwell only: an E8M0 scale per 32 elements) or 'blockwise' (TE
+    Float8BlockScaling, DeepSeek-V3's recipe, Hopper or later: fp32 scales per 1 x 128 tile of inputs and gradients
+    and per 128 x 128 block of weights). The block recipes have no amax all-reduce and quantise each input and
+    gradient twice (row-wise and column-wise, workloads/block_scaling.py)."""
 
     @property
     def world_size(self) -> int:

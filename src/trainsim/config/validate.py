@@ -14,13 +14,13 @@ from trainsim.config.choices import (
     CP_COMM_TYPES,
     DEVICE_KINDS,
     FAMILIES,
+    FLOAT_DTYPES,
     FP8_RECIPES,
     HYBRID_LAYER_KINDS,
     MOE_DISPATCHERS,
     MOE_ROUTERS,
     MOE_ROUTINGS,
     OP_KINDS,
-    PEAK_RATE_DTYPES,
     PRECISIONS,
     PROFILE_BACKENDS,
     RECOMPUTE_MODES,
@@ -31,6 +31,7 @@ from trainsim.config.choices import (
 )
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig, WhatIfConfig
 from trainsim.config.validate_nccl import validate_links
+from trainsim.config.validate_precision import validate_block_scaling, validate_precision_hardware
 from trainsim.errors import ConfigError
 from trainsim.parallel.pipeline_split import PipelineSplitError, split_of
 
@@ -152,6 +153,7 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     _one_of("parallelism", "precision", par.precision, PRECISIONS)
     if par.precision == "fp8":
         _one_of("parallelism", "fp8_recipe", par.fp8_recipe, FP8_RECIPES)
+    validate_block_scaling(model, par)
     if par.dp_bucket_size_bytes < 1:
         raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} must be positive "
                           "(bytes per gradient bucket; the default is 26214400, 25 MiB)")
@@ -400,9 +402,9 @@ def validate_what_if(hw: HardwareConfig) -> None:
 def _validate_rates(hw: HardwareConfig) -> None:
     """Peak rates only for dtypes ops run in, efficiencies only for op kinds the kernel model has."""
     for dtype, rate in hw.peak_flops_per_s.items():
-        if dtype not in PEAK_RATE_DTYPES:
+        if dtype not in FLOAT_DTYPES:
             raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate:g}: no op is timed at a {dtype!r} rate; "
-                              f"supported: {', '.join(PEAK_RATE_DTYPES)}")
+                              f"supported: {', '.join(FLOAT_DTYPES)}")
         if rate <= 0:
             raise ConfigError(f"hardware.peak_flops_per_s.{dtype}={rate} must be positive (or leave it out)")
     kinds = OP_KINDS
@@ -443,6 +445,7 @@ def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig)
     """All rules of a full simulation point."""
     validate_hardware(hw)
     validate_layout(model, par)
+    validate_precision_hardware(hw, par)  # (first: names the GPU a block recipe needs, not only its FP8 peak)
     _validate_fp8_hardware(hw, par)
     devices = hw.num_nodes * hw.devices_per_node
     if par.world_size > devices:

@@ -41,8 +41,11 @@ from trainsim.errors import ConfigError
 
 FP8_INPUT_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 """The recorder's names of FP8 tensors (trace/recorder.py dtype_name)."""
+FP4_INPUT_DTYPES = ("float4_e2m1fn_x2",)
+"""The recorder's name of packed FP4 (E2M1, two values per byte) tensors."""
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "scaled_mm",
-              "grouped_mm", "grouped_mm_weight_grad", "fp8_grouped_mm", "fp8_grouped_mm_weight_grad")
+              "grouped_mm", "grouped_mm_weight_grad", "fp8_grouped_mm", "fp8_grouped_mm_weight_grad",
+              "block_scaled_mm")
 # op kind (config.choices.OP_KINDS) -> name fragments (first match wins; anything else is 'elementwise')
 OP_KIND_PATTERNS = {
     "attention": ("scaled_dot_product", "flash_attention", "efficient_attention"),
@@ -85,8 +88,11 @@ MISALIGNED_EFFICIENCY = 0.69
 
 def gemm_dims(op: str, shapes: list) -> tuple[int, int, int, int] | None:
     """(batch, m, n, k) of a matmul-class aten op from its input shapes; None when they do not say."""
-    base = op.removeprefix("aten::").split(".")[0].lstrip("_")
+    base = op.split("::")[-1].split(".")[0].lstrip("_")
     try:
+        if base == "block_scaled_mm" and len(shapes) >= 2:  # a [m, k], b_t [n, k] (FP4: k/2, see op_dtype)
+            (m, k), n = shapes[0], shapes[1][0]
+            return 1, m, n, k
         if base in ("mm", "matmul", "scaled_mm") and len(shapes) >= 2 and len(shapes[0]) == 2:
             (m, k), n = shapes[0], shapes[1][-1]
             return 1, m, n, k
@@ -210,6 +216,7 @@ def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: i
         dims = gemm_dims(op, shapes)
         if dims is not None and min(dims) > 0:
             batch, m, n, k = dims
+            k = 2 * k if dtype == "fp4" else k  # two E2M1 values per byte along the reduction
             if sm_count > 0:
                 sms = max(sm_count - int(note.get("comm_sms", 0)), 1)  # the SMs communication kernels leave it
                 out[i] = sms / sm_count * gemm_shape_efficiency(batch, m, n, k, sms, dtype)
@@ -257,12 +264,15 @@ def _sdpa_arguments(args) -> tuple[bool, float]:
 
 
 def op_dtype(input_dtypes: str, op: str = "") -> str:
-    """The compute dtype of an op: 'fp8' for a GEMM on FP8 inputs (_scaled_mm: its fp32 scales do not set the
-    rate), else its first floating-point input (fp32 if none). Other ops that read FP8 tensors (casts,
-    transposes) are memory-bound and keep the rate of their other inputs (fp32 if none)."""
+    """The compute dtype of an op: 'fp8' for a GEMM on FP8 inputs (_scaled_mm, block_scaled_mm: their scales do
+    not set the rate), 'fp4' for one on packed FP4 inputs (NVFP4), else its first floating-point input (fp32 if
+    none). Other ops that read FP8 or FP4 tensors (casts, transposes) are memory-bound and keep the rate of their
+    other inputs (fp32 if none)."""
     dtypes = input_dtypes.split(",")
     if op and op_kind(op) == "matmul" and dtypes and dtypes[0] in FP8_INPUT_DTYPES:
         return "fp8"
+    if op and op_kind(op) == "matmul" and dtypes and dtypes[0] in FP4_INPUT_DTYPES:
+        return "fp4"
     return next((d for d in dtypes if d in FLOAT_DTYPES), "fp32")
 
 
@@ -293,8 +303,11 @@ class RooflineRates:
 
 
 def matmul_efficiency(km, dtype: str) -> float:
-    """The fraction of `dtype`'s peak its large GEMMs reach: FP8's own efficiency where the config sets one."""
-    return km.fp8_matmul_efficiency if dtype == "fp8" and km.fp8_matmul_efficiency else km.matmul_efficiency
+    """The fraction of `dtype`'s peak its large GEMMs reach: FP8's own efficiency where the config sets one. FP4
+    (NVFP4) GEMMs take the FP8 one too: no measured NVFP4 GEMM sweep is in data/kernels to give them their own,
+    and like FP8 they carry block scales the bf16 GEMMs lack."""
+    low_precision = dtype in ("fp8", "fp4") and km.fp8_matmul_efficiency
+    return km.fp8_matmul_efficiency if low_precision else km.matmul_efficiency
 
 
 def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:

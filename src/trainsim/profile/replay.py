@@ -24,9 +24,14 @@ from trainsim.profile.analytical import kernel_notes
 from trainsim.trace.recorder import DTYPE_NAMES
 
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # the recorder's names, reversed
-FP8_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
-"""FP8 tensors (workloads/fp8.py), recorded under torch's own names (recorder.dtype_name's fallback)."""
+FP8_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float8_e4m3fn, torch.float8_e5m2,
+                                                          torch.float8_e8m0fnu)}
+"""8-bit floats (workloads/fp8.py's values, block_scaling.py's E8M0 scales), recorded under torch's own names
+(recorder.dtype_name's fallback)."""
+FP4_DTYPE = torch.float4_e2m1fn_x2
+"""NVFP4 values, two per byte (workloads/block_scaling.py)."""
 DTYPES.update(FP8_DTYPES)
+DTYPES[str(FP4_DTYPE).removeprefix("torch.")] = FP4_DTYPE
 # Kernels only the CPU build has: on a GPU they are timed analytically (the reason is recorded), unless the
 # GPU has its own kernel for the same work (DEVICE_ATTENTION).
 CPU_ONLY_OPS = ("_for_cpu",)
@@ -82,7 +87,9 @@ def _make_tensor(shape: list[int], stride: list[int], dtype_name: str, device: t
     # fill the underlying storage, then view it with the traced strides (expanded inputs share memory)
     size = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
     flat = torch.empty(size, dtype=dtype, device=device)
-    if dtype in FP8_DTYPES.values():  # no random fill kernel for FP8: draw in fp32 and round
+    if dtype == FP4_DTYPE:  # no fill kernel either: random codes as bytes
+        flat = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device).view(dtype)
+    elif dtype in FP8_DTYPES.values():  # no random fill kernel for FP8: draw in fp32 and round
         flat = torch.empty(size, device=device).uniform_(0.5, 1.0).to(dtype)
     elif dtype.is_floating_point:
         flat.uniform_(0.5, 1.0)

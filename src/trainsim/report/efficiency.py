@@ -6,10 +6,11 @@ Megatron-LM (Narayanan et al. 2021, eq. 3) define it, so layouts with and withou
 on the work the model needs, not the work they chose to do. HFU adds the recomputed work (what the GPUs
 really ran), as Korthikanti et al. 2022 report it next to MFU.
 
-With precision 'fp8' MFU is still taken against the bf16 dense peak: only the linear layers' GEMMs run in
-FP8 (attention, embedding, output layer and the elementwise work stay bf16), and NeMo and Megatron-LM report
-FP8 runs as model TFLOP/s per GPU on the same footing as bf16 runs. So an FP8 run that is faster shows a
-higher MFU, and MFU can compare bf16 and FP8 layouts; against the FP8 peak it would halve for the same speed.
+With precision 'fp8' (and 'fp4', NVFP4, likewise) MFU is still taken against the bf16 dense peak: only the
+linear layers' GEMMs run in FP8 (attention, embedding, output layer and the elementwise work stay bf16), and
+NeMo and Megatron-LM report FP8 runs as model TFLOP/s per GPU on the same footing as bf16 runs. So an FP8 run
+that is faster shows a higher MFU, and MFU can compare bf16 and FP8 layouts; against the FP8 peak it would
+halve for the same speed.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def efficiency(step_time_s: float, hardware: dict[str, Any], model: dict[str, An
     hardware.price_per_device_hour), and with a token budget the whole run (`training_totals`)."""
     world = world_size(par)
     tokens = tokens_per_step(model, par)
-    precision = "bf16" if par["precision"] == "fp8" else par["precision"]  # see the module docstring
+    precision = "bf16" if par["precision"] in ("fp8", "fp4") else par["precision"]  # see the module docstring
     peak = hardware.get("peak_flops_per_s", {}).get(precision)
     price = hardware.get("price_per_device_hour") or 0.0
     cost = price * world * step_time_s / 3600 if price > 0 else None

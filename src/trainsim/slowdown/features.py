@@ -95,8 +95,8 @@ def _known(value: float) -> float:
 
 def device_numbers(hw) -> DeviceNumbers:
     """The DeviceNumbers of a HardwareConfig (0 or an empty peak table there = unknown = NaN)."""
-    # the matrix peak of 16- and 32-bit types: FP8 rates are not what the trained kernels ran at
-    peaks = {k: float(v) for k, v in (hw.peak_flops_per_s or {}).items() if v and v > 0 and k != "fp8"}
+    # the matrix peak of 16- and 32-bit types: FP8 and FP4 rates are not what the trained kernels ran at
+    peaks = {k: float(v) for k, v in (hw.peak_flops_per_s or {}).items() if v and v > 0 and k not in ("fp8", "fp4")}
     return DeviceNumbers(sm_count=_known(hw.sm_count),
                          memory_bandwidth_bytes_per_s=_known(hw.memory_bandwidth_bytes_per_s),
                          vector_flops_per_s=peaks.get("fp32", math.nan),

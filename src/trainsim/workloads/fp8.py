@@ -52,6 +52,9 @@ import torch
 import torch.distributed as dist
 
 from trainsim.config.choices import FP8_RECIPES
+from trainsim.workloads import block_scaling
+from trainsim.workloads.block_overlap import BlockOverlappedColumnLinear, BlockOverlappedRowLinear
+from trainsim.workloads.block_scaling import BLOCK_FORMATS, BlockQuantized
 from trainsim.workloads.grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_weight_grad
 from trainsim.workloads.observe import observer
 from trainsim.workloads.rings import (
@@ -86,8 +89,11 @@ class Fp8Settings:
 
 
 def fp8_settings(par, amax_group) -> Fp8Settings | None:
-    """The FP8 settings of a rank (None unless parallelism.precision is 'fp8'); amax_group: its group of kind
-    'amax' (parallel/layout.py), used by the delayed recipe when it has more than one rank."""
+    """The FP8 settings of a rank (None unless parallelism.precision is 'fp8' or 'fp4', whose recipe is 'nvfp4');
+    amax_group: its group of kind 'amax' (parallel/layout.py), used by the delayed recipe when it has more than
+    one rank."""
+    if par.precision == "fp4":
+        return Fp8Settings("nvfp4")
     if par.precision != "fp8":
         return None
     if par.fp8_recipe not in FP8_RECIPES:
@@ -126,6 +132,8 @@ class Fp8Region:
     def __init__(self, settings: Fp8Settings):
         self.settings = settings
         self.delayed = settings.recipe == "delayed"
+        self.block = BLOCK_FORMATS.get(settings.recipe)
+        """The block-scaled format (workloads/block_scaling.py), None for the per-tensor recipes."""
         self.num_linears = 0
         self._first_pending = False
         self.history: dict[bool, torch.Tensor] = {}  # forward? -> [history_len, tensors] fp32
@@ -182,6 +190,18 @@ class Fp8Region:
             x_fp8 = cast_fp8(x, scale, dtype)
         return x_fp8, scale.reciprocal()
 
+    def quantize_blocks(self, x: torch.Tensor, role: str, tp_group=None, columnwise: bool = True) -> BlockQuantized:
+        """x in the block recipe's format, both copies from one quantisation kernel. NVFP4 first reads the
+        tensor's amax for its per-tensor scale (a separate kernel in TE), reduced over `tp_group` where shards
+        are gathered quantised."""
+        amax = None
+        if self.block.name == "nvfp4":
+            amax = block_scaling.nvfp4_amax(x)
+            if tp_group is not None:
+                with observer().communication():
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
+        return block_scaling.quantize(x, self.block, role, columnwise, amax)
+
     def reduce_and_update(self, forward: bool) -> None:
         """Delayed scaling: all-reduce (MAX) this direction's current amaxes over the amax group, then new
         scales from the histories and roll them (TE's reduce_and_update_fp8_tensors)."""
@@ -219,6 +239,14 @@ class Fp8Linear:
     def quantize_grad(self, g: torch.Tensor, gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return self.region.quantize(g, False, self.index, self.tp_group if gathered else None)
 
+    def block_weight(self, weight: torch.Tensor) -> BlockQuantized:
+        """The weight in the block recipe's format, both copies (fprop and dgrad), cast once per step."""
+        if self._weight is None or self._weight_version != weight._version:
+            with observer().once_per_step(), torch.no_grad():
+                self._weight = self.region.quantize_blocks(weight.detach(), "weight")
+            self._weight_version = weight._version
+        return self._weight
+
     def weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(W, W^T contiguous, inverse scale) in FP8, cast when the weight changed since the last cast: once
         per step, on its first micro-batch (TE with is_first_microbatch); at every use without the cache (FSDP);
@@ -252,6 +280,8 @@ class Fp8Linear:
         return kept if isinstance(kept, tuple) else self.weight(kept)
 
     def cached_bytes(self) -> int:
+        if isinstance(self._weight, BlockQuantized):
+            return self._weight.nbytes()
         return sum(t.numel() * t.element_size() for t in self._weight) if self._weight else 0
 
 
@@ -295,7 +325,35 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return dgrad.view(*ctx.shape), wgrad, dbias, None
 
 
+class _BlockLinearFunction(torch.autograd.Function):
+    """y = x W^T + b with block-scaled GEMMs (workloads/block_scaling.py): fprop on the row-wise copies of x and
+    W, dgrad on the gradient's row-wise and W's column-wise copy, wgrad on the column-wise copies of gradient and
+    x. The column-wise copy of x is what is saved for the backward (TE saves no high-precision input)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear):
+        shape = x.shape
+        q = fp8.region.quantize_blocks(x.reshape(-1, shape[-1]), "activation")
+        w = fp8.block_weight(weight)
+        y = block_scaling.gemm(q.rowwise, w.rowwise, bias)
+        ctx.save_for_backward(*q.columnwise)
+        ctx.fp8, ctx.weight_q, ctx.shape, ctx.has_bias = fp8, w, shape, bias is not None
+        return y.view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_t = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gq = ctx.fp8.region.quantize_blocks(g, "gradient")
+        dgrad = block_scaling.gemm(gq.rowwise, ctx.weight_q.columnwise)
+        wgrad = block_scaling.gemm(gq.columnwise, x_t)
+        dbias = g.sum(0) if ctx.has_bias else None
+        return dgrad.view(*ctx.shape), wgrad, dbias, None
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Linear) -> torch.Tensor:
+    if fp8.region.block is not None:
+        return _BlockLinearFunction.apply(x, weight, bias, fp8)
     return _Fp8LinearFunction.apply(x, weight, bias, fp8)
 
 
@@ -327,7 +385,32 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
         return dgrad, wgrad, None, None
 
 
+class _BlockExpertsFunction(torch.autograd.Function):
+    """_Fp8ExpertsFunction with block-scaled operands (MXFP8, blockwise): the grouped GEMMs take block scales.
+    The experts' weights [E, k, n]: fprop reduces over k (the column-wise copy, [E, n, k]), dgrad over n (the
+    row-wise copy)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, fp8: Fp8Linear):
+        q = fp8.region.quantize_blocks(x, "activation")
+        w = fp8.block_weight(weight)
+        y = fp8_grouped_mm(q.data, w.data_t, q.scale, w.scale_t, counts)
+        ctx.save_for_backward(q.data_t, q.scale_t)
+        ctx.fp8, ctx.weight_q, ctx.counts = fp8, w, counts
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_t, x_scale_t = ctx.saved_tensors
+        gq = ctx.fp8.region.quantize_blocks(grad.contiguous(), "gradient")
+        dgrad = fp8_grouped_mm(gq.data, ctx.weight_q.data, gq.scale, ctx.weight_q.scale, ctx.counts)
+        wgrad = fp8_grouped_mm_weight_grad(x_t, gq.data_t, x_scale_t, gq.scale_t, ctx.counts)
+        return dgrad, wgrad, None, None
+
+
 def fp8_experts(x: torch.Tensor, weight: torch.Tensor, counts: list[int], fp8: Fp8Linear) -> torch.Tensor:
+    if fp8.region.block is not None:
+        return _BlockExpertsFunction.apply(x, weight, counts, fp8)
     return _Fp8ExpertsFunction.apply(x, weight, counts, fp8)
 
 
@@ -394,8 +477,12 @@ class _Fp8OverlappedRowLinear(torch.autograd.Function):
 
 
 def fp8_overlapped_column_linear(x, weight, fp8: Fp8Linear, group, tp: int) -> torch.Tensor:
+    if fp8.region.block is not None:
+        return BlockOverlappedColumnLinear.apply(x, weight, fp8, group, tp)
     return _Fp8OverlappedColumnLinear.apply(x, weight, fp8, group, tp)
 
 
 def fp8_overlapped_row_linear(x, weight, fp8: Fp8Linear, group, tp: int) -> torch.Tensor:
+    if fp8.region.block is not None:
+        return BlockOverlappedRowLinear.apply(x, weight, fp8, group, tp)
     return _Fp8OverlappedRowLinear.apply(x, weight, fp8, group, tp)

@@ -16,6 +16,8 @@ import functools
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from trainsim.workloads.block_scaling import dequantize
+
 _REFUSED: set[tuple[str, torch.dtype]] = set()
 """(device type, dtype) pairs torch._grouped_mm refused in this process: not tried again."""
 
@@ -104,8 +106,20 @@ def _groups(counts: list[int]) -> list[slice]:
     return [slice(end - c, end) for c, end in zip(counts, ends)]
 
 
+def _block_scaled(scale_a: torch.Tensor, scale_b: torch.Tensor) -> bool:
+    """Block scales (MXFP8, blockwise: workloads/block_scaling.py) rather than one fp32 scale per tensor."""
+    return scale_a.dim() > 0 or scale_b.dim() > 0
+
+
+def _dequantized(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return dequantize(t, scale, torch.ones((), device=t.device))
+
+
 def _fp8_gemm(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    """a @ b_t.t() in FP8, bf16 out: cuBLASLt's FP8 GEMM wants `a` row-major and the second operand K-major."""
+    """a @ b_t.t() in FP8, bf16 out: cuBLASLt's FP8 GEMM wants `a` row-major and the second operand K-major.
+    Block-scaled operands are dequantised and multiplied in fp32 (torch has no block-scaled GEMM off Blackwell)."""
+    if _block_scaled(scale_a, scale_b):
+        return (_dequantized(a, scale_a) @ _dequantized(b_t, scale_b).t()).to(torch.bfloat16)
     return torch._scaled_mm(a.contiguous(), b_t.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
                             out_dtype=torch.bfloat16)
 
@@ -115,7 +129,9 @@ def fp8_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, sc
                    counts: list[int]) -> torch.Tensor:
     """FP8 [T, k] times, per expert e, b_t[e].t() (b_t [E, n, k], K-major) -> bf16 [T, n]: the forward GEMM
     (b_t = the experts' transposed FP8 weights) and the input gradient (b_t = the FP8 weights [E, k, n])."""
-    parts = [_fp8_gemm(a[rows], b_t[e], scale_a, scale_b) for e, rows in enumerate(_groups(counts))]
+    row_scales = scale_a.dim() > 0  # a block scale per token row (1 x 32, 1 x 128 blocks)
+    parts = [_fp8_gemm(a[rows], b_t[e], scale_a[rows] if row_scales else scale_a, scale_b[e] if scale_b.dim() else
+                       scale_b) for e, rows in enumerate(_groups(counts))]
     return torch.cat(parts) if parts else a.new_empty((0, b_t.shape[1]), dtype=torch.bfloat16)
 
 
@@ -128,7 +144,11 @@ def _(a, b_t, scale_a, scale_b, counts):
 def fp8_grouped_mm_weight_grad(x_t: torch.Tensor, grad_t: torch.Tensor, scale_x: torch.Tensor,
                                scale_grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """FP8 x^T [k, T] and grad^T [n, T] (both K-major over the tokens, as TE keeps them for wgrad) -> bf16
-    [E, k, n]: each expert's x_e^T grad_e over its tokens."""
+    [E, k, n]: each expert's x_e^T grad_e over its tokens. Block scales run along the tokens, across the experts'
+    boundaries, so block-scaled operands are dequantised whole first."""
+    if _block_scaled(scale_x, scale_grad):
+        x_t, grad_t = _dequantized(x_t, scale_x), _dequantized(grad_t, scale_grad)
+        return torch.stack([(x_t[:, cols] @ grad_t[:, cols].t()).to(torch.bfloat16) for cols in _groups(counts)])
     return torch.stack([_fp8_gemm(x_t[:, cols], grad_t[:, cols], scale_x, scale_grad)
                         for cols in _groups(counts)])
 

@@ -29,9 +29,10 @@ from trainsim.workloads.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-"""Weight and activation dtype per parallelism.precision; 'fp8' keeps bf16 tensors and runs the linear layers'
-GEMMs in FP8 (workloads/fp8.py)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
+          "fp4": torch.bfloat16}
+"""Weight and activation dtype per parallelism.precision; 'fp8' and 'fp4' keep bf16 tensors and run the linear
+layers' GEMMs in FP8 / NVFP4 (workloads/fp8.py)."""
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
