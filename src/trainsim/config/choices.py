@@ -26,6 +26,8 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 # model
 FAMILIES = ("gpt", "llama")
 ATTENTION_KERNELS = ("fused", "unfused")
+WINDOW_KINDS = ("sliding", "chunked")
+"""model.window_kind: a sliding window behind each query, or Llama 4's fixed chunks."""
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_ROUTINGS = ("balanced", "zipf:<s>", "dirichlet:<alpha>")
 """model.moe_routing: these forms, or a routing histogram file (workloads/routing.py)."""

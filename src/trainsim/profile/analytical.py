@@ -218,7 +218,8 @@ def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: i
     return out
 
 
-KERNEL_NOTES = ("comm_sms", "comm_kernel", "dropout_p", "fused")
+KERNEL_NOTES = ("comm_sms", "comm_kernel", "dropout_p", "fused", "causal_mask", "window_keys", "window_chunked",
+                "value_width")
 
 
 def kernel_notes(args: str) -> dict[str, float]:
@@ -232,6 +233,10 @@ def kernel_notes(args: str) -> dict[str, float]:
     fused       the op's work is done inside the kernel that produced its input (TE's FP8 cast records the amax
                 and writes the transposed copy in the same pass): no time of its own (the transpose's extra
                 write, 1 byte per element, is not priced).
+    causal_mask fused attention's explicit mask (windows, sinks: workloads/core_attention.py) is causal.
+    window_keys a query attends to this many keys (0 = all before it); window_chunked: 1 when the window is a fixed
+                chunk (Llama 4) rather than sliding. Flash attention skips the blocks outside the window.
+    value_width the values' head width where the CPU kernel ran them padded to the queries' (MLA).
     {} for an op without notes."""
     if not args or not any(f'"{k}"' in args for k in KERNEL_NOTES):
         return {}
@@ -384,6 +389,13 @@ class AttentionRows:
     """attention dropout inside the kernel (noted by the workload, or the op's own argument)"""
 
 
+def window_fraction(keys: float, window: float, chunked: bool) -> float:
+    """Share of the [s, s] score square a windowed causal kernel computes (s = keys): a sliding window of w keys
+    sees s w - w^2 / 2 scores, chunks of w tokens s w / 2 (both 1/2 at w = s, as a causal kernel)."""
+    share = window / keys
+    return share / 2 if chunked else share - share * share / 2
+
+
 def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str, float]]) -> AttentionRows:
     attention = kinds == "attention"
     backward = rows["op"].astype(str).str.contains("backward").to_numpy()
@@ -394,6 +406,7 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
     args = rows["op_args"].tolist() if "op_args" in rows else [None] * len(rows)
     for i in np.flatnonzero(attention):
         causal, dropout_argument = _sdpa_arguments(args[i])
+        causal = causal or bool(notes[i].get("causal_mask"))
         factor[i] = 0.5 if causal else 1.0  # causal kernels skip the masked tiles; the trace counts the full square
         dropout[i] = max(notes[i].get("dropout_p", 0.0), dropout_argument)
         parsed = json.loads(shapes[i]) if isinstance(shapes[i], str) else shapes[i]
@@ -401,6 +414,12 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
         if parsed and len(parsed) > k and len(parsed[k]) >= 2:
             keys[i], head_dim = parsed[k][-2], parsed[0][-1]
             scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # sdpa_flops, inverted
+            window = notes[i].get("window_keys", 0.0)
+            if causal and window and window < keys[i]:
+                factor[i] = window_fraction(keys[i], window, bool(notes[i].get("window_chunked")))
+                keys[i] = window
+            if notes[i].get("value_width"):  # the second matmul (and its gradients) at the values' width
+                factor[i] *= (head_dim + notes[i]["value_width"]) / (2 * head_dim)
     return AttentionRows(pass_, factor, keys, scores, dropout)
 
 
