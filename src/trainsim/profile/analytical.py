@@ -387,6 +387,8 @@ class AttentionRows:
     """batch x heads x queries x keys (the full square)"""
     dropout_p: np.ndarray
     """attention dropout inside the kernel (noted by the workload, or the op's own argument)"""
+    mask_bytes: np.ndarray
+    """bytes of the explicit mask a CPU trace's kernel read (windows, sinks); a GPU kernel reads none"""
 
 
 def window_fraction(keys: float, window: float, chunked: bool) -> float:
@@ -401,6 +403,8 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
     backward = rows["op"].astype(str).str.contains("backward").to_numpy()
     pass_ = np.where(attention, np.where(backward, 2, 1), 0)
     factor, keys, scores, dropout = np.ones(len(rows)), np.zeros(len(rows)), np.zeros(len(rows)), np.zeros(len(rows))
+    mask_bytes = np.zeros(len(rows))
+    dtypes = rows["input_dtypes"].tolist() if "input_dtypes" in rows else [""] * len(rows)
     flops = rows["flops"].to_numpy(dtype=float)
     shapes = rows["input_shapes"].tolist() if "input_shapes" in rows else [None] * len(rows)
     args = rows["op_args"].tolist() if "op_args" in rows else [None] * len(rows)
@@ -420,7 +424,10 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
                 keys[i] = window
             if notes[i].get("value_width"):  # the second matmul (and its gradients) at the values' width
                 factor[i] *= (head_dim + notes[i]["value_width"]) / (2 * head_dim)
-    return AttentionRows(pass_, factor, keys, scores, dropout)
+            if notes[i].get("causal_mask") and len(parsed[-1]) == 2:  # the mask is the last (2-D) input
+                mask_dtype = str(dtypes[i]).split(",")[-1]
+                mask_bytes[i] = parsed[-1][0] * parsed[-1][1] * DTYPE_BYTES.get(mask_dtype, 2)
+    return AttentionRows(pass_, factor, keys, scores, dropout, mask_bytes)
 
 
 def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -> np.ndarray:
@@ -431,7 +438,8 @@ def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -
     shape = _shape_efficiency(rows, kinds, [dtype] * len(rows), rates.sm_count, args, notes)
     grouped = rows["op"].astype(str).str.startswith(GROUPED_GEMM_OPS).to_numpy()
     attention = _attention_rows(rows, kinds, notes)
-    time = predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, attention, grouped)
+    bytes_moved = rows["bytes_moved"].to_numpy(dtype=float) - attention.mask_bytes
+    time = predict(rates, rows["flops"], bytes_moved, kinds, shape, attention, grouped)
     time[[bool(n.get("comm_kernel") or n.get("fused")) for n in notes]] = 0.0
     return time
 

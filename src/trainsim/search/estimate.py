@@ -98,15 +98,15 @@ def _context_parallel_seconds(counts: dict[str, int], comm: CommModel, cp: int, 
 
 
 def _chunk_parts(model: ModelConfig, par: ParallelismConfig) -> dict[tuple[int, int], dict[str, int]]:
-    """(stage, chunk) -> how many of each part it runs: its layers (a mixture of experts' first dense layers
-    apart), the embedding on virtual stage 0, the head on the last."""
-    dense_layers = model.moe_first_dense_layers if model.num_experts else 0
+    """(stage, chunk) -> how many of each part it runs: its layers (a mixture of experts' dense layers apart: its
+    first ones, and those between MoE layers with moe_layer_freq > 1), the embedding on virtual stage 0, the head
+    on the last."""
     pp, v = par.pp, par.virtual_stages
     parts = {}
     for s in range(pp):
         for c in range(v):
             layers = chunk_layers(model.num_layers, pp, v, s, c, par.first_stage_layers, par.last_stage_layers)
-            dense = sum(layer < dense_layers for layer in layers)
+            dense = sum(bool(model.num_experts) and not model.has_experts(layer) for layer in layers)
             parts[(s, c)] = {"layer": len(layers) - dense, "dense_layer": dense}
     parts[(0, 0)]["first"] = 1
     parts[(pp - 1, v - 1)]["last"] = 1
