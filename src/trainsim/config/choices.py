@@ -31,6 +31,8 @@ FAMILIES = ("gpt", "llama")
 ATTENTION_KERNELS = ("fused", "unfused")
 HYBRID_LAYER_KINDS = {"M": "Mamba-2 mixer", "*": "self-attention", "-": "MLP", "E": "MoE"}
 """Characters of model.hybrid_layer_pattern (Megatron-Core's --hybrid-override-pattern) and the layer each is."""
+WINDOW_KINDS = ("sliding", "chunked")
+"""model.window_kind: a sliding window behind each query, or Llama 4's fixed chunks."""
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_ROUTINGS = ("balanced", "zipf:<s>", "dirichlet:<alpha>")
 """model.moe_routing: these forms, or a routing histogram file (workloads/routing.py)."""

@@ -447,6 +447,59 @@ class ModelConfig:
     """Real runs route by model.moe_routing too (each token's experts assigned from the plan, weighted by the
     router's scores for them) instead of by the router's top-k: a controlled imbalance for benchmarks, as
     Megatron-Core's --moe-router-force-load-balancing forces a balanced one."""
+    moe_layer_freq: int = 1  # set: 1 = every layer after moe_first_dense_layers has experts (Megatron default)
+    """With experts: layers i (after moe_first_dense_layers) with (i + 1) % moe_layer_freq == 0 are MoE layers, the
+    others dense MLPs of ffn_hidden_size (Megatron-Core --moe-layer-freq; Llama 4 Maverick: 2)."""
+    moe_router_bias: bool = False
+    """The router's linear layer has a bias (GPT-OSS); routing work is the same, one more parameter per expert."""
+    q_lora_rank: int = 0  # set: 0 = queries projected at full rank (DeepSeek-V2-Lite), > 0 as DeepSeek-V3's 1536
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; workloads/latent_attention.py): rank of the query's
+    down projection (normalised, then projected up per head); 0 = one query projection of full rank. Needs
+    kv_lora_rank > 0."""
+    kv_lora_rank: int = 0  # set: 0 = no latent attention (plain MHA/GQA)
+    """Rank of the compressed keys and values of multi-head latent attention (> 0 turns MLA on; DeepSeek-V3: 512):
+    hidden -> kv_lora_rank + qk_rope_head_dim, normalised, then projected up to every head's keys and values.
+    head_dim is then the width of the query/key part without rotary embedding (qk_nope_head_dim)."""
+    qk_rope_head_dim: int = 0  # set: 0 = no decoupled rotary part (only meaningful with kv_lora_rank > 0)
+    """MLA: width of the decoupled rotary part of each query head and of the one rotary key shared by all heads
+    (DeepSeek-V3: 64). Needs kv_lora_rank > 0."""
+    v_head_dim: int | None = None
+    """MLA: width of each value head (DeepSeek-V3: 128); None = head_dim."""
+    window_size: int = 0  # set: 0 = full causal attention
+    """Tokens a query attends to, itself included (Mistral / GPT-OSS sliding_window, Llama 4 attention_chunk_size);
+    0 = full causal attention. Flash attention skips the masked blocks: the kernel's work follows the window."""
+    window_kind: str = "sliding"
+    """'sliding' (a query sees itself and the window_size - 1 tokens before it) or 'chunked' (Llama 4: the
+    sequence is cut into chunks of window_size tokens, a query sees the earlier tokens of its own chunk)."""
+    global_attention_every: int = 0  # set: 0 = every layer windowed when window_size > 0
+    """With window_size > 0: layers i with (i + 1) % global_attention_every == 0 keep full causal attention (GPT-OSS
+    2: sliding and full layers alternate; Llama 4 4: every 4th layer global); 0 = every layer windowed."""
+    attention_sinks: bool = False
+    """A learned logit per attention head joins every query's softmax without a value (GPT-OSS): attention can
+    put weight on nothing."""
+    approximations: list[str] = field(default_factory=list)
+    """What this config asks that trainsim approximates (e.g. 'squared ReLU run as GELU'), one sentence each;
+    every prediction's warnings repeat them."""
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
+
+    def has_experts(self, layer: int) -> bool:
+        """Layer `layer` (0-based) is an MoE layer: an 'E' of a hybrid pattern; else after the first dense ones,
+        every moe_layer_freq-th."""
+        if self.hybrid_layer_pattern:
+            return self.hybrid_layer_pattern[layer] == "E"
+        return bool(self.num_experts) and layer >= self.moe_first_dense_layers and \
+            (layer + 1) % max(self.moe_layer_freq, 1) == 0
+
+    def window_of(self, layer: int) -> int:
+        """Attention window of layer `layer` (0-based) in tokens; 0 = full causal attention."""
+        if not self.window_size:
+            return 0
+        every = self.global_attention_every
+        return 0 if every and (layer + 1) % every == 0 else self.window_size
 
     hybrid_layer_pattern: str = ""
     """Layer kinds of a hybrid Mamba model, one character per layer (Megatron's --hybrid-override-pattern):

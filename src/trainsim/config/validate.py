@@ -27,6 +27,7 @@ from trainsim.config.choices import (
     SCHEDULES,
     SLOWDOWN_SOURCES,
     SLOWDOWN_USES,
+    WINDOW_KINDS,
     ZERO_STAGES,
 )
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig, WhatIfConfig
@@ -77,6 +78,12 @@ def validate_model(model: ModelConfig) -> None:
             raise ConfigError(f"model.{name}={getattr(model, name)} must be in [0, 1)")
     if model.attention not in ATTENTION_KERNELS:
         raise ConfigError(f"model.attention={model.attention!r} is not supported; use one of {ATTENTION_KERNELS}")
+    _validate_latent_attention(model)
+    _validate_window(model)
+    if not isinstance(model.approximations, (list, tuple)) or not all(isinstance(a, str) and a.strip()
+                                                                       for a in model.approximations):
+        raise ConfigError(f"model.approximations={model.approximations!r} must be a list of sentences (strings), "
+                          "one per thing this config asks that trainsim approximates")
     if model.num_experts:
         _validate_experts(model)
     elif model.num_experts < 0:
@@ -120,6 +127,47 @@ def _validate_hybrid(model: ModelConfig) -> None:
                           f"{_divisors(heads)}")
 
 
+def _validate_latent_attention(model: ModelConfig) -> None:
+    """Multi-head latent attention's widths (workloads/latent_attention.py)."""
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim"):
+        if getattr(model, name) < 0:
+            raise ConfigError(f"model.{name}={getattr(model, name)} must be >= 0 (0 = off)")
+    if model.v_head_dim is not None and model.v_head_dim < 1:
+        raise ConfigError(f"model.v_head_dim={model.v_head_dim} must be a positive integer (or null: head_dim)")
+    if not model.latent_attention:
+        for name in ("q_lora_rank", "qk_rope_head_dim"):
+            if getattr(model, name):
+                raise ConfigError(f"model.{name}={getattr(model, name)} belongs to multi-head latent attention, "
+                                  "which needs model.kv_lora_rank > 0 (DeepSeek-V3: 512); set it, or set "
+                                  f"model.{name}=0")
+        if model.v_head_dim is not None:
+            raise ConfigError(f"model.v_head_dim={model.v_head_dim} is only modelled with multi-head latent attention "
+                              "(model.kv_lora_rank > 0); set model.v_head_dim=null")
+        return
+    if model.family != "llama":
+        raise ConfigError(f"model.kv_lora_rank={model.kv_lora_rank} (multi-head latent attention) needs "
+                          f"model.family='llama' (RMSNorm, rotary positions); got {model.family!r}")
+    if model.qk_rope_head_dim < 2 or model.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={model.qk_rope_head_dim} must be an even number >= 2 with "
+                          "multi-head latent attention (the decoupled rotary part; DeepSeek-V3: 64)")
+    if model.num_kv_heads not in (None, model.num_attention_heads):
+        raise ConfigError(f"model.num_kv_heads={model.num_kv_heads}: multi-head latent attention projects keys "
+                          "and values for every head; set model.num_kv_heads=null")
+
+
+def _validate_window(model: ModelConfig) -> None:
+    """Windowed attention (workloads/core_attention.py)."""
+    if model.window_size < 0:
+        raise ConfigError(f"model.window_size={model.window_size} must be >= 0 (0 = full causal attention)")
+    _one_of("model", "window_kind", model.window_kind, WINDOW_KINDS)
+    if model.global_attention_every < 0:
+        raise ConfigError(f"model.global_attention_every={model.global_attention_every} must be >= 0 "
+                          "(0 = every layer windowed)")
+    if model.global_attention_every and not model.window_size:
+        raise ConfigError(f"model.global_attention_every={model.global_attention_every} picks the full-attention "
+                          "layers among windowed ones: it needs model.window_size > 0")
+
+
 def _validate_experts(model: ModelConfig) -> None:
     if not 1 <= model.moe_top_k <= model.num_experts:
         raise ConfigError(f"model.moe_top_k={model.moe_top_k} must be in [1, num_experts={model.num_experts}]")
@@ -127,6 +175,12 @@ def _validate_experts(model: ModelConfig) -> None:
     for name in ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_shared_expert_ffn_hidden_size"):
         if getattr(model, name) < 0:
             raise ConfigError(f"model.{name}={getattr(model, name)} must be >= 0 (0 = off)")
+    if model.moe_layer_freq < 1:
+        raise ConfigError(f"model.moe_layer_freq={model.moe_layer_freq} must be a positive integer (1 = every layer "
+                          "after moe_first_dense_layers has experts, 2 = every second one)")
+    if not any(model.has_experts(layer) for layer in range(model.num_layers)):
+        raise ConfigError(f"model.moe_layer_freq={model.moe_layer_freq} with moe_first_dense_layers="
+                          f"{model.moe_first_dense_layers} leaves no MoE layer among num_layers={model.num_layers}")
     if not 0 <= model.moe_first_dense_layers < model.num_layers:
         raise ConfigError(f"model.moe_first_dense_layers={model.moe_first_dense_layers} must be in "
                           f"[0, num_layers={model.num_layers})")
@@ -174,6 +228,13 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
                               f"(load-balanced causal split): model.seq_length={model.seq_length} is not divisible "
                               f"by {2 * par.cp}; choose cp among "
                               f"{_divisors(model.seq_length // 2) if model.seq_length % 2 == 0 else '1'}")
+        variants = [name for name, on in (("model.window_size", model.window_size),
+                                          ("model.attention_sinks", model.attention_sinks),
+                                          ("model.kv_lora_rank", model.kv_lora_rank)) if on]
+        if variants:
+            raise ConfigError(f"parallelism.cp={par.cp}: context-parallel attention is built for full causal "
+                              f"multi-/grouped-query attention only; {', '.join(variants)} (windows, sinks, latent "
+                              "attention) with context parallelism is not built. Set parallelism.cp=1")
         if model.attention != "fused":
             raise ConfigError(f"parallelism.cp={par.cp} runs attention as flash-attention blocks: it needs "
                               f"model.attention='fused' (got {model.attention!r})")

@@ -225,7 +225,8 @@ def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: i
     return out
 
 
-KERNEL_NOTES = ("comm_sms", "comm_kernel", "dropout_p", "fused")
+KERNEL_NOTES = ("comm_sms", "comm_kernel", "dropout_p", "fused", "causal_mask", "window_keys", "window_chunked",
+                "value_width")
 
 
 def kernel_notes(args: str) -> dict[str, float]:
@@ -239,6 +240,10 @@ def kernel_notes(args: str) -> dict[str, float]:
     fused       the op's work is done inside the kernel that produced its input (TE's FP8 cast records the amax
                 and writes the transposed copy in the same pass): no time of its own (the transpose's extra
                 write, 1 byte per element, is not priced).
+    causal_mask fused attention's explicit mask (windows, sinks: workloads/core_attention.py) is causal.
+    window_keys a query attends to this many keys (0 = all before it); window_chunked: 1 when the window is a fixed
+                chunk (Llama 4) rather than sliding. Flash attention skips the blocks outside the window.
+    value_width the values' head width where the CPU kernel ran them padded to the queries' (MLA).
     {} for an op without notes."""
     if not args or not any(f'"{k}"' in args for k in KERNEL_NOTES):
         return {}
@@ -395,6 +400,15 @@ class AttentionRows:
     """batch x heads x queries x keys (the full square)"""
     dropout_p: np.ndarray
     """attention dropout inside the kernel (noted by the workload, or the op's own argument)"""
+    mask_bytes: np.ndarray
+    """bytes of the explicit mask a CPU trace's kernel read (windows, sinks); a GPU kernel reads none"""
+
+
+def window_fraction(keys: float, window: float, chunked: bool) -> float:
+    """Share of the [s, s] score square a windowed causal kernel computes (s = keys): a sliding window of w keys
+    sees s w - w^2 / 2 scores, chunks of w tokens s w / 2 (both 1/2 at w = s, as a causal kernel)."""
+    share = window / keys
+    return share / 2 if chunked else share - share * share / 2
 
 
 def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str, float]]) -> AttentionRows:
@@ -402,11 +416,14 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
     backward = rows["op"].astype(str).str.contains("backward").to_numpy()
     pass_ = np.where(attention, np.where(backward, 2, 1), 0)
     factor, keys, scores, dropout = np.ones(len(rows)), np.zeros(len(rows)), np.zeros(len(rows)), np.zeros(len(rows))
+    mask_bytes = np.zeros(len(rows))
+    dtypes = rows["input_dtypes"].tolist() if "input_dtypes" in rows else [""] * len(rows)
     flops = rows["flops"].to_numpy(dtype=float)
     shapes = rows["input_shapes"].tolist() if "input_shapes" in rows else [None] * len(rows)
     args = rows["op_args"].tolist() if "op_args" in rows else [None] * len(rows)
     for i in np.flatnonzero(attention):
         causal, dropout_argument = _sdpa_arguments(args[i])
+        causal = causal or bool(notes[i].get("causal_mask"))
         factor[i] = 0.5 if causal else 1.0  # causal kernels skip the masked tiles; the trace counts the full square
         dropout[i] = max(notes[i].get("dropout_p", 0.0), dropout_argument)
         parsed = json.loads(shapes[i]) if isinstance(shapes[i], str) else shapes[i]
@@ -414,7 +431,16 @@ def _attention_rows(rows: pd.DataFrame, kinds: np.ndarray, notes: list[dict[str,
         if parsed and len(parsed) > k and len(parsed[k]) >= 2:
             keys[i], head_dim = parsed[k][-2], parsed[0][-1]
             scores[i] = flops[i] / ((10 if backward[i] else 4) * max(head_dim, 1))  # sdpa_flops, inverted
-    return AttentionRows(pass_, factor, keys, scores, dropout)
+            window = notes[i].get("window_keys", 0.0)
+            if causal and window and window < keys[i]:
+                factor[i] = window_fraction(keys[i], window, bool(notes[i].get("window_chunked")))
+                keys[i] = window
+            if notes[i].get("value_width"):  # the second matmul (and its gradients) at the values' width
+                factor[i] *= (head_dim + notes[i]["value_width"]) / (2 * head_dim)
+            if notes[i].get("causal_mask") and len(parsed[-1]) == 2:  # the mask is the last (2-D) input
+                mask_dtype = str(dtypes[i]).split(",")[-1]
+                mask_bytes[i] = parsed[-1][0] * parsed[-1][1] * DTYPE_BYTES.get(mask_dtype, 2)
+    return AttentionRows(pass_, factor, keys, scores, dropout, mask_bytes)
 
 
 def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -> np.ndarray:
@@ -425,7 +451,8 @@ def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -
     shape = _shape_efficiency(rows, kinds, [dtype] * len(rows), rates.sm_count, args, notes)
     grouped = rows["op"].astype(str).str.startswith(GROUPED_GEMM_OPS).to_numpy()
     attention = _attention_rows(rows, kinds, notes)
-    time = predict(rates, rows["flops"], rows["bytes_moved"], kinds, shape, attention, grouped)
+    bytes_moved = rows["bytes_moved"].to_numpy(dtype=float) - attention.mask_bytes
+    time = predict(rates, rows["flops"], bytes_moved, kinds, shape, attention, grouped)
     time[[bool(n.get("comm_kernel") or n.get("fused")) for n in notes]] = 0.0
     return time
 

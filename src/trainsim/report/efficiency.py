@@ -21,36 +21,65 @@ from typing import Any
 from trainsim.config.schema import MAMBA_CHUNK_TOKENS
 
 
+def attended_keys(model: dict[str, Any], layer: int) -> float:
+    """Keys per query of layer `layer` on the full-square convention of 4 s a d (a causal kernel computes half):
+    s for full attention; with a window of w keys 2 w - w^2 / s (sliding) or w (chunked), which is s at w = s."""
+    s, window = model["seq_length"], model.get("window_size") or 0
+    every = model.get("global_attention_every") or 0
+    if not window or window >= s or (every and (layer + 1) % every == 0):
+        return float(s)
+    return float(window) if model.get("window_kind") == "chunked" else 2.0 * window - window * window / s
+
+
+def attention_projection_flops(model: dict[str, Any]) -> float:
+    """Forward FLOPs per token of a layer's attention projections (2 per multiply-add): QKV and output, or with
+    multi-head latent attention (kv_lora_rank > 0) its down, up and output projections."""
+    h, heads = model["hidden_size"], model["num_attention_heads"]
+    d = model.get("head_dim") or h // heads
+    if not model.get("kv_lora_rank"):
+        kv_heads = model.get("num_kv_heads") or heads
+        return 2 * (h * (heads + 2 * kv_heads) * d + heads * d * h)
+    rope, kv_rank, q_rank = model.get("qk_rope_head_dim") or 0, model["kv_lora_rank"], model.get("q_lora_rank") or 0
+    v = model.get("v_head_dim") or d
+    query = h * q_rank + q_rank * heads * (d + rope) if q_rank else h * heads * (d + rope)
+    return 2 * (query + h * (kv_rank + rope) + kv_rank * heads * (d + v) + heads * v * h)
+
+
 def forward_flops_per_token(model: dict[str, Any]) -> dict[str, float]:
     """Forward matmul FLOPs per token: the transformer layers, the part of them that is core attention
     (scores and values), and the output layer (logits).
 
     Per layer: 2 x (QKV h (a + 2 a_kv) d + output projection a d h + MLP n h f) plus 4 s a d for attention
-    scores and values (a heads of width d, a_kv key/value heads); logits 2 h V. In an MoE layer the MLP term
-    counts what a token activates: its top-k experts, the shared expert and the router (2 h E), as MFU of
-    MoE runs is reported. A hybrid model (model.hybrid_layer_pattern) counts each layer as its kind: attention
-    alone, an MLP, an MoE layer or a Mamba-2 mixer (mamba_flops_per_token).
+    scores and values (a heads of width d, a_kv key/value heads; 2 s a (d_qk + d_v) with latent attention, and
+    the window's keys in place of s in windowed layers: attended_keys); logits 2 h V. In an MoE layer the MLP
+    term counts what a token activates: its top-k experts, the shared expert and the router (2 h E), as MFU of
+    MoE runs is reported. Which layers have experts: after moe_first_dense_layers, every moe_layer_freq-th. A
+    hybrid model (model.hybrid_layer_pattern) counts each layer as its kind: attention alone, an MLP, an MoE
+    layer or a Mamba-2 mixer (mamba_flops_per_token).
     """
-    h, layers, s = model["hidden_size"], model["num_layers"], model["seq_length"]
+    h, layers = model["hidden_size"], model["num_layers"]
     heads = model["num_attention_heads"]
     d = model.get("head_dim") or h // heads
-    kv_heads = model.get("num_kv_heads") or heads
+    qk, v = (d + (model.get("qk_rope_head_dim") or 0), model.get("v_head_dim") or d) if model.get("kv_lora_rank") \
+        else (d, d)
     ffn = model.get("ffn_hidden_size") or 4 * h
     mlp_matrices = 3 if model.get("family") == "llama" else 2  # SwiGLU has gate, up and down
-    core_attention = 4 * s * heads * d
-    attention = 2 * (h * (heads + 2 * kv_heads) * d + heads * d * h) + core_attention
+    core_attention = sum(2 * attended_keys(model, layer) * heads * (qk + v) for layer in range(layers))
     dense_mlp = 2 * mlp_matrices * h * ffn
     experts = model.get("num_experts") or 0
-    moe_layers = layers - (model.get("moe_first_dense_layers") or 0) if experts else 0
+    first_dense, freq = model.get("moe_first_dense_layers") or 0, model.get("moe_layer_freq") or 1
+    moe_layers = sum(1 for layer in range(first_dense, layers) if (layer + 1) % freq == 0) if experts else 0
     moe_mlp = 2 * mlp_matrices * h * (model.get("moe_top_k", 2) * (model.get("moe_ffn_hidden_size") or ffn)
                                       + (model.get("moe_shared_expert_ffn_hidden_size") or 0)) + 2 * h * experts
     pattern = model.get("hybrid_layer_pattern") or ""
     if pattern:  # a hybrid model's layers each hold one of these
-        per_kind = {"*": attention, "-": dense_mlp, "E": moe_mlp, "M": mamba_flops_per_token(model)}
-        return {"layers": sum(per_kind[kind] for kind in pattern),
-                "core_attention": pattern.count("*") * core_attention, "logits": 2 * h * model["vocab_size"]}
-    return {"layers": layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp,
-            "core_attention": layers * core_attention, "logits": 2 * h * model["vocab_size"]}
+        core = sum(2 * attended_keys(model, i) * heads * (qk + v) for i, kind in enumerate(pattern) if kind == "*")
+        per_kind = {"*": attention_projection_flops(model), "-": dense_mlp, "E": moe_mlp,
+                    "M": mamba_flops_per_token(model)}
+        return {"layers": sum(per_kind[kind] for kind in pattern) + core, "core_attention": core,
+                "logits": 2 * h * model["vocab_size"]}
+    return {"layers": layers * attention_projection_flops(model) + core_attention + (layers - moe_layers) * dense_mlp
+            + moe_layers * moe_mlp, "core_attention": core_attention, "logits": 2 * h * model["vocab_size"]}
 
 
 def mamba_flops_per_token(model: dict[str, Any]) -> float:

@@ -99,15 +99,15 @@ def _context_parallel_seconds(counts: dict[str, int], comm: CommModel, cp: int, 
 
 
 def _chunk_parts(model: ModelConfig, par: ParallelismConfig) -> dict[tuple[int, int], dict[str, int]]:
-    """(stage, chunk) -> how many of each part it runs: its layers (a mixture of experts' first dense layers
-    apart), the embedding on virtual stage 0, the head on the last."""
-    dense_layers = model.moe_first_dense_layers if model.num_experts else 0
+    """(stage, chunk) -> how many of each part it runs: its layers (a mixture of experts' dense layers apart: its
+    first ones, and those between MoE layers with moe_layer_freq > 1), the embedding on virtual stage 0, the head
+    on the last."""
     split = split_of(model, par)
     parts = {}
     for s in range(par.pp):
         for c in range(par.virtual_stages):
             layers = split.layers(s, c)
-            dense = sum(layer < dense_layers for layer in layers)
+            dense = sum(bool(model.num_experts) and not model.has_experts(layer) for layer in layers)
             parts[(s, c)] = {"layer": len(layers) - dense, "dense_layer": dense}
             if split.holds_embedding(s, c):
                 parts[(s, c)]["first"] = 1

@@ -179,7 +179,7 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
                       for r in table[ok].itertuples()]
             table.loc[ok, list(TRAINING_TOTALS)] = pd.DataFrame(totals, index=table.index[ok])
     return SearchResult(table=table, slices_s=slices_s, estimate_s=estimate_s, jobs=jobs,
-                        inputs=search_inputs(hw, calibration_dir if calibrated else None, budget))
+                        inputs=search_inputs(hw, calibration_dir if calibrated else None, budget, run.model))
 
 
 def layout_overrides(row: pd.Series, num_nodes: int) -> list[str]:

@@ -16,8 +16,9 @@ and its memory (parameters, gradients, optimizer states, activations saved per m
 A mixture of experts' layer is traced with the layout's expert and expert tensor parallelism (the slice gets the
 fewest data-parallel ranks that fold into etp x ep groups), so its token exchanges and grouped GEMMs have the
 layout's sizes; its expert weights are counted apart, since their gradients and optimizer states are split over the
-expert replicas, not the model's. The dense layers a model starts with (model.moe_first_dense_layers) are a
-part of their own, from two more slices of the model without experts.
+expert replicas, not the model's. The dense layers a model starts with (model.moe_first_dense_layers), and those
+between its MoE layers (model.moe_layer_freq), are a part of their own, from two more slices of the model without
+experts.
 
 Skewed routing (model.moe_routing 'zipf:<s>' or 'dirichlet:<alpha>'): every all-to-all of a layer waits for the
 expert-parallel rank whose experts received the most tokens, so each layer takes that rank's time. The parts
@@ -115,7 +116,8 @@ class SliceCosts:
     last_transient_bytes: list[int]
     """the same for the stage with the output layer and the loss (their logits-sized temporaries)"""
     dense_layer: PartCost = field(default_factory=PartCost)
-    """a dense layer of a mixture of experts (model.moe_first_dense_layers); empty for other models"""
+    """a dense layer of a mixture of experts (model.moe_first_dense_layers, moe_layer_freq); empty for other
+    models"""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -241,14 +243,14 @@ def measure_slice_costs(model: ModelConfig, par: ParallelismConfig, hw: Hardware
         rows, _ = profile_ops(ops, hw, hardware_key, ProfileDatabase(database))
         return scaled_compute_times(dict(zip(rows["signature"], rows["median_s"].astype(float))), ops, hw)
 
-    moe_only = dataclasses.replace(model, moe_first_dense_layers=0)
+    moe_only = dataclasses.replace(model, moe_first_dense_layers=0, moe_layer_freq=1)
     balanced = dataclasses.replace(moe_only, moe_routing="balanced")
     layer, first, last, p2p_bytes, first_transient, last_transient = _layer_parts(balanced, par, times_of)
     if model.num_experts and model.moe_routing != "balanced":
         layer = _with_busiest_rank(layer, first, moe_only, par, times_of)
     dense_layer = PartCost()
-    if model.num_experts and model.moe_first_dense_layers:
-        dense = dataclasses.replace(model, num_experts=0, moe_first_dense_layers=0)
+    if model.num_experts and not all(model.has_experts(layer) for layer in range(model.num_layers)):
+        dense = dataclasses.replace(model, num_experts=0, moe_first_dense_layers=0, moe_layer_freq=1)
         dense_layer = _layer_parts(dense, dataclasses.replace(par, ep=1, etp=1), times_of)[0]
     return SliceCosts(layer=layer, first=first, last=last, p2p_message_bytes=p2p_bytes,
                       first_transient_bytes=first_transient, last_transient_bytes=last_transient,

@@ -19,7 +19,7 @@ from trainsim.comm.model import FIT_FILE
 from trainsim.comm.network import network_prior, node_bandwidth
 from trainsim.comm.placement import job_placement
 from trainsim.config.choices import MEASURED_BACKENDS
-from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig
+from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig
 from trainsim.slowdown.choice import choose_slowdown
 from trainsim.slowdown.predictor import METRICS_FILE
 
@@ -152,21 +152,31 @@ def slowdown_inputs(hw: HardwareConfig, model_dir: Path | None, device_type: str
     return out, warnings
 
 
+def model_warnings(model: ModelConfig | None) -> list[str]:
+    """What the model config asks that trainsim approximates (model.approximations), one warning each."""
+    return [f"model: {text}" for text in (model.approximations if model is not None else [])]
+
+
 def prediction_inputs(hw: HardwareConfig, inputs: dict[str, Path], backends: dict[str, int], nodes_used: int,
-                      device_type: str, run_values: dict[str, float] | None = None) -> dict:
-    """The `inputs` entry of summary.json: calibration, kernels, slowdown and the warnings of all three."""
+                      device_type: str, run_values: dict[str, float] | None = None,
+                      model: ModelConfig | None = None) -> dict:
+    """The `inputs` entry of summary.json: calibration, kernels, slowdown, and the warnings of all three and of the
+    model's approximations."""
     calibration, w1 = calibration_inputs(hw, inputs.get("calibration"), nodes_used)
     kernels, w2 = kernel_inputs(hw, inputs.get("profile"), backends, run_values)
     slowdown, w3 = slowdown_inputs(hw, inputs.get("slowdown_model"), device_type)
-    return {"calibration": calibration, "kernels": kernels, "slowdown": slowdown, "warnings": w1 + w2 + w3}
+    return {"calibration": calibration, "kernels": kernels, "slowdown": slowdown,
+            "warnings": model_warnings(model) + w1 + w2 + w3}
 
 
-def search_inputs(hw: HardwareConfig, calibration_dir: Path | None, budget_gpus: int) -> dict:
+def search_inputs(hw: HardwareConfig, calibration_dir: Path | None, budget_gpus: int,
+                  model: ModelConfig | None = None) -> dict:
     """The `inputs` of a layout search: its collective model and kernel model; it never models slowdown."""
     calibration, w1 = calibration_inputs(hw, calibration_dir, job_placement(hw, budget_gpus).domains)
     kernel_model = hw.kernel_model.fitted_on or "schema defaults (not fitted)"
     w2 = [] if hw.kernel_model.fitted_on or hw.device_kind == "cpu" else [
         f"kernels: the analytical model runs with its default efficiencies, not fitted to {hw.name}"]
     return {"calibration": calibration, "kernels": {"kernel_model": kernel_model}, "slowdown": {"modelled": False},
-            "warnings": w1 + w2 + ["slowdown: not modelled by the search's estimates; the full compose of the "
-                                   "chosen layouts (sweep.yaml) models it"]}
+            "warnings": model_warnings(model) + w1 + w2 + [
+                "slowdown: not modelled by the search's estimates; the full compose of the chosen layouts "
+                "(sweep.yaml) models it"]}

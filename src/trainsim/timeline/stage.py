@@ -105,7 +105,7 @@ def write_timeline_artifact(hw: HardwareConfig, model: ModelConfig, par: Paralle
     slowdown = slowdown_model(hw, inputs.get("slowdown_model"))
     used = prediction_inputs(hw, inputs, backends, nodes_used=job_placement(hw, par.world_size).domains,
                              device_type=device_type_of(hw.device_kind, hw.device_name, hw.slowdown.device_type),
-                             run_values=run_values(model, par))
+                             run_values=run_values(model, par), model=model)
     config = timeline_config(hw, model, par)
     with atomic_artifact(output, stage="compose", config=config, config_keys=keys, inputs=list(inputs.values())) as tmp:
         t = compose_step(graph, rank_classes, par, hw, compute, comm, slowdown)

@@ -215,11 +215,11 @@ def _trace_group(model_cfg: ModelConfig, par: ParallelismConfig, ranks: list[int
 
 
 def layer_kind(model_cfg: ModelConfig, layer: int) -> str:
-    """What a layer builds, as far as its ops go: its hybrid kind (model.hybrid_layer_pattern) and whether a
-    mixture of experts' layer is one of its first dense layers."""
+    """What a layer builds, as far as its ops go: its hybrid kind (model.hybrid_layer_pattern), whether it has
+    experts, and its attention window."""
     pattern = model_cfg.hybrid_layer_pattern
-    dense = bool(model_cfg.num_experts) and layer < model_cfg.moe_first_dense_layers
-    return (pattern[layer] if pattern else "") + ("d" if dense else "")
+    return (pattern[layer] if pattern else "") + ("e" if model_cfg.has_experts(layer) else "") + \
+        f"w{model_cfg.window_of(layer)}"
 
 
 def _stage_shape(model_cfg: ModelConfig, split: PipelineSplit, pp_rank: int) -> tuple:

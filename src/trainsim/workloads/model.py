@@ -16,11 +16,12 @@ from torch.utils.checkpoint import checkpoint
 from trainsim.config.schema import ModelConfig
 from trainsim.workloads.combined_passes import Step
 from trainsim.workloads.context_parallel import ContextParallel
+from trainsim.workloads.core_attention import dropout, layer_core_attention
 from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
 from trainsim.workloads.fused import RMSNorm, rotary, swiglu
+from trainsim.workloads.latent_attention import LatentAttention
 from trainsim.workloads.mamba import MambaMixer
 from trainsim.workloads.moe import ExpertParallel, MoE
-from trainsim.workloads.observe import observer
 from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -41,12 +42,6 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
-def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """Training-mode dropout as one kernel (output and mask), as CUDA PyTorch runs it; the CPU's
-    functional dropout decomposes into bernoulli_, div_ and mul, three passes over the tensor."""
-    return torch.native_dropout(x, p, True)[0]
-
-
 def head_width(cfg: ModelConfig) -> int:
     return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
 
@@ -61,7 +56,7 @@ def _norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False)
 
 def _rotary_tables(cfg: ModelConfig, dtype: torch.dtype, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of RoFormer rotary embeddings (Su et al. 2021) at `positions`, shape [len(positions), d/2]."""
-    head_dim = head_width(cfg)
+    head_dim = cfg.qk_rope_head_dim if cfg.latent_attention else head_width(cfg)  # MLA: the rotary part only
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(positions.to(torch.float32), inv_freq)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -72,18 +67,18 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention of layer `layer` (its window: model.window_of)."""
+
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, selective_recompute: bool,
                  sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Region | None = None,
-                 cp: ContextParallel | None = None):
+                 cp: ContextParallel | None = None, layer: int = 0):
         super().__init__()
-        self.cp = cp
         self.seq_length = cfg.seq_length // (cp.size if cp else 1)  # this rank's tokens of each sequence
         self.heads = cfg.num_attention_heads // tp
         self.kv_heads = (cfg.num_kv_heads or cfg.num_attention_heads) // tp
         self.head_dim = head_width(cfg)
         self.selective_recompute = selective_recompute
-        self.fused = cfg.attention == "fused"
-        self.attention_dropout = cfg.attention_dropout
+        self.core = layer_core_attention(cfg, layer, self.heads, self.kv_heads, self.head_dim, dtype, cp)
         bias = cfg.family == "gpt"
         full_heads = cfg.num_attention_heads + 2 * (cfg.num_kv_heads or cfg.num_attention_heads)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, full_heads * self.head_dim, tp, tp_group, dtype, bias,
@@ -92,37 +87,10 @@ class Attention(nn.Module):
                                       dtype, bias, num_layers=cfg.num_layers, sequence_parallel=sequence_parallel,
                                       comm_overlap=comm_overlap, fp8_region=fp8)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.cp is not None:
-            return self.cp.attention(q, k, v)
-        if self.fused:  # attention dropout is inside the CUDA flash kernel; torch's CPU flash kernel has none
-            # (with dropout_p it falls back to the unfused math path), so on a CPU device it is left out of the
-            # call and noted for the kernel model, forward and backward
-            notes = {"dropout_p": self.attention_dropout} if self.attention_dropout else {}
-            with observer().kernel_notes(**notes):
-                out = nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, dropout_p=self.attention_dropout if q.is_cuda else 0.0,
-                    enable_gqa=self.kv_heads != self.heads)
-            if notes:
-                observer().kernel_notes_for_backward(out, **notes)
-            return out
-        return self._unfused_core(q, k, v)
-
-    def _unfused_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Megatron's CoreAttention before flash attention: one baddbmm computes the scaled scores and adds the
-        causal mask (-inf above the diagonal, broadcast), then softmax, attention dropout and a bmm with V:
-        the kernels of its fused scale-mask-softmax path, with the [s, s] scores in memory."""
-        b, hl, s, d = q.shape
-        if self.kv_heads != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-        scores = torch.baddbmm(mask, q.reshape(b * hl, s, d), k.reshape(b * hl, s, d).transpose(1, 2),
-                               alpha=d ** -0.5)
-        probs = torch.softmax(scores, dim=-1)
-        if self.attention_dropout:
-            probs = dropout(probs, self.attention_dropout)
-        return torch.bmm(probs, v.reshape(b * hl, s, d)).view(b, hl, s, d)
+    @property
+    def first_linear(self) -> ColumnParallelLinear:
+        """The linear that reads the normalised input (Transformer Engine fuses the norm into it with FP8)."""
+        return self.qkv
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x)  # [b, s, (hl + 2 kvl) d]; [b s, ...] when x is a sequence-parallel shard
@@ -137,9 +105,9 @@ class Attention(nn.Module):
         if rotary is not None:
             q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
         if self.selective_recompute:  # Korthikanti et al. 2022: recompute only the core attention
-            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
-            out = self._core(q, k, v)
+            out = self.core(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -172,17 +140,19 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute: str, sequence_parallel: bool = False,
                  comm_overlap: bool = False, fp8: Fp8Region | None = None, cp: ContextParallel | None = None,
-                 experts: MoE | None = None, kind: str = ""):
+                 experts: MoE | None = None, kind: str = "", layer: int = 0):
         super().__init__()
         self.dropout = cfg.dropout
-        self.attn: Attention | None = None
+        self.attn: Attention | LatentAttention | None = None
         self.mamba: MambaMixer | None = None
         self.mlp: MLP | MoE | None = None
         if kind in ("", "*", "M"):
             self.norm1 = _norm(cfg, dtype, sequence_parallel)
         if kind in ("", "*"):
-            self.attn = Attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
-                                  sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8, cp=cp)
+            attention = LatentAttention if cfg.latent_attention else Attention
+            self.attn = attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
+                                  sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8, cp=cp,
+                                  layer=layer)
         elif kind == "M":
             self.mamba = MambaMixer(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8)
         if kind in ("", "-", "E"):
@@ -190,7 +160,7 @@ class Block(nn.Module):
             self.mlp = experts or MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
         if fp8 is not None:  # Megatron-Core's TE spec: the norms run inside linear_qkv, in_proj and linear_fc1
             if self.attn is not None:
-                self.attn.qkv.fp8.input_from_norm = True
+                self.attn.first_linear.fp8.input_from_norm = True
             if self.mamba is not None:
                 self.mamba.in_proj.fp8.input_from_norm = True
             if isinstance(self.mlp, MLP):
@@ -274,7 +244,7 @@ class TransformerChunk(nn.Module):
         kinds = cfg.hybrid_layer_pattern
         self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
                                           tp_comm_overlap, self.fp8, cp, self._experts(layer, dtype, ep),
-                                          kinds[layer] if kinds else "")
+                                          kinds[layer] if kinds else "", layer)
                                     for layer in layers)
         if self.fp8 is not None:
             self.fp8.allocate()
@@ -285,12 +255,10 @@ class TransformerChunk(nn.Module):
             self.vocab_start = tp_rank * (vocab // tp)
 
     def _experts(self, layer: int, dtype: torch.dtype, ep: ExpertParallel | None) -> MoE | None:
-        """The MoE layer in place of the MLP of `layer`, if it has experts (none in the first dense layers; in a hybrid
-        model, the 'E' layers of its pattern)."""
+        """The MoE layer in place of the MLP of `layer`, if it has experts (ModelConfig.has_experts: none in the
+        first dense layers, only every moe_layer_freq-th layer, in a hybrid model the 'E' layers of its pattern)."""
         cfg = self.cfg
-        if not cfg.num_experts or layer < cfg.moe_first_dense_layers:
-            return None
-        if cfg.hybrid_layer_pattern and cfg.hybrid_layer_pattern[layer] != "E":
+        if not cfg.has_experts(layer):
             return None
         width = cfg.moe_shared_expert_ffn_hidden_size
         shared = MLP(cfg, self.tp, self.tp_group, dtype, self.sequence_parallel, fp8=self.fp8, ffn=width) \

@@ -225,6 +225,9 @@ class MoE(nn.Module):
         self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype))
         self.router.sequence_parallel = sequence_parallel  # each tp rank routes its own tokens: partial gradients
         nn.init.normal_(self.router, std=0.02)
+        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=dtype)) if cfg.moe_router_bias else None
+        if self.router_bias is not None:  # GPT-OSS's router has a bias
+            self.router_bias.sequence_parallel = sequence_parallel
         self.experts = Experts(cfg, self.local_experts, ep.etp, dtype, ep.grouped_gemm, fp8)
         self.shared = shared_expert
 
@@ -239,7 +242,7 @@ class MoE(nn.Module):
     def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probabilities [T, k], expert indices [T, k], router logits [T, E]); with forced routing the
         planned experts' scores instead of the top-k."""
-        logits = nn.functional.linear(tokens, self.router)
+        logits = nn.functional.linear(tokens, self.router, self.router_bias)
         forced = self.ep.counts.forced(self.layer, tokens.shape[0], self.top_k)
         scores = torch.sigmoid(logits) if self.sigmoid else logits
         if forced is None:

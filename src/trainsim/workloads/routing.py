@@ -142,9 +142,9 @@ class RoutingPlan:
         return self.counts[:, source].tobytes() + mine.tobytes()
 
 
-def moe_layers(num_layers: int, first_dense: int, num_experts: int) -> list[int]:
-    """Indices of the model's layers that have experts."""
-    return list(range(first_dense, num_layers)) if num_experts else []
+def moe_layers(model_cfg: ModelConfig) -> list[int]:
+    """Indices of the model's layers that have experts (ModelConfig.has_experts)."""
+    return [layer for layer in range(model_cfg.num_layers) if model_cfg.has_experts(layer)]
 
 
 def routing_plan(spec: str, layers: list[int], num_experts: int, sources: int, tokens_per_rank: int,
@@ -168,9 +168,7 @@ def model_routing_plan(model_cfg: ModelConfig, par: ParallelismConfig) -> Routin
     if not model_cfg.num_experts:
         return None
     tokens = par.micro_batch_size * model_cfg.seq_length // par.cp // (par.tp if par.sequence_parallel else 1)
-    layers = ([i for i, kind in enumerate(model_cfg.hybrid_layer_pattern) if kind == "E"]
-              if model_cfg.hybrid_layer_pattern else
-              moe_layers(model_cfg.num_layers, model_cfg.moe_first_dense_layers, model_cfg.num_experts))
+    layers = moe_layers(model_cfg)
     return routing_plan(model_cfg.moe_routing, layers, model_cfg.num_experts, par.ep * par.etp, tokens,
                         model_cfg.moe_top_k)
 
