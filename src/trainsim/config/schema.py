@@ -438,6 +438,45 @@ class ModelConfig:
     """Real runs route by model.moe_routing too (each token's experts assigned from the plan, weighted by the
     router's scores for them) instead of by the router's top-k: a controlled imbalance for benchmarks, as
     Megatron-Core's --moe-router-force-load-balancing forces a balanced one."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3): rank of the query's low-rank projection; 0 = full-rank
+    queries. With kv_lora_rank > 0 the layer is MLA and head_dim is the non-rotary query/key width."""
+    kv_lora_rank: int = 0
+    """Rank of MLA's joint key/value compression; > 0 = multi-head latent attention."""
+    qk_rope_head_dim: int = 0
+    """MLA: width of the rotary part of each query/key head (added to head_dim)."""
+    v_head_dim: int | None = None
+    """MLA: width of a value head; None = head_dim."""
+    window_size: int = 0
+    """Tokens a query attends back to (sliding or chunked local attention); 0 = full causal attention."""
+    window_kind: str = "sliding"
+    """'sliding' (each query sees the window_size tokens before it: Mistral, GPT-OSS) or 'chunked' (queries see
+    their own chunk of window_size tokens only: Llama 4)."""
+    global_attention_every: int = 0
+    """With window_size > 0: 0 = every layer windowed; k = layers i with (i+1) % k == 0 keep full attention
+    (GPT-OSS 2, Llama 4 4)."""
+    attention_sinks: bool = False
+    """A learned sink logit per head joins the softmax (GPT-OSS)."""
+    moe_layer_freq: int = 1
+    """Layers i with (i+1) % k == 0 are MoE, the others dense (after moe_first_dense_layers; Llama 4 Maverick 2)."""
+    moe_router_bias: bool = False
+    """The router's linear layer has a bias (GPT-OSS)."""
+    approximations: list[str] = field(default_factory=list)
+    """What the config asks that trainsim approximates (e.g. an imported model's clamped SwiGLU as plain SwiGLU);
+    every prediction's warnings repeat them."""
+    hybrid_layer_pattern: str = ""
+    """Megatron's --hybrid-override-pattern: one character per layer, 'M' Mamba-2, '*' attention, '-' MLP,
+    'E' MoE; when set, num_layers == len(pattern). '' = every layer attention + MLP."""
+    mamba_state_dim: int = 128
+    """Mamba-2 SSM state size per head (d_state)."""
+    mamba_head_dim: int = 64
+    """Mamba-2 head width."""
+    mamba_num_heads: int = 0
+    """Mamba-2 heads; 0 = 2 * hidden_size / mamba_head_dim."""
+    mamba_num_groups: int = 8
+    """Mamba-2 groups sharing B and C (n_groups)."""
+    mamba_conv_kernel: int = 4
+    """Width of Mamba-2's causal depthwise convolution."""
 
     @property
     def expert_ffn_hidden_size(self) -> int:
