@@ -253,6 +253,34 @@ def print_compose(result, console: Console, as_json: bool = False) -> None:
                   f"(open {result.artifact_dir}/trace.json in https://ui.perfetto.dev)", highlight=False)
 
 
+def _cmd_import_model(args, console: Console) -> int:
+    from trainsim.config.hf_import import DEFAULT_SEQ_LENGTH, import_hf_config
+    from trainsim.config.imported_models import model_yaml
+
+    seq_length = args.seq_length or DEFAULT_SEQ_LENGTH
+    imported = import_hf_config(args.config_json, name=args.name, seq_length=seq_length)
+    note = (f"the training sequence length given to `trainsim import-model --seq-length {seq_length}`"
+            if args.seq_length else "")
+    text = model_yaml(imported, seq_length_note=note)
+    if args.output == "-":
+        sys.stdout.write(text)
+        return 0
+    output = Path(args.output or f"conf/model/{imported.fields['name']}.yaml")
+    if output.exists() and not args.force:
+        raise ConfigError(f"{output} exists; pass --force to overwrite it, or -o another file")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    approximations = imported.fields["approximations"]
+    console.print(f"wrote {output}: {imported.model_type} model {imported.fields['name']}, sequence length "
+                  f"{seq_length}{'' if args.seq_length else ' (the default: set it with --seq-length)'}; "
+                  f"{len(imported.ignored)} key(s) left out as irrelevant to step time, "
+                  f"{len(approximations)} approximation(s)", highlight=False)
+    for line in approximations:
+        console.print(f"  approximated: {line}", highlight=False)
+    console.print(f"use it: trainsim compose model={imported.fields['name']}", highlight=False)
+    return 0
+
+
 def _search_setup(args):
     """The run, the search space of the command line, and the hardware's calibration (built when missing
     unless --quick)."""
@@ -394,6 +422,10 @@ EXAMPLES = {
              "trainsim plan model=llama3-70b hardware=h100-sxm-dgx parallelism=tp8-sp-pp8-dp4 --gpus 4096 "
              "train.tokens=15e12 --by cost --within-days 90"),
     "dvc-yaml": ("trainsim dvc-yaml > dvc.yaml", "trainsim dvc-yaml --check"),
+    "import-model": ("trainsim import-model gpt-oss-120b/config.json",
+                     "trainsim import-model ~/hf/Qwen3-235B-A22B/config.json --name qwen3-235b-a22b --seq-length 4096",
+                     "trainsim import-model config.json -o - | less",
+                     "trainsim compose model=hf:gpt-oss-120b/config.json parallelism=dp2   # without a YAML file"),
 }
 """Real command lines each verb's --help ends with (tests/cli/test_cli.py wants some for every verb)."""
 
@@ -466,6 +498,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "which layout, to finish in time at the least cost)")
     p.add_argument("--output", help="artifact directory (default artifacts/plans/{hardware}/{model}/{gpus}gpu)")
     p.set_defaults(func=_cmd_plan)
+    p = sub.add_parser("import-model", help="write a conf/model YAML from a Hugging Face config.json (every key "
+                                            "mapped, ignored with its reason, noted as an approximation or refused)")
+    p.add_argument("config_json", help="the model's config.json")
+    p.add_argument("--name", default="", help="model name (default: the config.json's folder name)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="training sequence length (config.json states the model's limit only; default "
+                        "trainsim.config.hf_import.DEFAULT_SEQ_LENGTH)")
+    p.add_argument("-o", "--output", help="YAML file to write (default conf/model/NAME.yaml; '-' = stdout)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.set_defaults(func=_cmd_import_model)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")
     p.set_defaults(func=_cmd_dvc_yaml)
