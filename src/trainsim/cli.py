@@ -413,7 +413,9 @@ EXAMPLES = {
     "profile-import": ("trainsim profile-import --hardware a100-80g-dgx run/rank0.json.gz run/rank1.json.gz",
                        "trainsim profile-import other/kernels.parquet hardware=a100-80g-dgx"),
     "compose": ("trainsim compose model=gpt-175b parallelism=pp16-tp8-dp8 hardware=a100-80g-dgx",
-                "trainsim compose model=gpt-tiny parallelism=dp2 --quick"),
+                "trainsim compose model=gpt-tiny parallelism=dp2 --quick",
+                "trainsim compose model=hf:tests/config/fixtures/hf/llama3-8b/config.json model.seq_length=8192 "
+                "hardware=h100-sxm-dgx parallelism=pp8-tp4-dp2"),
     "search": ("trainsim search model=gpt-175b hardware=a100-80g-dgx parallelism=pp16-tp8-dp8 --gpus 1024",
                "trainsim search model=mixtral-8x7b hardware=h100-sxm-dgx parallelism=ep8-pp4-dp16 --gpus 64 "
                "--ep-sizes 1 2 4 8"),
@@ -424,8 +426,7 @@ EXAMPLES = {
     "dvc-yaml": ("trainsim dvc-yaml > dvc.yaml", "trainsim dvc-yaml --check"),
     "import-model": ("trainsim import-model gpt-oss-120b/config.json",
                      "trainsim import-model ~/hf/Qwen3-235B-A22B/config.json --name qwen3-235b-a22b --seq-length 4096",
-                     "trainsim import-model config.json -o - | less",
-                     "trainsim compose model=hf:gpt-oss-120b/config.json parallelism=dp2   # without a YAML file"),
+                     "trainsim import-model config.json -o -"),
 }
 """Real command lines each verb's --help ends with (tests/cli/test_cli.py wants some for every verb)."""
 
