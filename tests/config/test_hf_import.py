@@ -97,3 +97,13 @@ def test_model_hf_composes_with_a_key_that_follows_the_content(tmp_path, monkeyp
     other = _edited(tmp_path / "b", "llama3-8b", num_hidden_layers=16)
     other_run = compose_run([f"model=hf:{other}"], config_dir=CONF, check="layout")
     assert other_run.model.num_layers == 16 and other_run.keys["model"] != run.keys["model"]
+
+
+def test_a_sweep_axis_may_import_a_model(tmp_path, monkeypatch):
+    from trainsim.config.sweep import sweep_points
+
+    monkeypatch.chdir(tmp_path)
+    source = FIXTURES / "mixtral-8x7b" / "config.json"
+    _, points = sweep_points({"model": f"hf:{source},gpt-tiny", "parallelism": "dp2"})
+    assert [p.run.choices["model"] for p in points] == [f"hf:{source}", "gpt-tiny"]
+    assert points[0].run.model.num_experts == 8 and points[0].run.keys["model"].startswith("mixtral-8x7b-")

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import textwrap
 import uuid
 from pathlib import Path
@@ -38,6 +39,7 @@ COMPARE_SKIPPED = {
 def hf_source(override: str) -> str | None:
     """The path of a `model=hf:PATH` override, else None."""
     key, sep, value = override.partition("=")
+    value = re.sub(r"\\(.)", r"\1", value)  # a sweep axis hands values over escaped: hf\:dir/config.json
     return value[len(HF_PREFIX):] if sep and key == "model" and value.startswith(HF_PREFIX) else None
 
 
@@ -63,7 +65,7 @@ def hydra_overrides(overrides: tuple[str, ...] | list[str]) -> tuple[tuple[str, 
         imported.fields["name"] = name
         _write_if_changed(IMPORT_DIR / "model" / f"{name}.yaml", model_yaml(imported))
         out += [f"model={name}", f"hydra.searchpath=['file://{IMPORT_DIR.resolve()}']"]
-        choices["model"] = override.partition("=")[2]
+        choices["model"] = f"{HF_PREFIX}{source}"
     return tuple(out), choices
 
 
