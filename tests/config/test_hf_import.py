@@ -43,6 +43,8 @@ def test_a_conf_model_that_differs_is_named_field_by_field(tmp_path):
                          "moe_ffn_hidden_size": 8192, "moe_shared_expert_ffn_hidden_size": 8192,
                          "window_size": 8192, "window_kind": "chunked", "global_attention_every": 4}),
     ("llama4-scout", {"num_experts": 16, "moe_layer_freq": 1, "window_kind": "chunked"}),
+    ("qwen1.5-moe-a2.7b", {"num_experts": 60, "moe_top_k": 4, "moe_ffn_hidden_size": 1408,
+                           "moe_shared_expert_ffn_hidden_size": 5632, "num_kv_heads": None, "window_size": None}),
     ("nemotron-h-8b", {"num_layers": 52, "mamba_state_dim": 128, "mamba_num_heads": 128, "mamba_num_groups": 8,
                        "hybrid_layer_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"}),
 ])
@@ -58,6 +60,9 @@ def test_what_is_approximated_or_left_out_is_said():
     assert "quantization_config" in gpt_oss.ignored and "max_position_embeddings" in gpt_oss.ignored
     scout = import_hf_config(FIXTURES / "llama4-scout" / "config.json")
     assert any("vision encoder" in a for a in scout.fields["approximations"])
+    qwen2_moe = import_hf_config(FIXTURES / "qwen1.5-moe-a2.7b" / "config.json").fields["approximations"]
+    assert any("projection biases of Qwen2" in a for a in qwen2_moe)
+    assert any("shared expert's sigmoid gate" in a for a in qwen2_moe)
 
 
 def _edited(tmp_path: Path, model: str, **changes) -> Path:

@@ -210,7 +210,7 @@ def _moe_router_aux(keys: _Keys, fields: dict[str, Any], coefficient_key: str = 
 def _llama(keys: _Keys, fields: dict[str, Any], approximations: list[str]) -> None:
     """Llama 1-3.x, Mistral-shaped dense decoders and Qwen2/Qwen3 dense."""
     _sliding(keys, fields)
-    if keys.model_type == "qwen2":
+    if keys.model_type in ("qwen2", "qwen2_moe"):
         approximations.append("query/key/value projection biases of Qwen2 not modelled")
     if keys.model_type in ("qwen3", "qwen3_moe"):
         approximations.append("per-head query/key RMSNorm (QK-norm) of Qwen3 not modelled")
@@ -228,10 +228,9 @@ def _qwen_moe(keys: _Keys, fields: dict[str, Any], approximations: list[str]) ->
     _llama(keys, fields, approximations)
     fields |= {"num_experts": keys.need("num_experts"), "moe_top_k": keys.need("num_experts_per_tok"),
                "moe_ffn_hidden_size": keys.need("moe_intermediate_size"), "moe_router": "softmax"}
-    if not keys.get("norm_topk_prob", True) and keys.model_type == "qwen3_moe":
+    if not keys.get("norm_topk_prob", True):
         approximations.append("router probabilities not renormalised over the top-k (norm_topk_prob false): "
                               "modelled as a softmax over the top-k, the same work")
-    keys.get("norm_topk_prob")
     shared = keys.get("shared_expert_intermediate_size", 0)
     if shared:
         fields["moe_shared_expert_ffn_hidden_size"] = shared
