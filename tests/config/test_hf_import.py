@@ -112,3 +112,8 @@ def test_a_sweep_axis_may_import_a_model(tmp_path, monkeypatch):
     _, points = sweep_points({"model": f"hf:{source},gpt-tiny", "parallelism": "dp2"})
     assert [p.run.choices["model"] for p in points] == [f"hf:{source}", "gpt-tiny"]
     assert points[0].run.model.num_experts == 8 and points[0].run.keys["model"].startswith("mixtral-8x7b-")
+
+
+def test_a_missing_file_is_named():
+    with pytest.raises(ConfigError, match="nowhere/config.json: cannot read the Hugging Face config.json"):
+        import_hf_config("nowhere/config.json")

@@ -64,6 +64,7 @@ IGNORED = {
     "time_step_rank": "Mamba-1 dt rank, unused by Mamba-2",
     "use_mamba_kernels": "whether inference uses the fused Mamba kernels",
     "chunk_size": "Mamba-2's scan chunk (a kernel tiling choice)",
+    "use_conv_bias": "the bias of Mamba's depthwise convolution: added inside the convolution kernel",
     "no_rope_layers": "which layers skip rotary embedding (Llama 4: the full-attention ones): less work, "
                       "checked against global_attention_every",
     "moe_layers": "the MoE layers' indices, checked against interleave_moe_layer_step",
@@ -126,10 +127,11 @@ def slug(path: Path) -> str:
 def import_hf_config(path: str | Path, name: str = "", seq_length: int = DEFAULT_SEQ_LENGTH) -> ImportedModel:
     """The ModelConfig fields of a Hugging Face config.json (see the module docstring)."""
     path = Path(path)
+    path = path / "config.json" if path.is_dir() else path  # a checkout of the model's hub repository
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
-        raise ConfigError(f"model=hf:{path}: cannot read the file ({exc.strerror})") from exc
+        raise ConfigError(f"{path}: cannot read the Hugging Face config.json ({exc.strerror})") from exc
     except ValueError as exc:
         raise ConfigError(f"{path}: not a JSON config.json ({exc})") from exc
     if not isinstance(data, dict):
@@ -348,7 +350,6 @@ def _nemotron_h(keys: _Keys, fields: dict[str, Any], approximations: list[str]) 
     for key in ("use_bias", "mamba_proj_bias"):
         if keys.get(key, False):
             approximations.append(f"{key}: Mamba projection biases not modelled")
-    keys.get("use_conv_bias")
     approximations += ["squared-ReLU MLP of Nemotron-H modelled as GELU (the same two matrices)",
                        "RMSNorm of Nemotron-H modelled as LayerNorm",
                        "no position embedding in Nemotron-H: modelled with learned positions"]

@@ -103,10 +103,13 @@ def model_yaml(imported: ImportedModel, seq_length_note: str = "") -> str:
 
 def import_mismatches(fixtures_dir: str | Path, conf_dir: str | Path) -> list[tuple[str, str, Any, Any]]:
     """(model, field, imported, configured) for every field where the import of fixtures_dir/<model>/config.json
-    differs from conf_dir/model/<model>.yaml (models with both files; COMPARE_SKIPPED fields left out)."""
+    differs from conf_dir/model/<model>.yaml (models with both files; COMPARE_SKIPPED fields left out).
+    The recipes benchmark's `figure recipes_import_mismatches <n>` counts import_mismatches(fixtures, "conf")."""
     import yaml
 
     defaults = dataclasses.asdict(ModelConfig())
+    conf_dir = Path(conf_dir)
+    conf_dir = conf_dir.parent if conf_dir.name == "model" else conf_dir  # conf/ or conf/model
     out = []
     for path in sorted(Path(fixtures_dir).glob("*/config.json")):
         model = path.parent.name
