@@ -53,6 +53,20 @@ def test_architectures_without_a_conf_model_import_their_features(model, expecte
     assert {k: fields.get(k) for k in expected} == expected
 
 
+def test_configs_written_by_newer_transformers_import_the_same(tmp_path):
+    """transformers 4.53+ writes layer_types for every model and 5.x moves rope_theta into rope_parameters."""
+    data = json.loads((FIXTURES / "qwen3-30b-a3b" / "config.json").read_text())
+    theta = data.pop("rope_theta")
+    data |= {"layer_types": ["full_attention"] * 48, "rope_parameters": {"rope_theta": theta, "rope_type": "default"}}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    newer = import_hf_config(tmp_path / "config.json", name="qwen3-30b-a3b")
+    assert newer.fields == import_hf_config(FIXTURES / "qwen3-30b-a3b" / "config.json").fields
+    data["layer_types"] = ["sliding_attention"] * 48
+    data["sliding_window"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert import_hf_config(tmp_path / "config.json").fields["window_size"] == 4096
+
+
 def test_what_is_approximated_or_left_out_is_said():
     gpt_oss = import_hf_config(FIXTURES / "gpt-oss-120b" / "config.json")
     assert any("SwiGLU clamp" in a for a in gpt_oss.fields["approximations"])

@@ -48,6 +48,7 @@ IGNORED = {
     "pretraining_tp": "a tensor-parallel degree of the reference code's arithmetic; the layout is parallelism.tp",
     "ep_size": "an expert-parallel degree of the reference code; the layout is parallelism.ep",
     "rope_scaling": "context extension (YaRN, llama3 scaling) changes the rotary frequencies, not the work",
+    "max_sequence_length": "the model's longest context (early LLaMA conversions), not the training length",
     "routed_scaling_factor": "a constant multiplying the routed experts' output (one elementwise op's operand)",
     "seq_aux": "sequence- or batch-wise balance loss: the same work",
     "topk_method": "auxiliary-loss-free expert bias (noaux_tc) or greedy selection: changes which experts a "
@@ -175,8 +176,10 @@ def _common(keys: _Keys, approximations: list[str]) -> dict[str, Any]:
            "norm_eps": float(keys.get("rms_norm_eps", keys.get("layer_norm_epsilon", 1e-5))),
            "attention_dropout": float(keys.get("attention_dropout", 0.0)),
            "dropout": float(keys.get("hidden_dropout", 0.0))}
-    if "rope_theta" in keys.data:
-        out["rope_theta"] = float(keys.get("rope_theta"))
+    rope = keys.get("rope_parameters", {})  # transformers 5: rope_theta and the scaling in one dict
+    theta = keys.get("rope_theta", rope.get("rope_theta"))
+    if theta is not None:
+        out["rope_theta"] = float(theta)
     act = keys.get("hidden_act", "silu")
     if act not in ACCEPTED_ACTIVATIONS:
         raise keys.refuse("hidden_act", f"{', '.join(ACCEPTED_ACTIVATIONS)} (the gated MLP of the llama family)")
@@ -197,6 +200,11 @@ QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 def _sliding(keys: _Keys, fields: dict[str, Any]) -> None:
     """One sliding window on every layer (Mistral; Qwen with use_sliding_window and max_window_layers 0)."""
     window = keys.get("sliding_window")
+    if "layer_types" in keys.data:  # transformers 4.53 and later write the kind of every layer
+        keys.get("max_window_layers"), keys.get("use_sliding_window")  # what layer_types was derived from
+        fields |= _windows(keys, fields["num_layers"], keys.get("layer_types"), window, "sliding_attention",
+                           "sliding")
+        return
     if not keys.get("use_sliding_window", keys.model_type not in QWEN_TYPES) or not window:
         return
     if keys.model_type in QWEN_TYPES and keys.get("max_window_layers", 0) not in (0, fields["num_layers"]):
