@@ -180,9 +180,9 @@ def _common(keys: _Keys, approximations: list[str]) -> dict[str, Any]:
     theta = keys.get("rope_theta", rope.get("rope_theta"))
     if theta is not None:
         out["rope_theta"] = float(theta)
-    act = keys.get("hidden_act", "silu")
-    if act not in ACCEPTED_ACTIVATIONS:
-        raise keys.refuse("hidden_act", f"{', '.join(ACCEPTED_ACTIVATIONS)} (the gated MLP of the llama family)")
+    accepted = ("relu2",) if keys.model_type == "nemotron_h" else ACCEPTED_ACTIVATIONS  # its MLP: mlp_hidden_act
+    if keys.get("hidden_act", accepted[0]) not in accepted:
+        raise keys.refuse("hidden_act", f"{', '.join(accepted)} (the MLP the {keys.model_type} import builds)")
     if keys.get("tie_word_embeddings", False):
         approximations.append("tied input and output embeddings modelled as untied (one more weight matrix's "
                               "gradient and optimizer state)")
