@@ -253,6 +253,34 @@ def print_compose(result, console: Console, as_json: bool = False) -> None:
                   f"(open {result.artifact_dir}/trace.json in https://ui.perfetto.dev)", highlight=False)
 
 
+def _cmd_import_model(args, console: Console) -> int:
+    from trainsim.config.hf_import import DEFAULT_SEQ_LENGTH, import_hf_config
+    from trainsim.config.imported_models import model_yaml
+
+    seq_length = args.seq_length or DEFAULT_SEQ_LENGTH
+    imported = import_hf_config(args.config_json, name=args.name, seq_length=seq_length)
+    note = (f"the training sequence length given to `trainsim import-model --seq-length {seq_length}`"
+            if args.seq_length else "")
+    text = model_yaml(imported, seq_length_note=note)
+    if args.output == "-":
+        sys.stdout.write(text)
+        return 0
+    output = Path(args.output or f"conf/model/{imported.fields['name']}.yaml")
+    if output.exists() and not args.force:
+        raise ConfigError(f"{output} exists; pass --force to overwrite it, or -o another file")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    approximations = imported.fields["approximations"]
+    console.print(f"wrote {output}: {imported.model_type} model {imported.fields['name']}, sequence length "
+                  f"{seq_length}{'' if args.seq_length else ' (the default: set it with --seq-length)'}; "
+                  f"{len(imported.ignored)} key(s) left out as irrelevant to step time, "
+                  f"{len(approximations)} approximation(s)", highlight=False)
+    for line in approximations:
+        console.print(f"  approximated: {line}", highlight=False)
+    console.print(f"use it: trainsim compose model={imported.fields['name']}", highlight=False)
+    return 0
+
+
 def _search_setup(args):
     """The run, the search space of the command line, and the hardware's calibration (built when missing
     unless --quick)."""
@@ -414,7 +442,9 @@ EXAMPLES = {
     "profile-import": ("trainsim profile-import --hardware a100-80g-dgx run/rank0.json.gz run/rank1.json.gz",
                        "trainsim profile-import other/kernels.parquet hardware=a100-80g-dgx"),
     "compose": ("trainsim compose model=gpt-175b parallelism=pp16-tp8-dp8 hardware=a100-80g-dgx",
-                "trainsim compose model=gpt-tiny parallelism=dp2 --quick"),
+                "trainsim compose model=gpt-tiny parallelism=dp2 --quick",
+                "trainsim compose model=hf:tests/config/fixtures/hf/llama3-8b/config.json model.seq_length=8192 "
+                "hardware=h100-sxm-dgx parallelism=pp8-tp4-dp2"),
     "search": ("trainsim search model=gpt-175b hardware=a100-80g-dgx parallelism=pp16-tp8-dp8 --gpus 1024",
                "trainsim search model=mixtral-8x7b hardware=h100-sxm-dgx parallelism=ep8-pp4-dp16 --gpus 64 "
                "--ep-sizes 1 2 4 8"),
@@ -428,6 +458,9 @@ EXAMPLES = {
                       "--use-distributed-optimizer --bf16 --micro-batch-size 1 --global-batch-size 128' "
                       "-o conf/parallelism/mine.yaml",
                       "trainsim import-layout --torchtitan llama3_70b.toml --gpus 256 --overrides"),
+    "import-model": ("trainsim import-model gpt-oss-120b/config.json",
+                     "trainsim import-model ~/hf/Qwen3-235B-A22B/config.json --name qwen3-235b-a22b --seq-length 4096",
+                     "trainsim import-model config.json -o -"),
 }
 """Real command lines each verb's --help ends with (tests/cli/test_cli.py wants some for every verb)."""
 
@@ -520,6 +553,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unknown", action="store_true",
                    help="import despite unknown arguments (listed on stderr and in the file)")
     p.set_defaults(func=_cmd_import_layout)
+    p = sub.add_parser("import-model", help="write a conf/model YAML from a Hugging Face config.json (every key "
+                                            "mapped, ignored with its reason, noted as an approximation or refused)")
+    p.add_argument("config_json", help="the model's config.json")
+    p.add_argument("--name", default="", help="model name (default: the config.json's folder name)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="training sequence length (config.json states the model's limit only; default "
+                        "trainsim.config.hf_import.DEFAULT_SEQ_LENGTH)")
+    p.add_argument("-o", "--output", help="YAML file to write (default conf/model/NAME.yaml; '-' = stdout)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.set_defaults(func=_cmd_import_model)
     p = sub.add_parser("dvc-yaml", help="print dvc.yaml generated from the stage registry")
     p.add_argument("--check", action="store_true", help="exit 1 if ./dvc.yaml differs")
     p.set_defaults(func=_cmd_dvc_yaml)

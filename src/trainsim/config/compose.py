@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainsim.config.compose_cache import composition_key, read_composition, typed_from_plain, write_composition
+from trainsim.config.imported_models import HF_PREFIX, hydra_overrides
 from trainsim.config.schema import (
     CONFIG_GROUPS,
     HardwareConfig,
@@ -65,10 +66,13 @@ class Run:
     def key(self, name: str) -> str:
         """Artifact-path component for a group: the option name, plus a hash when a field was overridden.
 
-        `model=gpt-13b` gives 'gpt-13b'; `model=gpt-13b model.num_layers=20` gives 'gpt-13b-<hash>'.
+        `model=gpt-13b` gives 'gpt-13b'; `model=gpt-13b model.num_layers=20` gives 'gpt-13b-<hash>'; an imported
+        `model=hf:dir/config.json` gives its written option, 'dir-<hash of the imported fields>'.
         """
         touched = any(o.lstrip("+~").startswith(f"{name}.") for o in self.overrides)
         base = self.choices[name]
+        if base.startswith(HF_PREFIX):
+            base = self.option_values[name]["name"]
         changed = touched and self.option_values.get(name) != self.group(name)
         return f"{base}-{stable_hash(self.group(name))}" if changed else base
 
@@ -137,6 +141,9 @@ def compose_run(
 ) -> Run:
     """Compose conf/config.yaml with Hydra overrides and validate.
 
+    `model=hf:path/to/config.json` imports a Hugging Face config (config/imported_models.py); the run's
+    choices keep 'hf:path/to/config.json', its model key is the imported option's name.
+
     check='run' validates hardware, model and layout together; check='layout' only what tracing needs
     (model and parallelism), so a 8192-GPU layout can be traced whatever the default hardware is.
     """
@@ -144,9 +151,14 @@ def compose_run(
     if not (conf / "config.yaml").is_file():
         raise ConfigError(f"no config.yaml in config directory {conf}; run from the project root (the directory "
                           "holding conf/), or pass config_dir=")
-    choices, typed = _compose(conf, tuple(overrides))
+    imported_overrides, imported_choices = hydra_overrides(overrides)
+    choices, typed = _compose(conf, imported_overrides)
     touched = {name for name in CONFIG_GROUPS if any(o.lstrip("+~").startswith(f"{name}.") for o in overrides)}
-    options = _compose(conf, tuple(f"{g}={choices[g]}" for g in CONFIG_GROUPS))[1] if touched else typed
+    options = typed
+    if touched:
+        search_path = tuple(o for o in imported_overrides if o.startswith("hydra.searchpath="))
+        options = _compose(conf, tuple(f"{g}={choices[g]}" for g in CONFIG_GROUPS) + search_path)[1]
+    choices |= imported_choices
     run = Run(
         hardware=detect_local_devices(typed["hardware"]),
         model=typed["model"],
