@@ -86,12 +86,25 @@ def layout_round_trip() -> None:
     figure("recipes_layout_roundtrip_failures", len(failures), "presets", "d")
 
 
+def model_import() -> None:
+    """conf/model against the import of the same model's config.json (tests/config/fixtures/hf), field by field."""
+    from trainsim.config.imported_models import import_mismatches
+
+    mismatches = import_mismatches(REPO / "tests" / "config" / "fixtures" / "hf", REPO / "conf")
+    for model, field, imported, configured in mismatches:
+        print(f"import {model}: {field} imported {imported!r}, conf/model has {configured!r}")
+    figure("recipes_import_models", len(list((REPO / "tests" / "config" / "fixtures" / "hf").glob("*/config.json"))),
+           "models", "d")
+    figure("recipes_import_mismatches", len(mismatches), "fields", "d")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compose", action="store_true", help="also predict every accepted row (slow)")
     parser.add_argument("--verbose", action="store_true", help="list the accepted rows too")
     args = parser.parse_args(argv)
     composed = refusals(args.verbose)
+    model_import()
     layout_round_trip()
     if args.compose:
         predictions(composed)
