@@ -71,6 +71,17 @@ def measure_llama(*overrides: str) -> None:
           f"{timeline.step_time_s:.3f} {peak:.2f}")
 
 
+def measure_llama_pp16_uneven() -> None:
+    out = subprocess.run([sys.executable, __file__, "--llama", *LLAMA_405B_PP16_UNEVEN], capture_output=True,
+                         text=True, check=True).stdout.split()
+    trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
+        int(out[3]), float(out[4]), float(out[5])
+    print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 PP16 x VP4 DP128, first/last stages a layer lighter): {events} "
+          f"events traced in {trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, "
+          f"peak memory {peak_gib:.1f} GiB")
+    figure(f"trace_seconds_llama405b_pp16_vp_uneven_{gpus_405b}gpu", trace_s, "s")
+
+
 def main() -> None:
     print(f"{'GPUs':>6} {'layout':>15} {'classes':>8} {'events':>8} {'seconds':>8}")
     figures = []
@@ -93,14 +104,7 @@ def main() -> None:
               f"peak memory {peak_gib:.1f} GiB")
         figure(f"trace_seconds_llama405b_{gpus_405b}gpu{variant}", trace_s, "s")
         figure(f"compose_seconds_llama405b_{gpus_405b}gpu{variant}", compose_s, "s")
-    out = subprocess.run([sys.executable, __file__, "--llama", *LLAMA_405B_PP16_UNEVEN], capture_output=True,
-                         text=True, check=True).stdout.split()
-    trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
-        int(out[3]), float(out[4]), float(out[5])
-    print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 PP16 x VP4 DP128, first/last stages a layer lighter): {events} "
-          f"events traced in {trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, "
-          f"peak memory {peak_gib:.1f} GiB")
-    figure(f"trace_seconds_llama405b_pp16_vp_uneven_{gpus_405b}gpu", trace_s, "s")
+    measure_llama_pp16_uneven()
 
 
 if __name__ == "__main__":
@@ -108,5 +112,7 @@ if __name__ == "__main__":
         measure(sys.argv[2])
     elif len(sys.argv) >= 2 and sys.argv[1] == "--llama":
         measure_llama(*sys.argv[2:])
+    elif sys.argv[1:] == ["--only-pp16-uneven"]:
+        measure_llama_pp16_uneven()
     else:
         main()
