@@ -157,8 +157,8 @@ pipeline_parallel_microbatch_size = 1""")
     assert f["account_for_embedding_in_pipeline_split"] and f["account_for_loss_in_pipeline_split"]
     with pytest.raises(ConfigError, match="activation_checkpoint.*selective_ac_option op"):
         import_torchtitan(TORCHTITAN.replace('mode = "full"', 'mode = "selective"\nselective_ac_option = "op"'), 256)
-    with pytest.raises(ConfigError, match="rowwise"):
-        import_torchtitan(TORCHTITAN.replace("[float8]", '[float8]\nrecipe_name = "rowwise"'), 256)
+    with pytest.raises(ConfigError, match="rowwise_with_gw_hp"):
+        import_torchtitan(TORCHTITAN.replace("[float8]", '[float8]\nrecipe_name = "rowwise_with_gw_hp"'), 256)
     with pytest.raises(ConfigError, match="parallelism.pipeline_paralel_degree"):
         import_torchtitan(TORCHTITAN.replace("[parallelism]", "[parallelism]\npipeline_paralel_degree = 2"), 256)
 

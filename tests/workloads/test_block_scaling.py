@@ -53,7 +53,7 @@ def test_block_quantisation_keeps_values_and_the_gemm_matches_bf16(recipe):
     qw = quantize(w, fmt, "weight", global_amax=amax(w))
     qg = quantize(g, fmt, "gradient", global_amax=amax(g))
     # the column-wise copy (wgrad's operand, reduced over the tokens) has its 1 x b blocks along the tokens
-    assert qx.scale_t.shape == (256, 128 // fmt.activation_block[1])
+    assert qx.scale_t.shape == (256, 128 // (fmt.activation_block[1] or 128))  # rowwise: one scale per row
     # per-block scales follow a column's range across 6 decades (one per-tensor scale could not)
     tolerance = 0.15 if recipe == "nvfp4" else 0.04
     assert _relative_error(dequantize(*qx.rowwise), x) < tolerance
@@ -68,6 +68,24 @@ def test_block_quantisation_keeps_values_and_the_gemm_matches_bf16(recipe):
         assert qx.data.dtype == torch.float4_e2m1fn_x2 and qx.data.shape == (128, 128)
         values = dequantize(qx.data, torch.ones_like(qx.scale, dtype=torch.float32), torch.ones(()))
         assert set(values.abs().unique().tolist()) <= set(E2M1_GRID)
+
+
+def test_rowwise_fp8_under_fsdp_casts_the_gathered_weights_at_every_use_with_a_scale_per_row():
+    """torchtitan's float8 rowwise with FSDP2: the weights arrive in bf16 and are quantised at each use (forward,
+    and again in backward: none kept), every tensor with one scale per row along the GEMM's reduction."""
+    graph = _graph("parallelism.dp=2", "parallelism.zero_stage=3", "parallelism.global_batch_size=4",
+                   "parallelism.precision=fp8", "parallelism.fp8_recipe=rowwise")
+    linears = LINEARS_PER_LAYER * 4  # gpt-tiny
+    gemms = graph[graph["op"] == "trainsim::block_scaled_mm"]
+    assert (gemms["phase"] == "forward").sum() == linears and (gemms["phase"] == "backward").sum() == 2 * linears
+    quants = graph[graph["op"] == "trainsim::quantize_blocks"]
+    assert quants["per_microbatch"].all()  # no weight cast once per step: FSDP frees the gathered weights
+    assert (quants["phase"] == "forward").sum() == 2 * linears  # inputs and weights
+    assert (quants["phase"] == "backward").sum() == 2 * linears  # output gradients and weights again
+    x = torch.randn(64, 96, dtype=torch.bfloat16) * torch.logspace(-3, 3, 64).to(torch.bfloat16)[:, None]
+    q = quantize(x, BLOCK_FORMATS["rowwise"], "activation")
+    assert q.scale.shape == (64, 1) and q.scale_t.shape == (96, 1)
+    assert _relative_error(dequantize(*q.rowwise), x) < 0.04  # rows six decades apart, each with its own scale
 
 
 def test_nvfp4_rounds_gradients_stochastically_and_inputs_to_nearest():
@@ -191,7 +209,7 @@ def test_mxfp8_experts_run_block_scaled_grouped_gemms_close_to_bf16():
     assert fp8_weight_bytes(layer) == 2 * (w1 + w2) * (1 + 1 / 32)  # both copies, an E8M0 scale per 32
 
 
-@pytest.mark.parametrize("recipe", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("recipe", [r for r in BLOCK_FORMATS if r != "rowwise"])  # rowwise: refused with overlap
 def test_tp_overlap_rings_carry_whole_blocks_that_unpack_to_the_gathered_tensor(recipe):
     from trainsim.workloads.block_overlap import pack, unpack
 

@@ -16,10 +16,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
 PRECISION_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "fp4": 2}
 """Bytes per weight (and gradient) element a precision trains with: FP8 and FP4 training keep bf16 weights and
 cast them for their GEMMs (workloads/fp8.py)."""
-FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise")
-"""Transformer Engine's FP8 recipes: per-tensor 'delayed' and 'current' (workloads/fp8.py), block-scaled 'mxfp8'
-and 'blockwise' (workloads/block_scaling.py)."""
-BLOCK_FP8_RECIPES = ("mxfp8", "blockwise")
+FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise", "rowwise")
+"""FP8 recipes: Transformer Engine's per-tensor 'delayed' and 'current' (workloads/fp8.py), block-scaled 'mxfp8'
+and 'blockwise', and torchao's 'rowwise' (a scale per row along each GEMM's reduction: workloads/block_scaling.py)."""
+BLOCK_FP8_RECIPES = ("mxfp8", "blockwise", "rowwise")
 """The FP8 recipes with block scales (no amax history, no amax all-reduce)."""
 ZERO_STAGES = (0, 1, 2, 3)
 """0 replicated (DDP), 1 distributed optimizer, 2 and 3 FSDP2 (workloads/fully_sharded.py)."""

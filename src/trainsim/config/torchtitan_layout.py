@@ -34,8 +34,8 @@ are not built)."""
 LOOPED_DEFAULT_STAGES_PER_RANK = 2  # cite: torchtitan distributed/pipeline_parallel.py: stages_per_rank = 2 if looped
 ROTATE_METHODS = {"allgather": "all_gather", "alltoall": "p2p"}
 """context_parallel_rotate_method -> cp_comm_type: all-gather of K/V, or K/V shards passed on around the ring."""
-FLOAT8_RECIPES = {None: "current", "tensorwise": "current"}
-"""[float8] recipe_name -> fp8_recipe: per-tensor dynamic (current) scaling; rowwise scaling is not modelled."""
+FLOAT8_RECIPES = {None: "current", "tensorwise": "current", "rowwise": "rowwise"}
+"""[float8] recipe_name -> fp8_recipe: per-tensor dynamic (current) scaling, or a scale per row (rowwise)."""
 NOT_LAYOUT_SECTIONS = ("job", "metrics", "checkpoint", "optimizer", "lr_scheduler", "profiling", "comm", "validation",
                        "fault_tolerance", "memory_estimation", "experimental", "debug", "dataloader")
 """Sections that set no part of the layout: listed in the output as not imported."""
@@ -256,7 +256,7 @@ def _precision_fields(get, where: str, fsdp: bool, autocast: bool) -> dict[str, 
         if float8:
             recipe = get(f"{section}.recipe_name", None)
             if recipe not in FLOAT8_RECIPES:
-                raise refuse(f"{section}.recipe_name", recipe, "tensorwise (rowwise is not modelled)")
+                raise refuse(f"{section}.recipe_name", recipe, ", ".join(str(r) for r in FLOAT8_RECIPES if r))
             f.update(precision="fp8", fp8_recipe=FLOAT8_RECIPES[recipe])
         else:
             recipe = get("quantize.linear.mx.recipe_name", "mxfp8_cublas")

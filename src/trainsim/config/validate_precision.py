@@ -11,13 +11,14 @@ BLACKWELL_NAMES = ("B200", "B300", "GB200", "GB300")
 """Device names of Blackwell GPUs (sm_100 and later): MXFP8 and NVFP4 tensor cores (TE refuses both elsewhere)."""
 HOPPER_NAMES = ("H100", "H200", "H800", "H20", "GH200")
 """Device names of Hopper GPUs (sm_90): TE's Float8BlockScaling needs Hopper or later."""
-# cite: TE MXFP8BlockScaling (1 x 32), Float8BlockScaling (1 x 128, 128 x 128), NVFP4BlockScaling (1 x 16, 16 x 16)
-BLOCK_ELEMENTS = {"mxfp8": 32, "blockwise": 128, "fp4": 16}
+# cite: TE MXFP8BlockScaling (1 x 32), Float8BlockScaling (1 x 128, 128 x 128), NVFP4BlockScaling (1 x 16, 16 x 16);
+# torch._scaled_mm (row-wise scales): every GEMM dimension a multiple of 16
+BLOCK_ELEMENTS = {"mxfp8": 32, "blockwise": 128, "rowwise": 16, "fp4": 16}
 """Elements along a block's side: every dimension a quantisation kernel blocks must be a multiple of it."""
 
 
 def block_recipe(par: ParallelismConfig) -> str | None:
-    """'mxfp8', 'blockwise' or 'fp4' where the run uses a block-scaled precision, else None."""
+    """'mxfp8', 'blockwise', 'rowwise' or 'fp4' where the run uses a block-scaled precision, else None."""
     if par.precision == "fp4":
         return "fp4"
     if par.precision == "fp8" and par.fp8_recipe in BLOCK_FP8_RECIPES:
@@ -38,9 +39,17 @@ def validate_block_scaling(model: ModelConfig, par: ParallelismConfig) -> None:
         return
     what = _describe(recipe)
     block = BLOCK_ELEMENTS[recipe]
-    if par.zero_stage >= 2:
-        raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with {what} is not modelled: use "
-                          "zero_stage 0 or 1")
+    if par.zero_stage >= 2 and model.num_experts:
+        raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with {what} and experts "
+                          f"(model.num_experts={model.num_experts}) is not modelled: use zero_stage 0 or 1")
+    if par.fp8_param_gather:
+        raise ConfigError(f"parallelism.fp8_param_gather=true with {what}: FP8 all-gathers of block-scaled weights "
+                          "are not built (they gather per-tensor-scaled E4M3); set fp8_param_gather=false (the "
+                          "weights are gathered in bf16 and cast at each use)")
+    if recipe == "rowwise" and par.tp_comm_overlap:
+        raise ConfigError("parallelism.fp8_recipe='rowwise' with parallelism.tp_comm_overlap=true (async tensor "
+                          "parallelism) is not built: the overlapped ring carries fixed-length token blocks, rowwise "
+                          "scales span the whole dimension; set tp_comm_overlap=false")
     if recipe == "fp4" and model.num_experts:
         raise ConfigError(f"{what} with experts (model.num_experts={model.num_experts}) is not modelled (NVFP4 "
                           "grouped GEMMs are not built): use parallelism.precision='fp8'")
@@ -79,9 +88,9 @@ def validate_precision_hardware(hw: HardwareConfig, par: ParallelismConfig) -> N
         raise ConfigError(f"{_describe(recipe)} runs on Blackwell tensor cores only (Transformer Engine refuses it "
                           f"elsewhere): hardware '{hw.name}' has device_name {hw.device_name!r}, none of "
                           f"{', '.join(BLACKWELL_NAMES)}; use fp8_recipe 'blockwise' or 'delayed' on Hopper")
-    if recipe == "blockwise" and not (blackwell or any(n in name for n in HOPPER_NAMES)):
-        raise ConfigError(f"parallelism.fp8_recipe='blockwise' needs Hopper or later (Transformer Engine's "
-                          f"Float8BlockScaling): hardware '{hw.name}' has device_name {hw.device_name!r}, none of "
+    if recipe in ("blockwise", "rowwise") and not (blackwell or any(n in name for n in HOPPER_NAMES)):
+        raise ConfigError(f"parallelism.fp8_recipe='{recipe}' needs Hopper or later (Transformer Engine's "
+                          f"Float8BlockScaling, torch's row-wise scaled FP8 GEMM): hardware '{hw.name}' has device_name {hw.device_name!r}, none of "
                           f"{', '.join(HOPPER_NAMES + BLACKWELL_NAMES)}")
     if recipe == "fp4" and "fp4" not in hw.peak_flops_per_s:
         known = ", ".join(sorted(hw.peak_flops_per_s)) or "none"

@@ -268,9 +268,8 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
                  "parallelism.grad_reduce_in_fp32=false", f"parallelism.recompute={recompute}"]
     lowered = techniques.lower()
     if "rowwise" in lowered:
-        return Recipe(**base, overrides=(), refusal="float8 rowwise scaling: not built (tensorwise is: "
-                                                     "fp8_recipe=current)")
-    if "float8" in lowered:
+        overrides += ["parallelism.precision=fp8", "parallelism.fp8_recipe=rowwise"]
+    elif "float8" in lowered:
         overrides += ["parallelism.precision=fp8", "parallelism.fp8_recipe=current"]
         notes.append("Float8 with tensorwise dynamic scaling (torchao's default) as fp8_recipe=current")
         if "float8 all-gather" in lowered:

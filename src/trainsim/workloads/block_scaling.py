@@ -12,6 +12,9 @@ Formats (TE transformer_engine/common/recipe, pytorch/tensor/{mxfp8,float8_block
 * 'blockwise' (Float8BlockScaling, Hopper and later): E4M3 values, fp32 power-of-two scales per 1 x 128 tile
   for inputs and gradients (again a row-wise and a column-wise quantisation) and per 128 x 128 block for
   weights (the column-wise copy is the transpose: the same blocks).
+* 'rowwise' (torchao's Float8 rowwise recipe, torchtitan's `float8.recipe_name = "rowwise"`; Hopper and later):
+  E4M3 values, one power-of-two fp32 scale per row along the GEMM's reduction dimension for inputs, weights and
+  gradients (a block as long as the reduction: block length 0 below), row-wise and column-wise copies as above.
 * 'nvfp4' (NVFP4BlockScaling, Blackwell only; parallelism.precision 'fp4'): E2M1 values, two per byte, one E4M3
   scale per 16 elements along the reduction dimension (per 16 x 16 block for weights) times one fp32 scale per
   tensor, from the tensor's amax (a separate amax kernel first, as TE's current scaling). Gradients are rounded
@@ -63,9 +66,12 @@ BLOCK_FORMATS = {
     # cite: TE Float8BlockScaling defaults x_block_scaling_dim=1, w_block_scaling_dim=2, grad_block_scaling_dim=1
     "blockwise": BlockFormat("blockwise", (1, 128), (128, 128), (1, 128)),
     # cite: TE NVFP4BlockScaling: 1 x 16 blocks, 2D 16 x 16 for weights, stochastic rounding of gradients, RHT on wgrad
+    # cite: torchao float8 Float8LinearRecipeName.ROWWISE: axiswise scales along the reduction dim, power of 2
+    "rowwise": BlockFormat("rowwise", (1, 0), (1, 0), (1, 0)),
     "nvfp4": BlockFormat("nvfp4", (1, 16), (16, 16), (1, 16), stochastic_gradients=True, hadamard_wgrad=True),
 }
-"""The block-scaled recipes (parallelism.fp8_recipe 'mxfp8' / 'blockwise', parallelism.precision 'fp4')."""
+"""The block-scaled recipes (parallelism.fp8_recipe 'mxfp8' / 'blockwise' / 'rowwise', parallelism.precision
+'fp4'). A block length of 0 spans the whole dimension (rowwise: one scale per row)."""
 
 
 def _hadamard16(device: torch.device) -> torch.Tensor:
@@ -95,10 +101,15 @@ def _(x):
     return x.new_empty((2,), dtype=torch.float32)
 
 
+def _whole(block: tuple[int, int], rows: int, cols: int) -> tuple[int, int]:
+    """A block's (rows, columns), a length of 0 standing for the whole dimension."""
+    return block[0] or rows, block[1] or cols
+
+
 def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """x [..., R, C] viewed as [..., R/br, br, C/bc, bc]."""
     *lead, rows, cols = x.shape
-    br, bc = block
+    br, bc = _whole(block, rows, cols)
     return x.reshape(*lead, rows // br, br, cols // bc, bc)
 
 
@@ -178,7 +189,8 @@ def quantize_blocks(x: torch.Tensor, fmt: str, block_rows: int, block_cols: int,
     return tuple(t.contiguous() for t in (*row, *col))  # the layouts register_fake gives (tracing)
 
 
-SCALE_DTYPES = {"mxfp8": torch.float8_e8m0fnu, "blockwise": torch.float32, "nvfp4": torch.float8_e4m3fn}
+SCALE_DTYPES = {"mxfp8": torch.float8_e8m0fnu, "blockwise": torch.float32, "rowwise": torch.float32,
+                "nvfp4": torch.float8_e4m3fn}
 """The block scales' storage: E8M0 (1 byte), fp32, E4M3."""
 
 
@@ -188,7 +200,8 @@ def _copy_like(x: torch.Tensor, fmt: str, block: tuple[int, int]) -> tuple[torch
     fp4 = fmt == "nvfp4"
     data = (x.new_empty((*lead, rows, cols // 2), dtype=torch.uint8).view(FP4_DTYPE) if fp4
             else x.new_empty((*lead, rows, cols), dtype=torch.float8_e4m3fn))
-    scale = x.new_empty((*lead, rows // block[0], cols // block[1]), dtype=SCALE_DTYPES[fmt])
+    br, bc = _whole(block, rows, cols)
+    scale = x.new_empty((*lead, rows // br, cols // bc), dtype=SCALE_DTYPES[fmt])
     return data, scale, x.new_empty((), dtype=torch.float32)
 
 

@@ -240,7 +240,11 @@ class Fp8Linear:
         return self.region.quantize(g, False, self.index, self.tp_group if gathered else None)
 
     def block_weight(self, weight: torch.Tensor) -> BlockQuantized:
-        """The weight in the block recipe's format, both copies (fprop and dgrad), cast once per step."""
+        """The weight in the block recipe's format, both copies (fprop and dgrad), cast once per step; at every use
+        without the cache (FSDP gathers the high-precision weight for each use)."""
+        if not self.region.settings.cache_weights:
+            with torch.no_grad():
+                return self.region.quantize_blocks(weight.detach(), "weight")
         if self._weight is None or self._weight_version != weight._version:
             with observer().once_per_step(), torch.no_grad():
                 self._weight = self.region.quantize_blocks(weight.detach(), "weight")
@@ -337,7 +341,7 @@ class _BlockLinearFunction(torch.autograd.Function):
         w = fp8.block_weight(weight)
         y = block_scaling.gemm(q.rowwise, w.rowwise, bias)
         ctx.save_for_backward(*q.columnwise)
-        ctx.fp8, ctx.weight_q, ctx.shape, ctx.has_bias = fp8, w, shape, bias is not None
+        ctx.fp8, ctx.weight_q, ctx.shape, ctx.has_bias = fp8, fp8.kept_for_backward(weight, w), shape, bias is not None
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -345,7 +349,8 @@ class _BlockLinearFunction(torch.autograd.Function):
         x_t = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         gq = ctx.fp8.region.quantize_blocks(g, "gradient")
-        dgrad = block_scaling.gemm(gq.rowwise, ctx.weight_q.columnwise)
+        w = ctx.weight_q if isinstance(ctx.weight_q, BlockQuantized) else ctx.fp8.block_weight(ctx.weight_q)
+        dgrad = block_scaling.gemm(gq.rowwise, w.columnwise)
         wgrad = block_scaling.gemm(gq.columnwise, x_t)
         dbias = g.sum(0) if ctx.has_bias else None
         return dgrad.view(*ctx.shape), wgrad, dbias, None
