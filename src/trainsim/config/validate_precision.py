@@ -90,7 +90,8 @@ def validate_precision_hardware(hw: HardwareConfig, par: ParallelismConfig) -> N
                           f"{', '.join(BLACKWELL_NAMES)}; use fp8_recipe 'blockwise' or 'delayed' on Hopper")
     if recipe in ("blockwise", "rowwise") and not (blackwell or any(n in name for n in HOPPER_NAMES)):
         raise ConfigError(f"parallelism.fp8_recipe='{recipe}' needs Hopper or later (Transformer Engine's "
-                          f"Float8BlockScaling, torch's row-wise scaled FP8 GEMM): hardware '{hw.name}' has device_name {hw.device_name!r}, none of "
+                          f"Float8BlockScaling, torch's row-wise scaled FP8 GEMM): hardware '{hw.name}' has "
+                          f"device_name {hw.device_name!r}, none of "
                           f"{', '.join(HOPPER_NAMES + BLACKWELL_NAMES)}")
     if recipe == "fp4" and "fp4" not in hw.peak_flops_per_s:
         known = ", ".join(sorted(hw.peak_flops_per_s)) or "none"
