@@ -71,15 +71,21 @@ def measure_llama(*overrides: str) -> None:
           f"{timeline.step_time_s:.3f} {peak:.2f}")
 
 
+def llama_in_fresh_process(overrides: list[str], layout: str) -> tuple[float, float, int]:
+    """(trace seconds, compose seconds, GPUs) of a Llama 3.1 405B layout traced and composed in a fresh process."""
+    out = subprocess.run([sys.executable, __file__, "--llama", *overrides], capture_output=True, text=True,
+                         check=True).stdout.split()
+    trace_s, compose_s, events, gpus, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), int(out[3]), \
+        float(out[4]), float(out[5])
+    print(f"llama3.1-405b, {gpus} GPUs ({layout}): {events} events traced in {trace_s:.1f} s, composed in "
+          f"{compose_s:.1f} s; step {step_s:.1f} s, peak memory {peak_gib:.1f} GiB")
+    return trace_s, compose_s, gpus
+
+
 def measure_llama_pp16_uneven() -> None:
-    out = subprocess.run([sys.executable, __file__, "--llama", *LLAMA_405B_PP16_UNEVEN], capture_output=True,
-                         text=True, check=True).stdout.split()
-    trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
-        int(out[3]), float(out[4]), float(out[5])
-    print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 PP16 x VP4 DP128, first/last stages a layer lighter): {events} "
-          f"events traced in {trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, "
-          f"peak memory {peak_gib:.1f} GiB")
-    figure(f"trace_seconds_llama405b_pp16_vp_uneven_{gpus_405b}gpu", trace_s, "s")
+    trace_s, _, gpus = llama_in_fresh_process(LLAMA_405B_PP16_UNEVEN, "TP8 PP16 x VP4 DP128, first/last stages a "
+                                                                      "layer lighter")
+    figure(f"trace_seconds_llama405b_pp16_vp_uneven_{gpus}gpu", trace_s, "s")
 
 
 def main() -> None:
@@ -95,13 +101,9 @@ def main() -> None:
     for gpus, seconds in figures:
         figure(f"trace_seconds_gpt175b_{gpus}gpu", seconds, "s")
     for variant, overrides in LLAMA_405B_VARIANTS.items():
-        out = subprocess.run([sys.executable, __file__, "--llama", *LLAMA_405B_LONG_CONTEXT, *overrides],
-                             capture_output=True, text=True, check=True).stdout.split()
-        trace_s, compose_s, events, gpus_405b, step_s, peak_gib = float(out[0]), float(out[1]), int(out[2]), \
-            int(out[3]), float(out[4]), float(out[5])
-        print(f"llama3.1-405b, {gpus_405b} GPUs (TP8 CP16 PP18 DP8, 128K tokens, {variant or 'distributed optimizer'}):"
-              f" {events} events traced in {trace_s:.1f} s, composed in {compose_s:.1f} s; step {step_s:.1f} s, "
-              f"peak memory {peak_gib:.1f} GiB")
+        trace_s, compose_s, gpus_405b = llama_in_fresh_process(
+            [*LLAMA_405B_LONG_CONTEXT, *overrides],
+            f"TP8 CP16 PP18 DP8, 128K tokens, {variant or 'distributed optimizer'}")
         figure(f"trace_seconds_llama405b_{gpus_405b}gpu{variant}", trace_s, "s")
         figure(f"compose_seconds_llama405b_{gpus_405b}gpu{variant}", compose_s, "s")
     measure_llama_pp16_uneven()
