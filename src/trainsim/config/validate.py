@@ -6,20 +6,14 @@ Each message names the field, its value and what would be accepted.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from trainsim.config.choices import (
-    ATTENTION_KERNELS,
     COMM_BACKENDS,
     CP_COMM_TYPES,
     DEVICE_KINDS,
-    FAMILIES,
     FLOAT_DTYPES,
     FP8_RECIPES,
-    HYBRID_LAYER_KINDS,
     MOE_DISPATCHERS,
-    MOE_ROUTERS,
-    MOE_ROUTINGS,
     OP_KINDS,
     PRECISIONS,
     PROFILE_BACKENDS,
@@ -27,186 +21,25 @@ from trainsim.config.choices import (
     SCHEDULES,
     SLOWDOWN_SOURCES,
     SLOWDOWN_USES,
-    WINDOW_KINDS,
     ZERO_STAGES,
 )
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig, WhatIfConfig
+from trainsim.config.validate_model import divisors, one_of, positive, validate_model
 from trainsim.config.validate_nccl import validate_links
 from trainsim.config.validate_precision import validate_block_scaling, validate_precision_hardware
 from trainsim.errors import ConfigError
 from trainsim.parallel.pipeline_split import PipelineSplitError, split_of
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def _one_of(group: str, name: str, value: object, accepted: tuple) -> None:
-    if value not in accepted:
-        raise ConfigError(f"{group}.{name}={value!r} is not supported; accepted: {', '.join(map(str, accepted))}")
-
-
-def _positive(group: str, obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None or value < 1:
-            raise ConfigError(f"{group}.{name}={value!r} must be a positive integer")
-
-
-def validate_model(model: ModelConfig) -> None:
-    _one_of("model", "family", model.family, FAMILIES)
-    _positive("model", model, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
-    if model.head_dim is None and model.hidden_size % model.num_attention_heads:
-        raise ConfigError(
-            f"model.hidden_size={model.hidden_size} is not divisible by model.num_attention_heads="
-            f"{model.num_attention_heads}; choose heads among {_divisors(model.hidden_size)}"
-        )
-    kv_heads = model.num_kv_heads or model.num_attention_heads
-    if model.num_attention_heads % kv_heads:
-        raise ConfigError(
-            f"model.num_kv_heads={kv_heads} must divide model.num_attention_heads={model.num_attention_heads}; "
-            f"choose num_kv_heads among {_divisors(model.num_attention_heads)}"
-        )
-    head_dim = model.head_dim or model.hidden_size // model.num_attention_heads
-    if head_dim < 1:
-        raise ConfigError(f"model.head_dim={model.head_dim} must be >= 1 (or null: hidden_size / num_attention_heads)")
-    if model.family == "llama" and head_dim % 2:
-        raise ConfigError(f"the attention head width {head_dim} (model.head_dim, or hidden_size / "
-                          "num_attention_heads) must be even for rotary position embeddings (family 'llama')")
-    for name in ("dropout", "attention_dropout"):
-        if not 0.0 <= getattr(model, name) < 1.0:
-            raise ConfigError(f"model.{name}={getattr(model, name)} must be in [0, 1)")
-    if model.attention not in ATTENTION_KERNELS:
-        raise ConfigError(f"model.attention={model.attention!r} is not supported; use one of {ATTENTION_KERNELS}")
-    _validate_latent_attention(model)
-    _validate_window(model)
-    if not isinstance(model.approximations, (list, tuple)) or not all(isinstance(a, str) and a.strip()
-                                                                       for a in model.approximations):
-        raise ConfigError(f"model.approximations={model.approximations!r} must be a list of sentences (strings), "
-                          "one per thing this config asks that trainsim approximates")
-    if model.num_experts:
-        _validate_experts(model)
-    elif model.num_experts < 0:
-        raise ConfigError(f"model.num_experts={model.num_experts} must be >= 0 (0 = a dense model)")
-    if model.hybrid_layer_pattern:
-        _validate_hybrid(model)
-
-
-def _validate_hybrid(model: ModelConfig) -> None:
-    """Megatron-Core's rules for a hybrid Mamba stack (mamba_hybrid_layer_allocation.py, MambaMixer)."""
-    pattern = model.hybrid_layer_pattern
-    accepted = ", ".join(f"'{c}' {kind}" for c, kind in HYBRID_LAYER_KINDS.items())
-    unknown = sorted(set(pattern) - set(HYBRID_LAYER_KINDS))
-    if unknown:
-        raise ConfigError(f"model.hybrid_layer_pattern={pattern!r} has {', '.join(map(repr, unknown))}; accepted "
-                          f"characters: {accepted} (Megatron's --hybrid-override-pattern; no '|' pipeline marks)")
-    if len(pattern) != model.num_layers:
-        raise ConfigError(f"model.hybrid_layer_pattern has {len(pattern)} layers but model.num_layers="
-                          f"{model.num_layers}; set num_layers to the pattern's length")
-    if "E" in pattern and not model.num_experts:
-        raise ConfigError(f"model.hybrid_layer_pattern={pattern!r} has MoE layers ('E') but model.num_experts=0; "
-                          "set num_experts, or use '-' for dense MLP layers")
-    if model.moe_first_dense_layers:
-        raise ConfigError(f"model.moe_first_dense_layers={model.moe_first_dense_layers} with "
-                          "model.hybrid_layer_pattern: the pattern says which layers are MoE ('E') and which dense "
-                          "('-'); set it to 0")
-    if "M" not in pattern:
-        return
-    _positive("model", model, "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_conv_kernel")
-    if model.mamba_num_heads < 0:
-        raise ConfigError(f"model.mamba_num_heads={model.mamba_num_heads} must be >= 0 "
-                          "(0 = 2 * hidden_size / mamba_head_dim)")
-    heads = model.mamba_heads
-    if heads < 1 or (not model.mamba_num_heads and (2 * model.hidden_size) % model.mamba_head_dim):
-        raise ConfigError(f"model.mamba_head_dim={model.mamba_head_dim} does not divide 2 * hidden_size="
-                          f"{2 * model.hidden_size}; set model.mamba_num_heads, or a head dim among "
-                          f"{_divisors(2 * model.hidden_size)}")
-    if heads % model.mamba_num_groups:
-        raise ConfigError(f"model.mamba_num_groups={model.mamba_num_groups} must divide the {heads} Mamba heads "
-                          f"(model.mamba_num_heads, or 2 * hidden_size / mamba_head_dim); choose among "
-                          f"{_divisors(heads)}")
-
-
-def _validate_latent_attention(model: ModelConfig) -> None:
-    """Multi-head latent attention's widths (workloads/latent_attention.py)."""
-    for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim"):
-        if getattr(model, name) < 0:
-            raise ConfigError(f"model.{name}={getattr(model, name)} must be >= 0 (0 = off)")
-    if model.v_head_dim is not None and model.v_head_dim < 1:
-        raise ConfigError(f"model.v_head_dim={model.v_head_dim} must be a positive integer (or null: head_dim)")
-    if not model.latent_attention:
-        for name in ("q_lora_rank", "qk_rope_head_dim"):
-            if getattr(model, name):
-                raise ConfigError(f"model.{name}={getattr(model, name)} belongs to multi-head latent attention, "
-                                  "which needs model.kv_lora_rank > 0 (DeepSeek-V3: 512); set it, or set "
-                                  f"model.{name}=0")
-        if model.v_head_dim is not None:
-            raise ConfigError(f"model.v_head_dim={model.v_head_dim} is only modelled with multi-head latent attention "
-                              "(model.kv_lora_rank > 0); set model.v_head_dim=null")
-        return
-    if model.family != "llama":
-        raise ConfigError(f"model.kv_lora_rank={model.kv_lora_rank} (multi-head latent attention) needs "
-                          f"model.family='llama' (RMSNorm, rotary positions); got {model.family!r}")
-    if model.qk_rope_head_dim < 2 or model.qk_rope_head_dim % 2:
-        raise ConfigError(f"model.qk_rope_head_dim={model.qk_rope_head_dim} must be an even number >= 2 with "
-                          "multi-head latent attention (the decoupled rotary part; DeepSeek-V3: 64)")
-    if model.num_kv_heads not in (None, model.num_attention_heads):
-        raise ConfigError(f"model.num_kv_heads={model.num_kv_heads}: multi-head latent attention projects keys "
-                          "and values for every head; set model.num_kv_heads=null")
-
-
-def _validate_window(model: ModelConfig) -> None:
-    """Windowed attention (workloads/core_attention.py)."""
-    if model.window_size < 0:
-        raise ConfigError(f"model.window_size={model.window_size} must be >= 0 (0 = full causal attention)")
-    _one_of("model", "window_kind", model.window_kind, WINDOW_KINDS)
-    if model.global_attention_every < 0:
-        raise ConfigError(f"model.global_attention_every={model.global_attention_every} must be >= 0 "
-                          "(0 = every layer windowed)")
-    if model.global_attention_every and not model.window_size:
-        raise ConfigError(f"model.global_attention_every={model.global_attention_every} picks the full-attention "
-                          "layers among windowed ones: it needs model.window_size > 0")
-
-
-def _validate_experts(model: ModelConfig) -> None:
-    if not 1 <= model.moe_top_k <= model.num_experts:
-        raise ConfigError(f"model.moe_top_k={model.moe_top_k} must be in [1, num_experts={model.num_experts}]")
-    _one_of("model", "moe_router", model.moe_router, MOE_ROUTERS)
-    for name in ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_shared_expert_ffn_hidden_size"):
-        if getattr(model, name) < 0:
-            raise ConfigError(f"model.{name}={getattr(model, name)} must be >= 0 (0 = off)")
-    if model.moe_layer_freq < 1:
-        raise ConfigError(f"model.moe_layer_freq={model.moe_layer_freq} must be a positive integer (1 = every layer "
-                          "after moe_first_dense_layers has experts, 2 = every second one)")
-    if not any(model.has_experts(layer) for layer in range(model.num_layers)):
-        raise ConfigError(f"model.moe_layer_freq={model.moe_layer_freq} with moe_first_dense_layers="
-                          f"{model.moe_first_dense_layers} leaves no MoE layer among num_layers={model.num_layers}")
-    if not 0 <= model.moe_first_dense_layers < model.num_layers:
-        raise ConfigError(f"model.moe_first_dense_layers={model.moe_first_dense_layers} must be in "
-                          f"[0, num_layers={model.num_layers})")
-    kind, _, value = model.moe_routing.partition(":")
-    if kind in ("zipf", "dirichlet"):
-        try:
-            ok = float(value) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ConfigError(f"model.moe_routing={model.moe_routing!r}: {kind} needs a positive number, e.g. "
-                              f"'{kind}:{'1.2' if kind == 'zipf' else '0.5'}'")
-    elif kind != "balanced" and not Path(model.moe_routing).is_file():
-        raise ConfigError(f"model.moe_routing={model.moe_routing!r} is neither {', '.join(MOE_ROUTINGS)} nor an "
-                          "existing routing histogram file (CSV, workloads/routing.py)")
-
-
 def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     """Rules tying the parallel layout to the model (enough to trace; no hardware needed)."""
     validate_model(model)
-    _positive("parallelism", par, "dp", "cp", "tp", "pp", "virtual_stages", "micro_batch_size", "global_batch_size")
-    _one_of("parallelism", "schedule", par.schedule, SCHEDULES)
-    _one_of("parallelism", "recompute", par.recompute, RECOMPUTE_MODES)
-    _one_of("parallelism", "precision", par.precision, PRECISIONS)
+    positive("parallelism", par, "dp", "cp", "tp", "pp", "virtual_stages", "micro_batch_size", "global_batch_size")
+    one_of("parallelism", "schedule", par.schedule, SCHEDULES)
+    one_of("parallelism", "recompute", par.recompute, RECOMPUTE_MODES)
+    one_of("parallelism", "precision", par.precision, PRECISIONS)
     if par.precision == "fp8":
-        _one_of("parallelism", "fp8_recipe", par.fp8_recipe, FP8_RECIPES)
+        one_of("parallelism", "fp8_recipe", par.fp8_recipe, FP8_RECIPES)
     validate_block_scaling(model, par)
     if par.dp_bucket_size_bytes < 1:
         raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} must be positive "
@@ -220,14 +53,14 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         raise ConfigError(f"parallelism.tp_comm_overlap=true overlaps the sequence-parallel collectives: it needs "
                           f"parallelism.sequence_parallel=true and tp > 1 (got sequence_parallel="
                           f"{par.sequence_parallel}, tp={par.tp})")
-    _one_of("parallelism", "zero_stage", par.zero_stage, ZERO_STAGES)
-    _one_of("parallelism", "cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
+    one_of("parallelism", "zero_stage", par.zero_stage, ZERO_STAGES)
+    one_of("parallelism", "cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
     if par.cp > 1:
         if model.seq_length % (2 * par.cp):
             raise ConfigError(f"parallelism.cp={par.cp} cuts each sequence into 2 * cp = {2 * par.cp} chunks "
                               f"(load-balanced causal split): model.seq_length={model.seq_length} is not divisible "
                               f"by {2 * par.cp}; choose cp among "
-                              f"{_divisors(model.seq_length // 2) if model.seq_length % 2 == 0 else '1'}")
+                              f"{divisors(model.seq_length // 2) if model.seq_length % 2 == 0 else '1'}")
         variants = [name for name, on in (("model.window_size", model.window_size),
                                           ("model.attention_sinks", model.attention_sinks),
                                           ("model.kv_lora_rank", model.kv_lora_rank)) if on]
@@ -259,12 +92,12 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         if value % par.tp:
             raise ConfigError(
                 f"parallelism.tp={par.tp} does not divide model.{field_name}={value} of '{model.name}'; "
-                f"choose tp among {_divisors(value)}"
+                f"choose tp among {divisors(value)}"
             )
     ffn = model.ffn_hidden_size or 4 * model.hidden_size
     if ffn % par.tp:
         raise ConfigError(f"parallelism.tp={par.tp} does not divide the MLP width {ffn} (model.ffn_hidden_size) of "
-                          f"'{model.name}'; choose tp among {_divisors(ffn)}")
+                          f"'{model.name}'; choose tp among {divisors(ffn)}")
 
     _validate_pipeline_split(model, par)
 
@@ -310,7 +143,7 @@ def _validate_pipeline_split(model: ModelConfig, par: ParallelismConfig) -> None
                 f"model.num_layers={model.num_layers} of '{model.name}' cannot be split evenly into "
                 f"parallelism.pp * parallelism.virtual_stages = {par.pp} * {par.virtual_stages} = "
                 f"{par.pp * par.virtual_stages} stages; choose pp * virtual_stages among "
-                f"{_divisors(model.num_layers)}, or set parallelism.first_stage_layers / last_stage_layers, "
+                f"{divisors(model.num_layers)}, or set parallelism.first_stage_layers / last_stage_layers, "
                 "account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split or pipeline_layout"
             ) from None
         fields = ", ".join(f"parallelism.{name}={value!r}" for name, value in uneven.items())
@@ -325,7 +158,7 @@ def _validate_mamba_layout(model: ModelConfig, par: ParallelismConfig) -> None:
                                model.mamba_heads), ("model.mamba_num_groups", model.mamba_num_groups)):
         if value % par.tp:
             raise ConfigError(f"parallelism.tp={par.tp} does not divide the {field_name} = {value} of "
-                              f"'{model.name}'; choose tp among {_divisors(value)}")
+                              f"'{model.name}'; choose tp among {divisors(value)}")
     if par.cp > 1:
         raise ConfigError(f"parallelism.cp={par.cp} with Mamba layers (model.hybrid_layer_pattern has 'M') is not "
                           "built: the Mamba-2 scan runs over the whole sequence on one rank; use cp=1")
@@ -338,7 +171,7 @@ def _validate_sharding(model: ModelConfig, par: ParallelismConfig) -> None:
         field = f"parallelism.dp_shard_size={par.dp_shard_size}"
         if par.dp_shard_size < 0 or replicas % par.dp_shard_size:
             raise ConfigError(f"{field} must divide dp * cp = {par.dp} * {par.cp} = {replicas} (the ranks holding "
-                              f"the same weights; 0 = all of them); choose among 0, {_divisors(replicas)}")
+                              f"the same weights; 0 = all of them); choose among 0, {divisors(replicas)}")
         if par.zero_stage < 1:
             raise ConfigError(f"{field} splits the sharded training state, but parallelism.zero_stage=0 shards "
                               "nothing; set zero_stage 1 (distributed-optimizer instances), 2 or 3 (HSDP), or "
@@ -377,23 +210,23 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         return
     if model.num_experts % par.ep:
         raise ConfigError(f"parallelism.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
-                          f"choose ep among {_divisors(model.num_experts)}")
+                          f"choose ep among {divisors(model.num_experts)}")
     stage = par.dp * par.cp * par.tp
     if stage % (par.ep * par.etp):
         raise ConfigError(f"parallelism.ep * etp = {par.ep} * {par.etp} must divide dp * cp * tp = {stage} (expert "
                           f"parallelism is folded over those ranks of a stage); choose ep * etp among "
-                          f"{_divisors(stage)}")
+                          f"{divisors(stage)}")
     ffn = model.expert_ffn_hidden_size
     if ffn % par.etp:
         raise ConfigError(f"parallelism.etp={par.etp} does not divide the experts' inner width {ffn} "
-                          f"(model.moe_ffn_hidden_size); choose etp among {_divisors(ffn)}")
+                          f"(model.moe_ffn_hidden_size); choose etp among {divisors(ffn)}")
     if par.precision == "fp8" and (ffn // par.etp) % 16:
         raise ConfigError(f"parallelism.etp={par.etp} leaves each expert an inner width of {ffn // par.etp}, not a "
                           "multiple of 16 as FP8 GEMMs need; choose a smaller etp or precision bf16")
     if par.tp > 1 and not par.sequence_parallel:
         raise ConfigError(f"model '{model.name}' has experts and parallelism.tp={par.tp}: MoE layers route each tp "
                           "rank's own tokens, so set parallelism.sequence_parallel=true (as Megatron-Core requires)")
-    _one_of("parallelism", "moe_token_dispatcher", par.moe_token_dispatcher, MOE_DISPATCHERS)
+    one_of("parallelism", "moe_token_dispatcher", par.moe_token_dispatcher, MOE_DISPATCHERS)
     if par.moe_token_dispatcher == "allgather" and model.moe_capacity_factor:
         raise ConfigError("parallelism.moe_token_dispatcher='allgather' with model.moe_capacity_factor="
                           f"{model.moe_capacity_factor}: token dropping is modelled with the 'alltoall' "
@@ -402,7 +235,7 @@ def _validate_expert_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     if model.moe_shared_expert_ffn_hidden_size % par.tp:
         raise ConfigError(f"parallelism.tp={par.tp} does not divide model.moe_shared_expert_ffn_hidden_size="
                           f"{model.moe_shared_expert_ffn_hidden_size} (the shared expert is tensor-parallel); choose "
-                          f"tp among {_divisors(model.moe_shared_expert_ffn_hidden_size)}")
+                          f"tp among {divisors(model.moe_shared_expert_ffn_hidden_size)}")
     if par.precision == "fp8" and not par.moe_grouped_gemm:
         raise ConfigError("parallelism.precision='fp8' with experts runs them as FP8 grouped GEMMs (Transformer "
                           "Engine's GroupedLinear): set parallelism.moe_grouped_gemm=true")
@@ -432,14 +265,14 @@ def a2a_overlap_refusal(par: ParallelismConfig) -> str | None:
 
 
 def validate_hardware(hw: HardwareConfig) -> None:
-    _one_of("hardware", "device_kind", hw.device_kind, DEVICE_KINDS)
-    _one_of("hardware", "comm_backend", hw.comm_backend, COMM_BACKENDS)
-    _positive("hardware", hw, "devices_per_node", "num_nodes", "threads_per_device")
+    one_of("hardware", "device_kind", hw.device_kind, DEVICE_KINDS)
+    one_of("hardware", "comm_backend", hw.comm_backend, COMM_BACKENDS)
+    positive("hardware", hw, "devices_per_node", "num_nodes", "threads_per_device")
     if hw.device_kind == "cpu" and hw.comm_backend != "gloo":
         raise ConfigError(f"hardware.comm_backend='{hw.comm_backend}' cannot run on CPU devices; use 'gloo'")
-    _one_of("hardware", "profile_backend", hw.profile_backend, PROFILE_BACKENDS)
-    _one_of("hardware", "slowdown.source", hw.slowdown.source, SLOWDOWN_SOURCES)
-    _one_of("hardware", "slowdown.use", hw.slowdown.use, SLOWDOWN_USES)
+    one_of("hardware", "profile_backend", hw.profile_backend, PROFILE_BACKENDS)
+    one_of("hardware", "slowdown.source", hw.slowdown.source, SLOWDOWN_SOURCES)
+    one_of("hardware", "slowdown.use", hw.slowdown.use, SLOWDOWN_USES)
     _validate_rates(hw)
     if not 0.0 <= hw.host_dispatch_s < 1.0:
         raise ConfigError(f"hardware.host_dispatch_s={hw.host_dispatch_s} must be seconds per op in [0, 1) "
