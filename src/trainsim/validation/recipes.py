@@ -150,14 +150,18 @@ def precision_of(table: str, system: str, alternative: bool, column: str | None)
         # DeepSeek-V3's 1x128 / 128x128 on H100
         recipe = "blockwise" if system == "DGX-H100" else "mxfp8"
         return "fp8", recipe, f"the parenthesised result: FP8 with {recipe} scaling (the release's notes)"
-    if table.startswith("nemo_25.02"):
-        return "fp8", "delayed", "FP8 with delayed scaling (NeMo 2.0's recipes' default; the page says FP8)"
+    if table.startswith(("nemo_24.07", "nemo_25.02")):
+        return "fp8", "delayed", "FP8 with delayed scaling (the NeMo launcher's and NeMo 2.0's recipes' default; " \
+                                 "the table says FP8)"
     return "fp8", "current", "FP8 with per-tensor current scaling (the release's notes)"
 
 
 def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> Recipe:
     """A row of a NeMo or Megatron-Bridge performance summary."""
-    get = lambda name, default=None: cell(row[name], alternative) if name in row and not pd.isna(row[name]) else default  # noqa: E731
+    def get(name: str) -> str | None:
+        """The column's value for this configuration (None where the table has no such column or cell)."""
+        return cell(row[name], alternative) if name in row and not pd.isna(row[name]) else None
+
     system, name = get("System"), str(row["Model"]).strip()
     precision_column = get("Precision")
     label = f"{name} {system} {get('#-GPUs')} GPUs{' ' + precision_column if precision_column else ''}"
@@ -311,8 +315,7 @@ def nemo2407_recipe(table: str, index: int, row: pd.Series) -> Recipe:
                          "MBS": row["micro_batch"], "Sequence Length": row["seq_len"], "TP": row["tp"],
                          "PP": row["pp"], "CP": row["cp"], "VP": row["vp"], "EP": 1,
                          "Tokens / sec / GPU": row["tokens_per_sec_per_gpu"]})
-    recipe = nvidia_recipe("nemo_25.02", index, renamed, False)  # FP8 delayed scaling, as NeMo 2.0 / 24.07
-    return Recipe(**{**recipe.__dict__, "table": table})
+    return nvidia_recipe(table, index, renamed, False)
 
 
 def read_published_csv(path: Path) -> pd.DataFrame:
