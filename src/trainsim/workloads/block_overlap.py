@@ -99,14 +99,14 @@ class BlockOverlappedColumnLinear(torch.autograd.Function):
         w = fp8.block_weight(weight)
         out, gathered = _gather_matmul(q, w.rowwise, group, tp, "activation", fp8)
         ctx.save_for_backward(*gathered.columnwise)
-        ctx.fp8, ctx.weight_q, ctx.group, ctx.tp = fp8, w, group, tp
+        ctx.fp8, ctx.weight_q, ctx.group, ctx.tp = fp8, fp8.kept_for_backward(weight, w), group, tp
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x_t = ctx.saved_tensors
         gq = ctx.fp8.region.quantize_blocks(grad.contiguous(), "gradient")
-        grad_input = block_scaling.gemm(gq.rowwise, ctx.weight_q.columnwise)
+        grad_input = block_scaling.gemm(gq.rowwise, ctx.fp8.block_for_backward(ctx.weight_q).columnwise)
         grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp)
         wgrad = block_scaling.gemm(gq.columnwise, x_t)
         wait_all(scattering)
@@ -130,13 +130,14 @@ class BlockOverlappedRowLinear(torch.autograd.Function):
 
         y = ring_matmul_reduce_scatter(rows, rows.new_empty((w.data.shape[0], 1)), group, tp, mm=mm)
         ctx.save_for_backward(*q.columnwise)
-        ctx.fp8, ctx.weight_q, ctx.group, ctx.tp = fp8, w, group, tp
+        ctx.fp8, ctx.weight_q, ctx.group, ctx.tp = fp8, fp8.kept_for_backward(weight, w), group, tp
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x_t = ctx.saved_tensors
         gq = ctx.fp8.region.quantize_blocks(grad.contiguous(), "gradient", tp_group=ctx.group)
-        grad_x, gathered = _gather_matmul(gq, ctx.weight_q.columnwise, ctx.group, ctx.tp, "gradient", ctx.fp8)
+        w = ctx.fp8.block_for_backward(ctx.weight_q)
+        grad_x, gathered = _gather_matmul(gq, w.columnwise, ctx.group, ctx.tp, "gradient", ctx.fp8)
         wgrad = block_scaling.gemm(gathered.columnwise, x_t)
         return grad_x, wgrad, None, None, None

@@ -283,6 +283,11 @@ class Fp8Linear:
         """(W, W^T, inverse scale) in FP8 for the backward, from what kept_for_backward returned."""
         return kept if isinstance(kept, tuple) else self.weight(kept)
 
+    def block_for_backward(self, kept: BlockQuantized | torch.Tensor) -> BlockQuantized:
+        """The block-scaled weight for the backward, from what kept_for_backward returned (block_weight's copies,
+        or without the cache the weight itself, quantised again)."""
+        return kept if isinstance(kept, BlockQuantized) else self.block_weight(kept)
+
     def cached_bytes(self) -> int:
         if isinstance(self._weight, BlockQuantized):
             return self._weight.nbytes()
@@ -349,7 +354,7 @@ class _BlockLinearFunction(torch.autograd.Function):
         x_t = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         gq = ctx.fp8.region.quantize_blocks(g, "gradient")
-        w = ctx.weight_q if isinstance(ctx.weight_q, BlockQuantized) else ctx.fp8.block_weight(ctx.weight_q)
+        w = ctx.fp8.block_for_backward(ctx.weight_q)
         dgrad = block_scaling.gemm(gq.rowwise, w.columnwise)
         wgrad = block_scaling.gemm(gq.columnwise, x_t)
         dbias = g.sum(0) if ctx.has_bias else None
