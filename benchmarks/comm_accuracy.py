@@ -26,6 +26,8 @@ learned from its held-out data; tests/comm/test_leakage.py poisons the held-out 
      times the model's all-to-all / all-gather ratio (what the all-to-all adds, without the link
      calibration both share; the measured all-gather is this figure's input, the ratio is held out).
      gloo's all-to-all on this machine, fit on every other size, predicts the rest (part 4's sweep).
+`comm_files_refused`: files of data/nccl-tests the calibration reader refuses, each printed with its reason (target
+0, except a file whose header contradicts its busbw / algbw, printed apart).
 The `_all` figures are means over files (each file counts once, whatever its number of sizes), the
 `_cross_cluster` ones over clusters. The hardware config describing a file's cluster gives its datasheet
 priors.
@@ -115,14 +117,20 @@ def held_out_sizes(path: Path, clusters: list[Cluster]) -> dict:
     return fit_and_score(table[train], table[~train].reset_index(drop=True), hw, prior)
 
 
-def per_file(data: Path, clusters: list[Cluster]) -> pd.DataFrame:
-    rows = []
+def per_file(data: Path, clusters: list[Cluster]) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The held-out-sizes scores of every file that reads, and file -> reason for those that do not."""
+    rows, refused = [], {}
     for path in sorted(data.iterdir()):
         try:
             rows.append({"file": path.name, **held_out_sizes(path, clusters)})
         except ConfigError as exc:
-            print(f"skipped {path.name}: {str(exc).splitlines()[0][:120]}")
-    return pd.DataFrame(rows).drop(columns=["params", "predicted"])
+            refused[path.name] = str(exc).splitlines()[0]
+    return pd.DataFrame(rows).drop(columns=["params", "predicted"]), refused
+
+
+def contradicts_its_header(reason: str) -> bool:
+    """A refusal because the file's stated rank count disagrees with its busbw / algbw (nccl_ranks.py): right."""
+    return "busbw / algbw implies" in reason
 
 
 def vtrain_scale(data: Path, clusters: list[Cluster]) -> dict:
@@ -228,7 +236,11 @@ def main() -> None:
     pd.set_option("display.width", 200)
     start = time.perf_counter()
     clusters = load_clusters()
-    files = per_file(args.data, clusters)
+    files, refused = per_file(args.data, clusters)
+    for name, reason in refused.items():
+        kind = "header contradicts its numbers" if contradicts_its_header(reason) else "refused"
+        print(f"{kind}: {name}: {reason[:200]}")
+    figure("comm_files_refused", sum(not contradicts_its_header(r) for r in refused.values()), "files", "d")
     print("\nHeld-out sizes (fit on every other size), MAPE %:")
     print(files.round(2).to_string(index=False))
     figure("comm_mape_pct_large_all", files['model_large'].mean(), "%")

@@ -7,7 +7,9 @@ refuses are counted with their reasons:
     figure recipes_rows_total <n> rows
     figure recipes_rows_refused <n> rows          target 0
     figure recipes_rows_not_built <n> rows        refused as architectures listed as not built (recipes.NOT_BUILT)
+    figure recipes_rows_megatron_rejects <n> rows  layouts as stated that Megatron-Core itself refuses
 
+`--memory` traces every accepted row and prints `figure recipes_rows_flagged_oom <n> rows` (target 0: they ran).
 `--compose` also predicts every accepted row through `trainsim.predict` (trace, profile, calibration and
 compose, each built once and cached) and prints each row's error against the step time its throughput implies:
 informative here (issue 49 scores it), and slow: minutes per large model.
@@ -43,8 +45,10 @@ def refusals(verbose: bool) -> list:
         print(f"  {count:3}  {reason}")
     figure("recipes_rows_total", len(composed), "rows", "d")
     not_built = sum(c.refusal in NOT_BUILT.values() for c in composed)
-    figure("recipes_rows_refused", sum(reasons.values()) - not_built, "rows", "d")
+    megatron_rejects = sum(c.recipe.megatron_rejects for c in composed)
+    figure("recipes_rows_refused", sum(reasons.values()) - not_built - megatron_rejects, "rows", "d")
     figure("recipes_rows_not_built", not_built, "rows", "d")
+    figure("recipes_rows_megatron_rejects", megatron_rejects, "rows", "d")
     return composed
 
 
@@ -59,6 +63,24 @@ def predictions(composed: list) -> None:
         error = 100 * (result.step_time_s / c.recipe.measured_s - 1)
         print(f"{c.recipe.table} row {c.recipe.row} {c.recipe.label}: predicted {result.step_time_s:.3f} s, "
               f"measured {c.recipe.measured_s:.3f} s ({error:+.1f} %)")
+
+
+def flagged_out_of_memory(composed: list) -> None:
+    """Every accepted row traced (trace/memory.py per rank class) against its GPU's memory: a published run ran,
+    so a row flagged out of memory is a fault of the memory model (target 0)."""
+    from trainsim.trace import trace_layout
+
+    flagged = 0
+    for c in composed:
+        if c.refusal:
+            continue
+        memory = trace_layout(c.run.model, c.run.parallelism).memory.to_pandas()
+        peak, capacity = float(memory["peak_bytes"].max()), c.run.hardware.memory_capacity_bytes
+        if peak > capacity:
+            flagged += 1
+            print(f"out of memory: {c.recipe.table} row {c.recipe.row} {c.recipe.label}: peak {peak / 2**30:.1f} "
+                  f"GiB of {capacity / 2**30:.1f} GiB")
+    figure("recipes_rows_flagged_oom", flagged, "rows", "d")
 
 
 def layout_round_trip() -> None:
@@ -102,10 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compose", action="store_true", help="also predict every accepted row (slow)")
     parser.add_argument("--verbose", action="store_true", help="list the accepted rows too")
+    parser.add_argument("--memory", action="store_true",
+                        help="trace every accepted row and count those flagged out of memory (minutes)")
     args = parser.parse_args(argv)
     composed = refusals(args.verbose)
     model_import()
     layout_round_trip()
+    if args.memory:
+        flagged_out_of_memory(composed)
     if args.compose:
         predictions(composed)
 

@@ -27,6 +27,17 @@ Prints per row and
                                             carries; python -m trainsim.validation.fit_kernel_model writes it)
   figure scale_mape_pct_<table>_leave_one_table_out <v> %   the table predicted by a fit to its GPU's other
                                             tables alone (tables sharing a GPU)
+  The pooled figures (validation/generalisation.py; every table of data/published, the NeMo 25.x, Megatron-Bridge
+  and torchtitan tables written as recipes, each with its framework; skip with --skip-generalise):
+  figure scale_rows_expressed_pct <v> %     rows of those tables that compose (the others listed with the reason)
+  figure scale_mape_pct_leave_one_table_out <v> %   headline: each table predicted by a fit to its GPU's other
+                                            tables (a GPU without other tables: its data-free start); mean over
+                                            tables (target <= 8, no table above 12); per table
+                                            scale_table_out_mape_pct_<table>, and _worst_table
+  figure scale_bias_pct_leave_one_table_out_max <v> %   the largest |signed mean| of a table (target <= 5)
+  figure scale_mape_pct_leave_one_family_out <v> %  each model family predicted by a fit without it (target <= 10)
+  figure scale_mape_pct_leave_one_gpu_out <v> %     each GPU at its data-free start times the fitted/data-free
+                                            ratios of the other GPUs
   figure predict_seconds_cached_fresh_process <v> s   `trainsim compose --quick` of one point in a new
                                             process with every input cached
 Rows are composed with the overlap slowdown `trainsim compose` applies on their hardware (validation/fitting.py
@@ -51,6 +62,8 @@ import pandas as pd
 from figures import figure
 
 from trainsim.pipeline import build_point
+from trainsim.validation import generalisation
+from trainsim.validation.generalisation import POOLED_RECIPE_TABLES, base_run, pool_rows, table_errors
 from trainsim.validation.published import (
     ASSUMPTIONS,
     FITTED_PER_GPU,
@@ -75,12 +88,64 @@ def time_one_point() -> float:
     return time.perf_counter() - started
 
 
+def generalise(published: list[str], recipes: list[str]) -> None:
+    """The headline figures: whole tables, model families and GPUs predicted by fits that never saw them."""
+    for hardware in sorted({base for base in recipe_hardware(recipes)}):
+        build_point(base_run(hardware), "calibration")
+        build_point(base_run(hardware), "slowdown_model")
+    started = time.perf_counter()
+    pool = pool_rows(published, recipes)
+    total = len(pool.rows) + len(pool.skipped)
+    print(f"\npooled {len(pool.rows)} rows of {len(published) + len(recipes)} tables on "
+          f"{pool.rows['gpu'].nunique()} GPUs; {len(pool.skipped)} rows not expressed:")
+    for row in pool.skipped.itertuples():
+        print(f"  {row.table}: {row.label}: {row.reason.splitlines()[0][:150]}")
+    figure("scale_rows_expressed_pct", 100 * len(pool.rows) / total, "%")
+    columns = ["table", "label", "gpu", "measured_s", "predicted_s", "error_pct", "params_from"]
+    tables = generalisation.leave_one_table_out(pool)
+    print("\nleave-one-table-out (each table predicted by a fit to its GPU's other tables; 'start': a GPU without "
+          "other tables, at its data-free start):")
+    print(tables[columns].round(3).to_string(index=False))
+    per_table = table_errors(tables)
+    print(per_table.round(2).to_string())
+    for name, row in per_table.iterrows():
+        figure(f"scale_table_out_mape_pct_{figure_name(name)}", row["mape_pct"], "%")
+    figure("scale_mape_pct_leave_one_table_out", per_table["mape_pct"].mean(), "%")
+    figure("scale_mape_pct_leave_one_table_out_worst_table", per_table["mape_pct"].max(), "%")
+    figure("scale_bias_pct_leave_one_table_out_max", per_table["bias_pct"].abs().max(), "%")
+    families = generalisation.leave_one_family_out(pool)
+    print("\nleave-one-family-out:")
+    print(table_errors(families, "family").round(2).to_string())
+    figure("scale_mape_pct_leave_one_family_out", families["error_pct"].abs().mean(), "%")
+    gpus = generalisation.leave_one_gpu_out(pool)
+    print("\nleave-one-GPU-out (the other GPUs' fitted/data-free ratios on this GPU's data-free start):")
+    print(table_errors(gpus, "gpu").round(2).to_string())
+    figure("scale_mape_pct_leave_one_gpu_out", gpus["error_pct"].abs().mean(), "%")
+    print(f"pooled figures in {time.perf_counter() - started:.0f} s")
+
+
+def recipe_hardware(recipes: list[str]) -> set[str]:
+    from trainsim.validation.recipes import compose_recipe, read_recipes
+
+    return {c.run.choices["hardware"] for table in recipes for c in map(compose_recipe, read_recipes(table))
+            if c.run is not None}
+
+
+def figure_name(table: str) -> str:
+    """A table's name as a figure name component (csv names without '.csv', dots as underscores)."""
+    return table.removesuffix(".csv").replace(".", "_").replace("-", "_")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tables", nargs="*", default=list(TABLES), choices=list(TABLES),
                         help="tables to predict (none: only the timing)")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-leave-one-table-out", action="store_true")
+    parser.add_argument("--skip-generalise", action="store_true",
+                        help="skip the pooled leave-one-table/family/GPU-out figures (every table of data/published)")
+    parser.add_argument("--recipe-tables", nargs="*", default=list(POOLED_RECIPE_TABLES),
+                        choices=list(POOLED_RECIPE_TABLES), help="recipe tables in the pooled figures")
     parser.add_argument("--page", type=Path, metavar="OUT.html", help="write the tables' accuracy page here")
     args = parser.parse_args()
     pd.set_option("display.width", 200)
@@ -125,6 +190,8 @@ def main() -> None:
             print(rows[["model", "gpus", "measured_s", "predicted_s", "error_pct"]].round(3).to_string(index=False))
             figure(f"scale_mape_pct_{name}_leave_one_table_out", rows['error_pct'].abs().mean(), "%")
             figure(f"scale_bias_pct_{name}_leave_one_table_out", rows['error_pct'].mean(), "%")
+    if not args.skip_generalise:
+        generalise(args.tables, args.recipe_tables)
     if args.page is not None:
         from trainsim.report.accuracy_figures import published_page
 

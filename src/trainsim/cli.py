@@ -21,12 +21,14 @@ def _cmd_config(args, console: Console) -> int:
 
     run = compose_run(args.overrides)
     par, hw = run.parallelism, run.hardware
-    plain = {group: run.group(group) for group in ("hardware", "model", "parallelism")}
+    plain = {group: run.group(group) for group in ("hardware", "model", "parallelism", "framework")}
     if args.json:
         print_json({**plain, "keys": run.keys})
         return 0
     sys.stdout.write(yaml.safe_dump(plain, sort_keys=False))
-    sys.stdout.write(f"# artifact keys: {run.keys}\n"
+    sys.stdout.write(f"# framework {run.framework.name}: {run.framework.description} (written into the groups "
+                     "above where it decides a field)\n"
+                     f"# artifact keys: {run.keys}\n"
                      f"# world size {par.world_size} = dp {par.dp} x tp {par.tp} x pp {par.pp}; "
                      f"{par.num_microbatches} micro-batch(es) of {par.micro_batch_size} per step; "
                      f"{hw.num_nodes} node(s) x {hw.devices_per_node} devices\n")

@@ -148,3 +148,15 @@ def test_step_time_and_memory_follow_the_split():
 def test_megatron_bridge_layouts_compose_as_written(overrides):
     run = compose_run(overrides, check="layout")
     assert run.parallelism.pp * run.parallelism.virtual_stages in (16, 32, 64)
+
+
+def test_a_virtual_stage_of_dense_layers_only_in_a_mixture_of_experts_traces():
+    """DeepSeek-V3's layout puts its first (dense) layer alone on the first virtual stage: that chunk has no
+    experts, the others do, and the step's gradient buckets follow the chunks that hold them."""
+    from trainsim.trace import trace_layout
+
+    run = compose_run(["model.num_experts=4", "model.moe_top_k=2", "model.moe_first_dense_layers=1",
+                       "parallelism=pp2-interleaved", "parallelism.pipeline_layout=Et|t|t|tL",
+                       "parallelism.zero_stage=1"], check="layout")
+    memory = trace_layout(run.model, run.parallelism).memory.to_pandas()
+    assert len(memory) == 2 and (memory["parameter_bytes"] > 0).all()

@@ -113,7 +113,7 @@ def test_scale_benchmark_writes_the_page(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "evaluate_tables", lambda names: {name: results[name] for name in names})
     monkeypatch.setattr(bench, "build_point", lambda run, target: None)  # what evaluate_tables would read
     monkeypatch.setattr(sys, "argv", ["scale_accuracy.py", "--tables", "mcore2024_h100", "--skip-timing",
-                                      "--page", str(tmp_path / "page.html")])
+                                      "--skip-generalise", "--page", str(tmp_path / "page.html")])
     bench.main()
     assert f"page {tmp_path / 'page.html'}" in capsys.readouterr().out
     text = (tmp_path / "page.html").read_text()

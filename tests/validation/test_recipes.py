@@ -53,3 +53,21 @@ def test_deepseek_v3_composes_with_megatron_bridges_pipeline_layout():
     composed = compose_recipe(recipe)
     assert composed.refusal is None, composed.refusal
     assert composed.run.parallelism.pipeline_layout == "Et|(tt|)*30L"
+
+
+def test_a_layout_megatron_core_refuses_is_counted_apart_with_megatrons_reason():
+    row = pd.Series({"System": "DGX-GB200", "Model": "DeepSeekV3 (tokendrop)", "#-GPUs": "256", "GBS": "2048",
+                     "MBS": "1", "Sequence Length": "4096", "TP": "1", "PP": "4 (8)", "CP": "1", "VP": "4 (2)",
+                     "EP": "64", "Tokens / sec / GPU": "3454 (2835)"})
+    assert not nvidia_recipe("x.csv", 0, row, False).megatron_rejects
+    alternative = compose_recipe(nvidia_recipe("x.csv", 0, row, True))
+    assert alternative.recipe.megatron_rejects and alternative.run is None
+    assert "pp * ep * etp = 512" in alternative.refusal and "no EP of its own" in alternative.refusal
+
+
+def test_torchtitan_rows_train_in_bf16_unless_float8_and_name_their_framework():
+    recipes = read_recipes("torchtitan_llama_perf.csv")
+    bf16 = next(r for r in recipes if "bf16" in r.label)
+    float8 = next(r for r in recipes if "float8 rowwise" in r.label)
+    assert "parallelism.precision=bf16" in bf16.overrides and "framework=torchtitan" in bf16.overrides
+    assert "parallelism.precision=fp8" in float8.overrides and "parallelism.precision=bf16" not in float8.overrides

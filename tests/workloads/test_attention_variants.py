@@ -99,7 +99,7 @@ def test_latent_attention_has_deepseeks_projections_split_over_tp_as_megatron():
     assert shapes["q_norm.weight"] == (24,) and shapes["kv_norm.weight"] == (16,)
 
 
-def _parameters_after_a_step(rank, layout, model_cfg, par):
+def parameters_after_a_step(rank, layout, model_cfg, par):
     groups = create_groups(layout, rank, every_group=True)
     torch.manual_seed(1234)
     rm = build_rank_model(model_cfg, par, rank, groups)
@@ -116,8 +116,8 @@ def test_tensor_parallel_latent_attention_trains_the_same_with_and_without_seque
             "model.window_size=24", "model.attention_sinks=true"]
     plain = compose_run([*base, "parallelism.sequence_parallel=false"], check="layout")
     sp = compose_run([*base, "parallelism.sequence_parallel=true"], check="layout")
-    got_plain = spawn_ranks(_parameters_after_a_step, plain.parallelism, plain.model, plain.parallelism)
-    got_sp = spawn_ranks(_parameters_after_a_step, sp.parallelism, sp.model, sp.parallelism)
+    got_plain = spawn_ranks(parameters_after_a_step, plain.parallelism, plain.model, plain.parallelism)
+    got_sp = spawn_ranks(parameters_after_a_step, sp.parallelism, sp.model, sp.parallelism)
     for rank in range(2):
         for name, value in got_plain[rank].items():
             torch.testing.assert_close(got_sp[rank][name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -209,7 +209,7 @@ def test_mxfp8_experts_run_block_scaled_grouped_gemms_close_to_bf16():
     assert fp8_weight_bytes(layer) == 2 * (w1 + w2) * (1 + 1 / 32)  # both copies, an E8M0 scale per 32
 
 
-@pytest.mark.parametrize("recipe", [r for r in BLOCK_FORMATS if r != "rowwise"])  # rowwise: refused with overlap
+@pytest.mark.parametrize("recipe", [r for r in BLOCK_FORMATS if r != "rowwise"])  # rowwise: the ring carries bf16
 def test_tp_overlap_rings_carry_whole_blocks_that_unpack_to_the_gathered_tensor(recipe):
     from trainsim.workloads.block_overlap import pack, unpack
 
@@ -228,3 +228,24 @@ def test_tp_overlap_rings_carry_whole_blocks_that_unpack_to_the_gathered_tensor(
     assert _relative_error(dequantize(*gathered.columnwise), whole_t) < (0.15 if recipe == "nvfp4" else 0.04)
     one = unpack(pack(quantized[1], groups, columnwise=False)[:groups], quantized[1], groups, False)
     assert torch.equal(dequantize(*one.rowwise), dequantize(*quantized[1].rowwise))
+
+
+@pytest.mark.slow
+def test_rowwise_fp8_under_async_tp_trains_as_without_the_overlap():
+    """torchtitan's float8 rowwise with async TP: the ring carries bf16 shards, each block quantised row-wise as
+    it arrives, the gathered tensor column-wise after the ring; two gloo ranks end a step where the plain
+    (gather, then quantise) tensor-parallel run ends, up to the ring's order of partial sums."""
+    from test_attention_variants import parameters_after_a_step
+
+    from trainsim.workloads.launch import spawn_ranks
+
+    base = ["parallelism=tp2", "parallelism.sequence_parallel=true", "parallelism.precision=fp8",
+            "parallelism.fp8_recipe=rowwise", "parallelism.global_batch_size=2", "hardware=h100-sxm-dgx",
+            "hardware.device_kind=cpu"]
+    got = {}
+    for overlap in (False, True):
+        run = compose_run([*base, f"parallelism.tp_comm_overlap={str(overlap).lower()}"], check="layout")
+        got[overlap] = spawn_ranks(parameters_after_a_step, run.parallelism, run.model, run.parallelism)
+    for rank in range(2):
+        for name, value in got[False][rank].items():
+            assert _relative_error(got[True][rank][name], value) < 1e-2, name

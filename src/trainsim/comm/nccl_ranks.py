@@ -10,13 +10,15 @@ all_gather and reduce_scatter printed busbw = algbw (the factor inside algbw): s
 
 The rule (a disagreement is an error naming both numbers):
   1. A stated total must lie in that interval: the caller's nranks, NCCL's own `nranks N` log line,
-     'N ranks' / 'world size N', mpirun -np (x -t x -g), -g on a command line with no launcher, 'GPU<N>',
-     and for a one-run file '<N>gpu' in its name (the first found, in that order).
+     'N ranks' / 'world size N', mpirun -np (x -t x -g), 'GPU<N>', and for a one-run file '<N>gpu' in its
+     name (the first found, in that order). `-g` alone counts GPUs per process (nccl-tests' meaning), not the
+     run's ranks: a log echoing `all_reduce_perf ... -g 1` of an MPI job states no total.
   2. Otherwise the count the ratio pins down. `# Rank i ... on host` lines only bound it from below: logs
      abbreviate that list and nccl-tests itself cuts a long one with '...', so 4 listed ranks under numbers
      that say 16 are read as 16, while 16 listed under numbers that say 4 are an error.
-  3. Otherwise a complete list (ranks 0..k-1, nothing elided) gives k; else the count is unknown (None).
-Nodes: NCCL's `nNodes N`, the hosts of a list that covers every rank, 'N nodes' / 'single node', and for a
+  3. Otherwise a complete list (ranks 0..k-1, nothing elided) gives k; else -g x -t of a command line echoed
+     without a launcher (one process), where the numbers allow it; else the count is unknown (None).
+Nodes: NCCL's `nNodes N`, the hosts of a list that covers every rank, 'N nodes' / 'N hosts' / 'single node', and for a
 one-run file '<N>node' in its name.
 """
 
@@ -138,9 +140,10 @@ def _rank_list(text: Sequence[tuple[int, str]]) -> _RankList:
     ranks: dict[int, str] = {}
     elided = False
     for _, line in text:
-        match = _RANK_LINE.search(line)
-        if match:
+        matches = list(_RANK_LINE.finditer(line))  # several where interleaved output joined rank lines
+        for match in matches:
             ranks[int(match.group(1))] = match.group(2)
+        if matches:
             elided |= line.rstrip().endswith("...")
         elif ranks and _ELISION.fullmatch(line.strip()):
             elided = True
@@ -179,8 +182,6 @@ def _stated_ranks(text: Sequence[tuple[int, str]], logs: Sequence[str], filename
     processes = _find(r"(?:^|\s)-np\s+(\d+)", text)  # not -n: that is nccl-tests' iteration count
     if processes:
         return processes[0] * threads * (gpus[0] if gpus else 1), processes[1]
-    if gpus and not any(_LAUNCHER.search(line) for _, line in text):
-        return gpus[0] * threads, gpus[1]
     named = _find(r"(?<![A-Za-z])GPU(\d+)", text)
     if named:
         return named
@@ -189,6 +190,16 @@ def _stated_ranks(text: Sequence[tuple[int, str]], logs: Sequence[str], filename
         if match:
             return int(match.group(1)), f"the file name ({filename})"
     return None
+
+
+def _per_process(text: Sequence[tuple[int, str]]) -> int | None:
+    """Ranks of one nccl-tests process (-g GPUs x -t threads) where its command line is echoed without a
+    launcher: the total of a run started without MPI. Under mpirun or srun (whose line a log often leaves out)
+    -g counts GPUs per process, not the run's ranks, so it states no total on its own."""
+    gpus = _find(r"(?:^|\s)-g\s+(\d+)", text)
+    if gpus is None or any(_LAUNCHER.search(line) for _, line in text):
+        return None
+    return gpus[0] * (_find(r"(?:^|\s)-t\s+(\d+)", text) or (1, ""))[0]
 
 
 def run_counts(collective: str, rows: Sequence[BandwidthRow], text: Sequence[tuple[int, str]],
@@ -222,6 +233,8 @@ def run_counts(collective: str, rows: Sequence[BandwidthRow], text: Sequence[tup
         nranks = implied.low  # above the listed ranks (checked): the list is partial
     elif listed.complete and (implied is None or len(listed.ranks) in implied):
         nranks = len(listed.ranks)
+    elif (per_process := _per_process(text)) is not None and (implied is None or per_process in implied):
+        nranks = per_process  # -g x -t of one process (no launcher echoed), where the numbers allow it
     else:
         nranks = None
     covered = nranks is not None and set(listed.ranks) == set(range(nranks))  # every rank and its host listed
@@ -235,7 +248,7 @@ def _nodes(text: Sequence[tuple[int, str]], logs: Sequence[str], filename: str |
         return from_log
     if hosts:
         return len(hosts)
-    stated = _find(r"\b(\d+)\s*nodes?\b", text, re.IGNORECASE)
+    stated = _find(r"\b(\d+)\s*(?:nodes?|hosts)\b", text, re.IGNORECASE)  # "(same 16 ranks on the same 2 hosts)"
     if stated:
         return stated[0]
     if any(re.search(r"\b(?:single|one)[- ]node\b", line, re.IGNORECASE) for _, line in text):

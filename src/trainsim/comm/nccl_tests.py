@@ -10,7 +10,8 @@ Column layouts (modern and old nccl-tests, trimmed tables, CSV lookup tables): s
 Measurements with #wrong > 0 (nccl-tests counted wrong elements) are left out and counted (skipped_wrong).
 
 Job logs
-  * srun task labels (`0: `) and Open MPI tags (`[1,0]<stdout>:`) are stripped.
+  * srun task labels (`0: `) and Open MPI tags (`[1,0]<stdout>:`) are stripped, a tag also where concurrent
+    output put it inside another line (a host name of the rank list, between two rank lines).
   * NCCL INFO/WARN, SHARP (`[host:0:pid - context.c:589] INFO ...`) and UCX log records are skipped, also
     one written into the middle of a data row (NCCL writes to the same stdout while nccl-tests prints a row
     in pieces): the pieces on either side are joined back into the row.
@@ -67,6 +68,9 @@ _ALIASES = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter
             "alltoall": "all_to_all", "sendrecv": "send_recv", "broadcast": "broadcast", "bcast": "broadcast",
             "reduce": "reduce"}
 _LAUNCHER_PREFIX = re.compile(r"^(?:\s*\d+: ?|\[\d+,\d+\]<std(?:out|err)>: ?)")
+_OUTPUT_TAG = re.compile(r"\[\d+,\d+\]<std(?:out|err)>: ?")
+"""An Open MPI output tag anywhere in a line: ranks writing at once interleave their output, so a tag can land
+inside another rank's line (a host name, between two rank lines)."""
 _LOG_RECORD = re.compile(
     r"[A-Za-z][\w.-]*:\d+:\d+ \[\d+\] NCCL (?:INFO|WARN|TRACE|ERROR)"  # NCCL_DEBUG: host:pid:tid [dev] NCCL INFO
     r"|\[[\w.-]+:\d+:\d+ - [\w.]+:\d+\]"  # SHARP: [host:rank:pid - context.c:589]
@@ -232,6 +236,7 @@ class _Scanner:
         line = raw.rstrip("\r")
         for _ in range(2):  # srun label, then an Open MPI tag
             line = _LAUNCHER_PREFIX.sub("", line, count=1)
+        line = _OUTPUT_TAG.sub("", line)  # a tag interleaved inside the line
         text = line.strip()
         if not text or text.startswith("#") or is_header(text):
             self._flush_piece()

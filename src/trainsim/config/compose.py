@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from trainsim.config.compose_cache import composition_key, read_composition, typed_from_plain, write_composition
+from trainsim.config.framework import apply_framework
 from trainsim.config.imported_models import HF_PREFIX, hydra_overrides
 from trainsim.config.schema import (
     CONFIG_GROUPS,
+    FrameworkConfig,
     HardwareConfig,
     ModelConfig,
     ParallelismConfig,
@@ -58,6 +60,12 @@ class Run:
     the option's key, so it re-runs nothing)."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     """The whole run (token budget) for totals; in no artifact key."""
+    framework: FrameworkConfig = dataclasses.field(default_factory=FrameworkConfig)
+    """The software stack (conf/framework/), already written into hardware, model and parallelism
+    (config/framework.py): it keys artifacts through the values it set there."""
+    explicit_fields: tuple[str, ...] = ()
+    """Dotted fields set on the command line or by a chosen option file (`parallelism.tp`, ...), sorted: the
+    framework decides none of them."""
 
     def group(self, name: str) -> dict[str, Any]:
         """The plain (JSON-able) values of one config group."""
@@ -66,19 +74,29 @@ class Run:
     def key(self, name: str) -> str:
         """Artifact-path component for a group: the option name, plus a hash when a field was overridden.
 
-        `model=gpt-13b` gives 'gpt-13b'; `model=gpt-13b model.num_layers=20` gives 'gpt-13b-<hash>'; an imported
+        `model=gpt-13b` gives 'gpt-13b'; `model=gpt-13b model.num_layers=20` gives 'gpt-13b-<hash>' (as does a framework
+        that changes a field of the group: config/framework.py); an imported
         `model=hf:dir/config.json` gives its written option, 'dir-<hash of the imported fields>'.
         """
-        touched = any(o.lstrip("+~").startswith(f"{name}.") for o in self.overrides)
         base = self.choices[name]
         if base.startswith(HF_PREFIX):
             base = self.option_values[name]["name"]
-        changed = touched and self.option_values.get(name) != self.group(name)
+        changed = self.option_values.get(name, self.group(name)) != self.group(name)  # overridden or by framework
         return f"{base}-{stable_hash(self.group(name))}" if changed else base
 
     @property
     def keys(self) -> dict[str, str]:
         return {name: self.key(name) for name in CONFIG_GROUPS}
+
+
+def explicit_fields(overrides, options: dict[str, Any]) -> tuple[str, ...]:
+    """The fields a user stated: on the command line, or in a chosen option file (a value other than the
+    schema's default). The framework decides only the others."""
+    stated = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    for name, cls in CONFIG_GROUPS.items():
+        defaults = dataclasses.asdict(cls())
+        stated |= {f"{name}.{k}" for k, v in dataclasses.asdict(options[name]).items() if v != defaults.get(k)}
+    return tuple(sorted(stated))
 
 
 def detect_local_devices(hw: HardwareConfig) -> HardwareConfig:
@@ -92,7 +110,7 @@ def detect_local_devices(hw: HardwareConfig) -> HardwareConfig:
     return dataclasses.replace(hw, devices_per_node=devices, memory_capacity_bytes=float(memory))
 
 
-TYPED_NODES: dict[str, type] = {**CONFIG_GROUPS, "train": TrainConfig}
+TYPED_NODES: dict[str, type] = {**CONFIG_GROUPS, "train": TrainConfig, "framework": FrameworkConfig}
 """The composed nodes a Run is made of."""
 
 
@@ -130,7 +148,7 @@ def _hydra_compose(conf: Path, overrides: tuple[str, ...]) -> tuple[dict[str, st
         raise ConfigError(f"cannot compose config from {conf} with overrides {list(overrides)}: {detail}") from exc
     finally:
         GlobalHydra.instance().clear()
-    choices = {name: str(cfg.hydra.runtime.choices[name]) for name in CONFIG_GROUPS}
+    choices = {name: str(cfg.hydra.runtime.choices[name]) for name in (*CONFIG_GROUPS, "framework")}
     return choices, {name: OmegaConf.to_object(cfg[name]) for name in TYPED_NODES}
 
 
@@ -159,15 +177,20 @@ def compose_run(
         search_path = tuple(o for o in imported_overrides if o.startswith("hydra.searchpath="))
         options = _compose(conf, tuple(f"{g}={choices[g]}" for g in CONFIG_GROUPS) + search_path)[1]
     choices |= imported_choices
+    explicit = explicit_fields(overrides, options)
+    hardware, model, parallelism = apply_framework(typed["framework"], detect_local_devices(typed["hardware"]),
+                                                   typed["model"], typed["parallelism"], explicit)
     run = Run(
-        hardware=detect_local_devices(typed["hardware"]),
-        model=typed["model"],
-        parallelism=typed["parallelism"],
+        hardware=hardware,
+        model=model,
+        parallelism=parallelism,
         choices=choices,
         overrides=tuple(overrides),
         option_values={name: dataclasses.asdict(detect_local_devices(options[name]) if name == "hardware"
                                                 else options[name]) for name in CONFIG_GROUPS},
         train=typed["train"],
+        framework=typed["framework"],
+        explicit_fields=explicit,
     )
     if not run.train.tokens >= 0:
         raise ConfigError(f"train.tokens={run.train.tokens}: the run's token budget must be >= 0 (0 = no training "

@@ -34,16 +34,6 @@ ONE_BUCKET_BYTES = 2 ** 50  # set: above any stage's gradients (1 PiB): one buck
 """parallelism.dp_bucket_size_bytes of Megatron-Core without --overlap-grad-reduce, which reduces all gradients in
 one bucket after the backward (DistributedDataParallel sets bucket_size to None)."""
 
-MEGATRON_DEFAULT_BUCKET_PARAMS = 40_000_000  # cite: Megatron-Core DistributedDataParallel: max(40M, 1M x dp)
-MEGATRON_BUCKET_PARAMS_PER_RANK = 1_000_000  # cite: Megatron-Core DistributedDataParallel: max(40M, 1M x dp)
-
-
-def megatron_core_bucket_bytes(dp: int, grad_bytes: int) -> int:
-    """Megatron-Core DDP's default gradient bucket: max(40M, 1M x dp) parameters (dp counts the context-parallel
-    ranks, which reduce gradients with it), each `grad_bytes` long."""
-    return max(MEGATRON_DEFAULT_BUCKET_PARAMS, MEGATRON_BUCKET_PARAMS_PER_RANK * dp) * grad_bytes
-
-
 @dataclass
 class ImportedLayout:
     """What an import found: the layout's fields and the settings it did not turn into one."""
@@ -58,6 +48,8 @@ class ImportedLayout:
     """Settings not known to the importer, kept when allowed (--allow-unknown) and listed in the output."""
     notes: list[str] = field(default_factory=list)
     """Settings read that trainsim does not price (e.g. torch.compile): listed, so nothing is dropped silently."""
+    framework: str = ""
+    """The conf/framework option of the stack the arguments belong to ('megatron-core', 'torchtitan')."""
 
     def parallelism(self) -> ParallelismConfig:
         """The layout as the schema's dataclass (ConfigError for a contract field the schema does not have)."""
@@ -69,8 +61,9 @@ class ImportedLayout:
         return ParallelismConfig(**self.fields)
 
     def overrides(self) -> list[str]:
-        """Hydra overrides that set every field (`parallelism.tp=8`, ...)."""
-        return [f"parallelism.{key}={_override_value(value)}" for key, value in self.fields.items()]
+        """Hydra overrides that set the framework and every field (`parallelism.tp=8`, ...)."""
+        return ([f"framework={self.framework}"] if self.framework else []) + [
+            f"parallelism.{key}={_override_value(value)}" for key, value in self.fields.items()]
 
     def yaml_text(self) -> str:
         """A conf/parallelism file: a `# cite:` header naming the source, the schema defaults and every field."""
@@ -80,6 +73,8 @@ class ImportedLayout:
         if self.unknown:
             lines.append(f"# not known to import-layout, left out: {'; '.join(self.unknown)}")
         lines += [f"# note: {note}" for note in self.notes]
+        if self.framework:
+            lines.append(f"# compose with framework={self.framework} (the stack these arguments belong to)")
         lines += ["defaults:", "  - parallelism_schema", "  - _self_"]
         lines += [f"{key}: {_yaml_value(value)}" for key, value in self.fields.items()]
         return "\n".join(lines) + "\n"

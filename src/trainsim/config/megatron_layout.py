@@ -20,13 +20,8 @@ from collections.abc import Sequence
 
 from trainsim.config.bridge_overrides import bridge_to_megatron
 from trainsim.config.choices import PRECISION_WEIGHT_BYTES
-from trainsim.config.imported_layout import (
-    ONE_BUCKET_BYTES,
-    ImportedLayout,
-    layout_fields,
-    megatron_core_bucket_bytes,
-    refuse,
-)
+from trainsim.config.framework import megatron_core_bucket_bytes
+from trainsim.config.imported_layout import ONE_BUCKET_BYTES, ImportedLayout, layout_fields, refuse
 from trainsim.config.launch_line import launch_tokens
 from trainsim.config.schema import ParallelismConfig
 from trainsim.errors import ConfigError
@@ -161,7 +156,7 @@ def import_megatron(arguments: str | Sequence[str], world_size: int | None = Non
                           f"of MODEL_ARGUMENTS")
     fields = _megatron_fields(args, world_size)
     source = f"Megatron-LM arguments on {world_size} GPUs: " + " ".join(shlex.quote(t) for t in script_arguments)
-    return ImportedLayout(layout_fields(fields, name), source, model_arguments, unknown, notes)
+    return ImportedLayout(layout_fields(fields, name), source, model_arguments, unknown, notes, "megatron-core")
 
 
 def _megatron_fields(args: dict[str, object], world_size: int) -> dict[str, object]:

@@ -707,6 +707,39 @@ class TrainConfig:
 
 
 @dataclass
+class FrameworkConfig:
+    """The software stack a run trains with (conf/framework/): settings that a framework decides for its
+    users, which published tables and recipes leave unstated. config/framework.py resolves them into the
+    parallelism, model and hardware groups when a run is composed, so every stage sees concrete values. The
+    framework decides a field only where the user left it: a value on the command line (e.g.
+    parallelism.gradient_accumulation_fusion=false) or in a chosen option file (other than the schema's
+    default) wins. None / '' = leave the groups' value."""
+
+    name: str = "pytorch"
+    """The option's name (conf/framework/<name>.yaml)."""
+    description: str = ""
+    """What the stack is and which releases it stands for."""
+    dp_bucket: str = ""
+    """Gradient buckets of its data-parallel reduction: 'pytorch-ddp' (torch DDP's 25 MiB), 'megatron-core'
+    (Megatron-Core DDP's max(40M, 1M x dp x cp) parameters in the gradients' dtype); '' = the layout's
+    parallelism.dp_bucket_size_bytes."""
+    gradient_accumulation_fusion: bool | None = None
+    """Its default for parallelism.gradient_accumulation_fusion (Megatron-Core on, plain PyTorch off)."""
+    attention: str = ""
+    """Its core attention kernel for model.attention: 'unfused' (Megatron-LM before flash attention), 'fused'."""
+    flash_attention: str = ""
+    """A flash-attention release whose measured rates replace the hardware config's attention efficiencies:
+    'Fav2' / 'Fav3' = FlashAttention-2 / -3's causal forward/backward measured on H100 (data/kernels/
+    h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv; NeMo 24.07 ran Fav2: Transformer Engine before its FlashAttention-3
+    support, with NVTE_FUSED_ATTN=0); H100 only; '' = the hardware's."""
+    tp_comm_overlap: bool = True
+    """Whether the stack can overlap tensor-parallel communication with GEMMs (Transformer Engine's userbuffers,
+    torchtitan's async TP); False refuses parallelism.tp_comm_overlap=true."""
+    host_dispatch_s: float | None = None
+    """Host seconds per dispatched op in this stack (hardware.host_dispatch_s); None = the hardware's."""
+
+
+@dataclass
 class RunConfig:
     """The composed root config: one simulation point."""
 
@@ -718,6 +751,8 @@ class RunConfig:
     """The layout of one training step on the cluster (conf/parallelism/)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The whole run a step belongs to (`train.tokens=3e11`)."""
+    framework: FrameworkConfig = field(default_factory=FrameworkConfig)
+    """The software stack (conf/framework/), resolved into the groups above (config/framework.py)."""
 
 
 CONFIG_GROUPS: dict[str, type] = {
@@ -733,5 +768,5 @@ def register_configs() -> None:
 
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
-    for group, schema in CONFIG_GROUPS.items():
+    for group, schema in {**CONFIG_GROUPS, "framework": FrameworkConfig}.items():
         store.store(group=group, name=f"{group}_schema", node=schema)

@@ -134,7 +134,8 @@ def import_torchtitan(toml: str | Path, world_size: int | None = None, name: str
         fields["etp"] = 1
         notes.append(f"expert_parallel_degree 1: torchtitan shards a mixture of experts' experts over tp, written as "
                      f"etp 1 for a dense model; for a mixture of experts set parallelism.etp={fields['tp']}")
-    return ImportedLayout(layout_fields(fields, name), f"torchtitan job config {where}", model, unknown, notes)
+    return ImportedLayout(layout_fields(fields, name), f"torchtitan job config {where}", model, unknown, notes,
+                          "torchtitan")
 
 
 def _torchtitan_fields(get, where: str, world_size: int | None, num_layers: int | None) -> dict[str, object]:

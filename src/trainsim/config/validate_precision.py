@@ -46,10 +46,6 @@ def validate_block_scaling(model: ModelConfig, par: ParallelismConfig) -> None:
         raise ConfigError(f"parallelism.fp8_param_gather=true with {what}: FP8 all-gathers of block-scaled weights "
                           "are not built (they gather per-tensor-scaled E4M3); set fp8_param_gather=false (the "
                           "weights are gathered in bf16 and cast at each use)")
-    if recipe == "rowwise" and par.tp_comm_overlap:
-        raise ConfigError("parallelism.fp8_recipe='rowwise' with parallelism.tp_comm_overlap=true (async tensor "
-                          "parallelism) is not built: the overlapped ring carries fixed-length token blocks, rowwise "
-                          "scales span the whole dimension; set tp_comm_overlap=false")
     if recipe == "fp4" and model.num_experts:
         raise ConfigError(f"{what} with experts (model.num_experts={model.num_experts}) is not modelled (NVFP4 "
                           "grouped GEMMs are not built): use parallelism.precision='fp8'")

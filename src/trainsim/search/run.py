@@ -24,6 +24,7 @@ import yaml
 
 from trainsim.comm.model import CommModel
 from trainsim.config.compose import Run, stable_hash
+from trainsim.config.framework import apply_framework
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.errors import ArtifactError, ConfigError
 from trainsim.pipeline import exists
@@ -159,7 +160,8 @@ def search_layouts(run: Run, budget: int, space: SearchSpace | None = None, *, j
                           "then compose the chosen layouts with the file (`snakemake --config sweep_file=...`)")
     space = space or SearchSpace()
     hw = cluster_for(run.hardware, budget)
-    layouts = enumerate_layouts(run.model, run.parallelism, hw, budget, space)
+    layouts = [apply_framework(run.framework, hw, run.model, par, run.explicit_fields)[2]  # e.g. buckets per dp
+               for par in enumerate_layouts(run.model, run.parallelism, hw, budget, space)]
     if not layouts:
         raise ConfigError(f"no layout of {run.model.name} fits the constraints on {budget} GPUs "
                           f"(search space {space})")

@@ -24,6 +24,7 @@ Settings the sources leave open are stated in ASSUMPTIONS and applied the same w
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,8 @@ import numpy as np
 import pandas as pd
 
 from trainsim.config.data_path import DATA_DIR
-from trainsim.config.imported_layout import megatron_core_bucket_bytes
-from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.config.framework import apply_framework
+from trainsim.config.schema import FrameworkConfig, HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.validation.fitting import calibrated_comm, pipeline_slowdown
 from trainsim.validation.kernel_fit import (
     FITTED_PER_GPU,
@@ -83,8 +84,9 @@ class Table:
     """tokens per sample; None: the csv's seq_len column"""
     vocab: int | None
     """None: the architecture's (architectures)"""
-    attention: str
-    """core attention kernel of that Megatron version: 'unfused' before flash attention (2021), 'fused' after"""
+    framework: str
+    """the software stack that ran it (conf/framework/): its gradient buckets, gradient-accumulation fusion,
+    attention kernel and flash-attention release (config/framework.py applies them to every row)"""
     most_virtual_stages: int | None
     """interleaving: the most virtual stages per pipeline rank that divide its layers, up to this many; None: the
     csv's vp column"""
@@ -103,13 +105,6 @@ class Table:
     """model name -> architecture where the csv has no architecture columns (layers, hidden, attn_heads); with
     it, seq (None), micro batch, context parallelism and virtual stages come from the csv's seq_len, micro_batch,
     cp and vp columns"""
-    megatron_core: bool = False
-    """Megatron-Core's DDP: its gradient buckets (megatron_core_bucket_bytes) in place of PyTorch DDP's 25 MiB, and
-    its default gradient-accumulation fusion (parallelism.gradient_accumulation_fusion)"""
-    flash_attention: str | None = None
-    """the flash-attention kernel of that framework release where it differs from the hardware config's
-    (FlashAttention-3 on H100): 'Fav2' = FlashAttention-2's causal H100 measurement (FLASH_ATTENTION_RATES);
-    None: the hardware config's attention efficiencies"""
 
 
 LAUNCHER = "NVIDIA/NeMo-Framework-Launcher tag 24.07, launcher_scripts/conf/training/"
@@ -146,14 +141,14 @@ NEMO_ARCHITECTURES = {
 
 TABLES = {
     "megatron2021_a100": Table("megatron2021_a100", "published/megatron-lm_readme_2021_a100_selene_weak_scaling.csv",
-                               "a100-80g-selene", "fp16", "full", 2048, 51200, "unfused", 4, False, False, 96.0, 16.0),
+                               "a100-80g-selene", "fp16", "full", 2048, 51200, "megatron-lm-2021", 4, False, False,
+                               96.0, 16.0),
     "mcore2024_h100": Table("mcore2024_h100", "published/megatron-lm_readme_2024_h100_core_r0.8.csv",
-                            "h100-sxm-dgx", "bf16", "none", 4096, 131072, "fused", 1024, True, True, 72.0, 12.0,
-                            megatron_core=True),
+                            "h100-sxm-dgx", "bf16", "none", 4096, 131072, "megatron-core", 1024, True, True, 72.0,
+                            12.0),
     "nemo2407_h100_fp8": Table("nemo2407_h100_fp8", "published/nemo_24.07_dgx-h100_fp8_pretrain.csv",
-                               "h100-sxm-dgx", "fp8", "none", None, None, "fused", None, True, True, None, None,
-                               step_time_column="derived_step_time_s", architectures=NEMO_ARCHITECTURES,
-                               flash_attention="Fav2", megatron_core=True),
+                               "h100-sxm-dgx", "fp8", "none", None, None, "nemo-24.07", None, True, True, None, None,
+                               step_time_column="derived_step_time_s", architectures=NEMO_ARCHITECTURES),
 }
 
 DROPOUT = 0.1
@@ -293,7 +288,7 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
                                 hidden_size=int(row["hidden"]), num_attention_heads=int(row["attn_heads"]),
                                 num_layers=int(row["layers"]), seq_length=int(row["seq"]),
                                 vocab_size=int(row["vocab"]), num_kv_heads=optional(row["kv_heads"]),
-                                ffn_hidden_size=optional(row["ffn"]), attention=table.attention,
+                                ffn_hidden_size=optional(row["ffn"]),
                                 dropout=float(row["dropout"]), attention_dropout=float(row["dropout"]))
     tp, pp, v = int(row["tp"]), int(row["pp"]), int(row["virtual_stages"])
     sp = table.sequence_parallel and tp > 1
@@ -306,13 +301,7 @@ def row_configs(table: Table, row, base_model: ModelConfig, base_par: Parallelis
                               zero_stage=int(table.distributed_optimizer),
                               overlap_param_gather=table.distributed_optimizer,
                               schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
-    if table.megatron_core:
-        from trainsim.workloads.model import DTYPES
-
-        grad_bytes = 4 if par.grad_reduce_in_fp32 else DTYPES[par.precision].itemsize  # gradients in the weights' dtype
-        par = dataclasses.replace(par, dp_bucket_size_bytes=megatron_core_bucket_bytes(par.dp * par.cp, grad_bytes),
-                                  gradient_accumulation_fusion=True)
-    return model, par
+    return apply_framework(table_framework(table), HardwareConfig(), model, par)[1:]
 
 
 def compose_row(model: ModelConfig, par: ParallelismConfig, hw: HardwareConfig, comm, slowdown):
@@ -344,24 +333,21 @@ class TableResult:
     """the GPU's rows and step times the fits composed (shared by the GPU's tables)"""
 
 
-FLASH_ATTENTION_RATES = DATA_DIR / "kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv"
+def table_framework(table: Table) -> FrameworkConfig:
+    """The table's conf/framework option."""
+    return framework_named(table.framework)
+
+
+@functools.cache
+def framework_named(name: str) -> FrameworkConfig:
+    from trainsim.config import compose_run
+
+    return compose_run([f"framework={name}"], check="layout").framework
 
 
 def table_hardware(table: Table, hw: HardwareConfig) -> HardwareConfig:
-    """`hw` with the table's flash-attention kernel: its causal forward and backward TFLOP/s measured on H100
-    over the bf16 peak, at the measurement's sequence length (the kernel model's attention_*_efficiency are
-    reached at long sequences: keys / (keys + attention_tile_keys) of them at that length, the hardware's tile
-    work and dropout cost kept); `hw` itself where the table names none."""
-    if table.flash_attention is None:
-        return hw
-    rates = pd.read_csv(FLASH_ATTENTION_RATES, comment="#")
-    rates = rates[(rates["kernel"] == table.flash_attention) & rates["causal"]].set_index("pass")
-    peak = hw.peak_flops_per_s["bf16"]
-    long_sequence = 1 + hw.kernel_model.attention_tile_keys / rates["seqlen"]
-    efficiency = (rates["tflops"] * 1e12 / peak * long_sequence).clip(upper=1.0)
-    return dataclasses.replace(hw, kernel_model=dataclasses.replace(
-        hw.kernel_model, attention_forward_efficiency=float(efficiency["fwd"]),
-        attention_backward_efficiency=float(efficiency["bwd"])))
+    """`hw` as the table's framework runs it (its flash-attention release: config/framework.py)."""
+    return apply_framework(table_framework(table), hw, ModelConfig(), ParallelismConfig())[0]
 
 
 def trace_rows(runs: list[RowRun], workers: int = 2) -> list[RowRun]:
@@ -401,27 +387,34 @@ class GpuRows:
         return measured
 
 
+def table_fit_rows(name: str, workers: int = 2, slowdown=None) -> tuple[pd.DataFrame, list[FitRow], pd.DataFrame]:
+    """A table's runnable rows (read_table's columns), traced, as the FitRows the fits compose, and its rows with
+    a skip_reason. `slowdown`: the overlap slowdown to compose with; None = the one `trainsim compose` applies on
+    the table's hardware (its slowdown_model artifact, fitting.pipeline_slowdown)."""
+    table = TABLES[name]
+    table_rows = read_table(name)
+    runnable = table_rows["skip_reason"].isna()
+    rows = table_rows[runnable].reset_index(drop=True)
+    run = table_run(name)
+    comm = calibrated_comm(run)
+    runs = trace_rows([RowRun(*row_configs(table, row, run.model, run.parallelism), Path())
+                       for _, row in rows.iterrows()], workers)
+    hw = table_hardware(table, run.hardware)
+    table_slowdown = pipeline_slowdown(run) if slowdown is None else slowdown
+    return (rows, [FitRow(r.directory, r.par, hw, comm, table_slowdown) for r in runs],
+            table_rows[~runnable].reset_index(drop=True))
+
+
 def gpu_rows(names: list[str], workers: int = 2, slowdown=None) -> GpuRows:
     """The runnable rows of the tables `names` (all on one GPU), traced, their StepTimes starting from the
-    GPU's data-free point. `slowdown`: the overlap slowdown to compose with; None = the one `trainsim compose`
-    applies on the table's hardware (its slowdown_model artifact, fitting.pipeline_slowdown)."""
+    GPU's data-free point (table_fit_rows)."""
     hardware = {TABLES[name].hardware for name in names}
     if len(hardware) != 1:
         raise ValueError(f"tables {names} run on {sorted(hardware)}: a fit pools the tables of one GPU")
     fit_rows, frames, skipped = [], [], {}
     for name in names:
-        table = TABLES[name]
-        table_rows = read_table(name)
-        runnable = table_rows["skip_reason"].isna()
-        rows = table_rows[runnable].reset_index(drop=True)
-        skipped[name] = table_rows[~runnable].reset_index(drop=True)
-        run = table_run(name)
-        comm = calibrated_comm(run)
-        runs = trace_rows([RowRun(*row_configs(table, row, run.model, run.parallelism), Path())
-                           for _, row in rows.iterrows()], workers)
-        hw = table_hardware(table, run.hardware)
-        table_slowdown = pipeline_slowdown(run) if slowdown is None else slowdown
-        fit_rows += [FitRow(r.directory, r.par, hw, comm, table_slowdown) for r in runs]
+        rows, table_rows, skipped[name] = table_fit_rows(name, workers, slowdown)
+        fit_rows += table_rows
         frames.append(rows.assign(table=name))
     return GpuRows(StepTimes(fit_rows, data_free_params(fit_rows[0].hw)), pd.concat(frames, ignore_index=True),
                    skipped)

@@ -107,6 +107,9 @@ class Recipe:
     """why the row cannot be written (None: it can)"""
     variant: str = ""
     """'' for a row's main result; 'alternative' for the configuration a cell shows in parentheses"""
+    megatron_rejects: bool = False
+    """the layout as the source states it is one Megatron-Core itself refuses (the refusal gives its reason):
+    counted apart from trainsim's own refusals"""
 
 
 @dataclass
@@ -185,11 +188,19 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
         return Recipe(**base, overrides=(), refusal=NOT_BUILT[model_name])
     if model_name not in MODELS:
         return Recipe(**base, overrides=(), refusal=f"model {model_name!r}: no model config")
+    if gpus % (pp * ep):
+        return Recipe(**base, overrides=(), megatron_rejects=True,
+                      refusal=f"the layout as stated (EP={ep}, PP={pp} on {gpus} GPUs) is one Megatron-Core refuses: "
+                              f"its world size {gpus} must be a multiple of pp * ep * etp = {pp * ep} (experts are "
+                              "folded over the ranks of a pipeline stage)"
+                              + ("; the cell's alternative states no EP of its own" if alternative else ""))
     dp = gpus // (tp * pp * cp)
     precision, fp8_recipe, note = precision_of(table, system, alternative, precision_column)
     if note:
         notes.append(note)
-    overrides = [f"hardware={SYSTEMS[system]}", f"model={MODELS[model_name]}", "parallelism=single",
+    framework = "nemo-24.07" if table.startswith("nemo_24.07") else "megatron-bridge"
+    overrides = [f"hardware={SYSTEMS[system]}", f"framework={framework}", f"model={MODELS[model_name]}",
+                 "parallelism=single",
                  f"model.seq_length={seq}", f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
                  f"parallelism.cp={cp}", f"parallelism.micro_batch_size={mbs}",
                  f"parallelism.global_batch_size={gbs}", f"parallelism.precision={precision}"]
@@ -218,7 +229,7 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
     else:
         overrides += ["parallelism.zero_stage=1", "parallelism.overlap_param_gather=true"]
         notes.append("distributed optimizer with overlapped gradient reduce and parameter gather (Megatron-Core)")
-    overrides += ["parallelism.gradient_accumulation_fusion=true", "parallelism.recompute=none"]
+    overrides.append("parallelism.recompute=none")
     notes += ["no activation recomputation (not stated)", f"hardware.num_nodes for {gpus} GPUs"]
     if model_name in MODEL_NOTES:
         notes.append(MODEL_NOTES[model_name])
@@ -265,7 +276,8 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
                                                      f"{', '.join(TORCHTITAN_RECOMPUTE)}")
     if mode != recompute:
         notes.append(f"activation checkpointing {mode!r} composed as recompute={recompute}")
-    overrides = [f"hardware={SYSTEMS[row['gpu']]}", f"model={MODELS[row['model']]}", "parallelism=single",
+    overrides = [f"hardware={SYSTEMS[row['gpu']]}", "framework=torchtitan", f"model={MODELS[row['model']]}",
+                 "parallelism=single",
                  f"model.seq_length={seq}", f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
                  f"parallelism.cp={cp}", f"parallelism.micro_batch_size={local}",
                  f"parallelism.global_batch_size={gbs}", "parallelism.zero_stage=3",
@@ -278,6 +290,8 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
         notes.append("Float8 with tensorwise dynamic scaling (torchao's default) as fp8_recipe=current")
         if "float8 all-gather" in lowered:
             overrides.append("parallelism.fp8_param_gather=true")
+    else:  # torchtitan trains in bf16 (FSDP2 MixedPrecisionPolicy param_dtype, training.mixed_precision_param)
+        overrides.append("parallelism.precision=bf16")
     if tp > 1:
         overrides.append("parallelism.sequence_parallel=true")
         if "async" in lowered:

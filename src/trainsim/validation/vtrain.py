@@ -73,7 +73,7 @@ def read_rows(path: Path = CSV) -> pd.DataFrame:
 def row_overrides(row) -> list[str]:
     """Hydra overrides that describe one published row as a trainsim run."""
     return [
-        f"hardware={HARDWARE}", "model=gpt-small", "parallelism=single",
+        f"hardware={HARDWARE}", "framework=megatron-deepspeed", "model=gpt-small", "parallelism=single",
         f"model.hidden_size={int(row['hidden'])}", f"model.num_attention_heads={int(row['heads'])}",
         f"model.num_layers={int(row['layers'])}", f"model.seq_length={int(row['seq'])}", "model.vocab_size=50257",
         f"parallelism.tp={int(row['tp'])}", f"parallelism.pp={int(row['pp'])}", f"parallelism.dp={int(row['dp'])}",

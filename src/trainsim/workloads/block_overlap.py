@@ -7,6 +7,11 @@ too (wgrad) one row per group of `b` tokens (b = the column-wise blocks' length 
 travel whole. TE's quantisation kernel writes into the communication buffer itself: packing and unpacking here
 are copies noted fused (no kernel time of their own). NVFP4's per-tensor amaxes are reduced over the tp group
 before a gathered tensor is quantised (the shards must share its scales).
+
+torchao's rowwise recipe (async TP in torchtitan) scales the column-wise copy per column over all the tokens,
+which no shard can compute alone: there the ring carries the bf16 shards (torchtitan all-gathers rowwise-scaled
+layers in bf16), each arriving block is quantised row-wise (a row's scale needs only that row) for its GEMM,
+and the gathered tensor is quantised column-wise once the ring is done.
 """
 
 from __future__ import annotations
@@ -70,13 +75,23 @@ def unpack(rows: torch.Tensor, like: BlockQuantized, groups_in_like: int, column
                               column(pieces[3], like.scale_t.dtype), like.global_scale_t)
 
 
-def _gather_matmul(q: BlockQuantized, weight: tuple, group, tp: int, role: str, fp8):
-    """(all-gather(q) @ weight^T in bf16, the gathered BlockQuantized, both copies) with the ring overlapped."""
+def _gather_matmul(x: torch.Tensor, weight: tuple, group, tp: int, role: str, fp8):
+    """(all-gather(x) @ weight^T in bf16, the gathered tensor's column-wise copy) with the ring overlapped."""
     block_tokens = getattr(fp8.region.block, f"{role}_block")[1]  # the column-wise blocks' length along the tokens
+    n = weight[0].shape[0]
+    if block_tokens == 0:  # a column's scale spans every token: the ring carries bf16
+        def mm_whole(rows, out):
+            y = block_scaling.gemm(fp8.region.quantize_blocks(rows, role, columnwise=False).rowwise, weight)
+            with observer().kernel_notes(fused=1):
+                out.copy_(y)
+
+        out, gathered = ring_all_gather_matmul(x, x.new_empty((n, 1)), group, tp, mm=mm_whole,
+                                               out_dtype=torch.bfloat16)
+        return out, fp8.region.quantize_blocks(gathered, role, rowwise=False).columnwise
+
+    q = fp8.region.quantize_blocks(x, role, tp_group=group)
     groups = q.data.shape[0] // block_tokens
     packed = pack(q, groups, columnwise=True)
-
-    n = weight[0].shape[0]
 
     def mm(rows, out):  # out: the ring's [groups, block_tokens * n] slice, i.e. these tokens' [tokens, n]
         y = block_scaling.gemm(unpack(rows, q, groups, columnwise=True).rowwise, weight)
@@ -85,7 +100,7 @@ def _gather_matmul(q: BlockQuantized, weight: tuple, group, tp: int, role: str, 
 
     out, gathered = ring_all_gather_matmul(packed, packed.new_empty((block_tokens * n, 1)), group, tp, mm=mm,
                                            out_dtype=torch.bfloat16)
-    return out.view(-1, n), unpack(gathered, q, groups, columnwise=True)
+    return out.view(-1, n), unpack(gathered, q, groups, columnwise=True).columnwise
 
 
 class BlockOverlappedColumnLinear(torch.autograd.Function):
@@ -95,10 +110,9 @@ class BlockOverlappedColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, fp8, group, tp):
-        q = fp8.region.quantize_blocks(x.contiguous(), "activation", tp_group=group)
         w = fp8.block_weight(weight)
-        out, gathered = _gather_matmul(q, w.rowwise, group, tp, "activation", fp8)
-        ctx.save_for_backward(*gathered.columnwise)
+        out, gathered_t = _gather_matmul(x.contiguous(), w.rowwise, group, tp, "activation", fp8)
+        ctx.save_for_backward(*gathered_t)
         ctx.fp8, ctx.weight_q, ctx.group, ctx.tp = fp8, fp8.kept_for_backward(weight, w), group, tp
         return out
 
@@ -136,8 +150,7 @@ class BlockOverlappedRowLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_t = ctx.saved_tensors
-        gq = ctx.fp8.region.quantize_blocks(grad.contiguous(), "gradient", tp_group=ctx.group)
         w = ctx.fp8.block_for_backward(ctx.weight_q)
-        grad_x, gathered = _gather_matmul(gq, w.columnwise, ctx.group, ctx.tp, "gradient", ctx.fp8)
-        wgrad = block_scaling.gemm(gathered.columnwise, x_t)
+        grad_x, gathered_t = _gather_matmul(grad.contiguous(), w.columnwise, ctx.group, ctx.tp, "gradient", ctx.fp8)
+        wgrad = block_scaling.gemm(gathered_t, x_t)
         return grad_x, wgrad, None, None, None

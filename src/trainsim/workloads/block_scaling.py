@@ -257,14 +257,15 @@ class BlockQuantized:
 
 
 def quantize(x: torch.Tensor, fmt: BlockFormat, role: str, columnwise: bool = True,
-             global_amax: torch.Tensor | None = None) -> BlockQuantized:
-    """x in `fmt` for `role` ('activation', 'weight', 'gradient'): both copies in one kernel. NVFP4 needs the
-    tensor's amaxes (`global_amax`: nvfp4_amax, or its reduction over the ranks that gather the tensor)."""
+             global_amax: torch.Tensor | None = None, rowwise: bool = True) -> BlockQuantized:
+    """x in `fmt` for `role` ('activation', 'weight', 'gradient'): the requested copies (both by default) in one
+    kernel. NVFP4 needs the tensor's amaxes (`global_amax`: nvfp4_amax, or its reduction over the ranks that
+    gather the tensor)."""
     block = getattr(fmt, f"{role}_block")
     stochastic = fmt.stochastic_gradients and role == "gradient"
     hadamard = fmt.hadamard_wgrad and role != "weight"
     amax = global_amax if global_amax is not None else torch.ones(2, device=x.device)
-    return BlockQuantized(*quantize_blocks(x, fmt.name, *block, True, columnwise, amax, stochastic, hadamard))
+    return BlockQuantized(*quantize_blocks(x, fmt.name, *block, rowwise, columnwise, amax, stochastic, hadamard))
 
 
 def gemm(a: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b_t: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

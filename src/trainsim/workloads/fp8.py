@@ -190,17 +190,18 @@ class Fp8Region:
             x_fp8 = cast_fp8(x, scale, dtype)
         return x_fp8, scale.reciprocal()
 
-    def quantize_blocks(self, x: torch.Tensor, role: str, tp_group=None, columnwise: bool = True) -> BlockQuantized:
-        """x in the block recipe's format, both copies from one quantisation kernel. NVFP4 first reads the
-        tensor's amax for its per-tensor scale (a separate kernel in TE), reduced over `tp_group` where shards
-        are gathered quantised."""
+    def quantize_blocks(self, x: torch.Tensor, role: str, tp_group=None, columnwise: bool = True,
+                        rowwise: bool = True) -> BlockQuantized:
+        """x in the block recipe's format, the copies asked for (both by default) from one quantisation kernel.
+        NVFP4 first reads the tensor's amax for its per-tensor scale (a separate kernel in TE), reduced over
+        `tp_group` where shards are gathered quantised."""
         amax = None
         if self.block.name == "nvfp4":
             amax = block_scaling.nvfp4_amax(x)
             if tp_group is not None:
                 with observer().communication():
                     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
-        return block_scaling.quantize(x, self.block, role, columnwise, amax)
+        return block_scaling.quantize(x, self.block, role, columnwise, amax, rowwise)
 
     def reduce_and_update(self, forward: bool) -> None:
         """Delayed scaling: all-reduce (MAX) this direction's current amaxes over the amax group, then new

@@ -73,17 +73,18 @@ class RankModel:
     buckets: list[GradientBuckets]
     optimizer: MixedPrecisionAdamW
     cp: ContextParallel | None = None
-    expert_buckets: list[GradientBuckets] = field(default_factory=list)
-    """Per chunk, the gradient buckets of its experts (MoE models; empty otherwise)."""
+    expert_buckets: dict[int, GradientBuckets] = field(default_factory=dict)
+    """chunk -> the gradient buckets of its experts, for the chunks that hold experts (a pipeline layout can give
+    a chunk dense layers only: DeepSeek-V3's first dense layers)."""
     pending_sends: list = field(default_factory=list)
     fp8_gather_scales: Fp8GatherScales | None = None
     """FSDP with parallelism.fp8_param_gather: the units' FP8 scales, recomputed after each optimizer step."""
 
     def chunk_buckets(self, chunk: int) -> list[GradientBuckets]:
-        return [self.buckets[chunk]] + ([self.expert_buckets[chunk]] if self.expert_buckets else [])
+        return [self.buckets[chunk]] + ([self.expert_buckets[chunk]] if chunk in self.expert_buckets else [])
 
     def all_buckets(self) -> list[GradientBuckets]:
-        return self.buckets + self.expert_buckets
+        return self.buckets + list(self.expert_buckets.values())
 
     @property
     def pp_rank(self) -> int:
@@ -145,9 +146,9 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
         return RankModel(layout, rank, model_cfg, par, groups, chunks, [], optimizer, cp, fp8_gather_scales=scales)
     shard = par.zero_stage == 1
     grad_dtype = torch.float32 if par.grad_reduce_in_fp32 else None
-    buckets, expert_buckets = [], []
-    for chunk in chunks:  # experts' gradients are reduced over the ranks holding the same experts (Megatron's
-        # expert data-parallel group), averaged like the dense ones over every replica of the batch
+    buckets, expert_buckets = [], {}
+    for index, chunk in enumerate(chunks):  # experts' gradients are reduced over the ranks holding the same
+        # experts (Megatron's expert data-parallel group), averaged like the dense ones over every replica
         dense = [p for p in chunk.parameters() if not getattr(p, "expert", False)]
         experts = [p for p in chunk.parameters() if getattr(p, "expert", False)]
         modules = list(chunk.modules())
@@ -158,12 +159,13 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                                        grad_dtype=grad_dtype, fused_accumulation=fused,
                                        replicate_group=groups["dp_replicate"] if hsdp else None))
         if experts:
-            expert_buckets.append(GradientBuckets(experts, par.dp_bucket_size_bytes, groups["edp"],
-                                                  layout.expert_replicas, shard=shard, modules=modules,
-                                                  average_over=par.weight_replicas, grad_dtype=grad_dtype))
+            expert_buckets[index] = GradientBuckets(experts, par.dp_bucket_size_bytes, groups["edp"],
+                                                    layout.expert_replicas, shard=shard, modules=modules,
+                                                    average_over=par.weight_replicas, grad_dtype=grad_dtype)
     if shard:  # the distributed optimizer: this rank's slices of the flat buffers, the norm over every rank
-        weights = [w for b in buckets + expert_buckets for w in b.param_shards()]
-        grads = [g for b in buckets + expert_buckets for g in b.grad_shards()]
+        every = buckets + list(expert_buckets.values())
+        weights = [w for b in every for w in b.param_shards()]
+        grads = [g for b in every for g in b.grad_shards()]
         optimizer = MixedPrecisionAdamW(weights, grads, clip_grad=par.clip_grad, norm_group=None,
                                         reduce_norm=layout.world_size > 1, norm_copies=par.shard_replicas)
     else:  # the experts' norm is summed over the ranks of one expert replica, the rest over the model's ranks

@@ -1,0 +1,110 @@
+"""The software stack as configuration: a framework's settings resolved into the groups a run is made of.
+
+Published tables and recipes rarely state gradient buckets, gradient-accumulation fusion or the attention kernel:
+the framework (Megatron-LM 2021, Megatron-Core, NeMo, torchtitan, Megatron-DeepSpeed) decides them for its users.
+conf/framework/<name>.yaml states them once (schema.FrameworkConfig) and `apply_framework` writes them into the
+parallelism, model and hardware groups when a run is composed, so the trace, profile and compose stages see
+concrete values and the artifact keys change with them. Precedence: a field set on the command line or in a
+chosen option file (a value other than the schema's default) wins over the framework; the framework over the
+schema's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainsim.config.choices import PRECISION_WEIGHT_BYTES
+from trainsim.config.data_path import DATA_DIR
+from trainsim.config.schema import FrameworkConfig, HardwareConfig, ModelConfig, ParallelismConfig
+from trainsim.errors import ConfigError
+
+MEGATRON_DEFAULT_BUCKET_PARAMS = 40_000_000  # cite: Megatron-Core DistributedDataParallel: max(40M, 1M x dp)
+MEGATRON_BUCKET_PARAMS_PER_RANK = 1_000_000  # cite: Megatron-Core DistributedDataParallel: max(40M, 1M x dp)
+PYTORCH_DDP_BUCKET_BYTES = 25 * 1024 * 1024  # cite: torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25
+DP_BUCKETS = ("", "pytorch-ddp", "megatron-core")
+ATTENTION_KERNELS = ("", "fused", "unfused")
+FLASH_ATTENTION_RATES = DATA_DIR / "kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv"
+"""Causal forward and backward TFLOP/s of FlashAttention-2 ('Fav2') and -3 ('Fav3') measured on H100."""
+
+
+def validate_framework(fw: FrameworkConfig) -> None:
+    """The framework's own fields: its bucket rule, attention kernel and flash-attention release."""
+    where = f"framework '{fw.name}'"
+    if fw.dp_bucket not in DP_BUCKETS:
+        raise ConfigError(f"{where}: framework.dp_bucket={fw.dp_bucket!r}; accepted: "
+                          f"{', '.join(map(repr, DP_BUCKETS))}")
+    if fw.attention not in ATTENTION_KERNELS:
+        raise ConfigError(f"{where}: framework.attention={fw.attention!r}; accepted: "
+                          f"{', '.join(map(repr, ATTENTION_KERNELS))}")
+    if fw.flash_attention and fw.flash_attention not in flash_attention_kernels():
+        kernels = ", ".join(map(repr, flash_attention_kernels()))
+        raise ConfigError(f"{where}: framework.flash_attention={fw.flash_attention!r}; accepted: '' or {kernels} "
+                          f"(kernels of {FLASH_ATTENTION_RATES.name})")
+    if fw.host_dispatch_s is not None and not 0.0 <= fw.host_dispatch_s < 1.0:
+        raise ConfigError(f"{where}: framework.host_dispatch_s={fw.host_dispatch_s} must be seconds per op in [0, 1) "
+                          "or null (the hardware's)")
+
+
+def flash_attention_kernels() -> tuple[str, ...]:
+    import pandas as pd
+
+    return tuple(sorted(set(pd.read_csv(FLASH_ATTENTION_RATES, comment="#")["kernel"])))
+
+
+def flash_attention_hardware(kernel: str, hw: HardwareConfig) -> HardwareConfig:
+    """`hw` with `kernel`'s measured causal forward and backward TFLOP/s over the bf16 peak as its attention
+    efficiencies, at the measurement's sequence length (the kernel model reaches attention_*_efficiency at long
+    sequences: keys / (keys + attention_tile_keys) of it at that length; the tile work and dropout cost kept)."""
+    import pandas as pd
+
+    if "H100" not in hw.device_name.upper():
+        raise ConfigError(f"framework.flash_attention={kernel!r} applies rates measured on H100; hardware "
+                          f"'{hw.name}' has device_name {hw.device_name!r}: choose a framework without it")
+    rates = pd.read_csv(FLASH_ATTENTION_RATES, comment="#")
+    rates = rates[(rates["kernel"] == kernel) & rates["causal"]].set_index("pass")
+    long_sequence = 1 + hw.kernel_model.attention_tile_keys / rates["seqlen"]
+    efficiency = (rates["tflops"] * 1e12 / hw.peak_flops_per_s["bf16"] * long_sequence).clip(upper=1.0)
+    return dataclasses.replace(hw, kernel_model=dataclasses.replace(
+        hw.kernel_model, attention_forward_efficiency=float(efficiency["fwd"]),
+        attention_backward_efficiency=float(efficiency["bwd"])))
+
+
+def megatron_core_bucket_bytes(dp: int, grad_bytes: int) -> int:
+    """Megatron-Core DDP's default gradient bucket: max(40M, 1M x dp) parameters (dp counts the context-parallel
+    ranks, which reduce gradients with it), each `grad_bytes` long."""
+    return max(MEGATRON_DEFAULT_BUCKET_PARAMS, MEGATRON_BUCKET_PARAMS_PER_RANK * dp) * grad_bytes
+
+
+def dp_bucket_bytes(rule: str, par: ParallelismConfig) -> int:
+    """The gradient bucket a framework's data-parallel reduction uses for `par`."""
+    if rule == "pytorch-ddp":
+        return PYTORCH_DDP_BUCKET_BYTES
+    grad_bytes = 4 if par.grad_reduce_in_fp32 else PRECISION_WEIGHT_BYTES.get(par.precision, 2)
+    return megatron_core_bucket_bytes(par.weight_replicas, grad_bytes)
+
+
+def apply_framework(fw: FrameworkConfig, hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig,
+                    explicit: tuple[str, ...] = ()) -> tuple[HardwareConfig, ModelConfig, ParallelismConfig]:
+    """The groups with the framework's settings written in, except the dotted fields in `explicit` (stated by the
+    user: compose.explicit_fields). tp_comm_overlap on a stack without it is refused."""
+    validate_framework(fw)
+
+    def decides(field: str, value) -> bool:
+        return value not in (None, "") and field not in explicit
+
+    if decides("parallelism.dp_bucket_size_bytes", fw.dp_bucket):
+        par = dataclasses.replace(par, dp_bucket_size_bytes=dp_bucket_bytes(fw.dp_bucket, par))
+    if decides("parallelism.gradient_accumulation_fusion", fw.gradient_accumulation_fusion):
+        par = dataclasses.replace(par, gradient_accumulation_fusion=fw.gradient_accumulation_fusion)
+    if decides("model.attention", fw.attention):
+        model = dataclasses.replace(model, attention=fw.attention)
+    if decides("hardware.host_dispatch_s", fw.host_dispatch_s):
+        hw = dataclasses.replace(hw, host_dispatch_s=fw.host_dispatch_s)
+    if fw.flash_attention and hw.device_kind != "cpu":
+        hw = flash_attention_hardware(fw.flash_attention, hw)
+    if par.tp_comm_overlap and not fw.tp_comm_overlap:
+        raise ConfigError(f"parallelism.tp_comm_overlap=true: framework '{fw.name}' cannot overlap tensor-parallel "
+                          "communication with the GEMMs (framework.tp_comm_overlap is false); set "
+                          "parallelism.tp_comm_overlap=false or choose a framework that can (megatron-core, "
+                          "megatron-bridge, torchtitan)")
+    return hw, model, par

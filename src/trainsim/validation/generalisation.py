@@ -1,0 +1,219 @@
+"""Predict whole tables, model families and GPUs that no fit has seen (issue 49's headline figures).
+
+Leave-one-row-out within a table (validation/published.py) fits each row's neighbours: same software, same GPU,
+often the same model. What a user needs to know is how well trainsim predicts a run unlike the ones it was fitted
+on. Here every row of every step-time table in data/published enters one pool (the three tables of
+validation/published.py, and the NeMo 25.x, Megatron-Bridge and torchtitan tables as validation/recipes.py writes
+them, composed as a user would, each with its framework), and the per-GPU kernel efficiencies
+(kernel_fit.FITTED_PER_GPU) are fitted without the rows held out:
+
+* leave-one-table-out: a table is predicted by the fit to its GPU's other tables; where its GPU has no other
+  table, at the GPU's data-free start (kernel_fit.data_free_params: measured matmul ceilings, datasheet
+  bandwidth): a GPU never fitted;
+* leave-one-family-out: a model family (Llama, GPT, Nemotron, DeepSeek, Mixtral, Kimi) predicted by the fit to
+  every other family's rows of the same GPU;
+* leave-one-GPU-out: a GPU's rows predicted with what transfers from the other GPUs: each efficiency as the
+  ratio of fitted to data-free value, the geometric mean over the other GPUs' fits, applied to this GPU's
+  data-free start (its own matmul ceiling and datasheet).
+
+Rows are keyed to a GPU by hardware.device_name, so the tables of one GPU pool across hardware configs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from trainsim.validation.kernel_fit import FITTED_PER_GPU, FitRow, StepTimes, data_free_params, fit_gauss_newton
+
+FAMILIES = (("deepseek", "DeepSeek"), ("kimi", "Kimi"), ("mixtral", "Mixtral"), ("qwen", "Qwen"),
+            ("gpt-oss", "GPT-OSS"), ("nemotron", "Nemotron"), ("llama", "Llama"), ("gpt", "GPT"))
+"""Prefix of a model's name (conf/model option or a published table's model column, lower-cased) -> family;
+the first match wins."""
+
+
+def family_of(model: str) -> str:
+    """The model family of a model name ('llama3-70b', 'LLAMA2-13B', 'GPT3-175B', 'mcore2024_h100-1.7B')."""
+    name = model.lower()
+    for prefix, family in FAMILIES:
+        if name.startswith(prefix) or f"-{prefix}" in name or f"_{prefix}" in name:
+            return family
+    return "GPT"  # the GPT-style weak-scaling tables name their models by size only ("1.7B", "1T")
+
+
+@dataclass
+class PooledRows:
+    """Every runnable row of the tables pooled: per row its table, family, GPU and measured step time, and the
+    traced FitRow the fits compose."""
+
+    rows: pd.DataFrame
+    """table, label, family, gpu, measured_s (one per fit_rows entry, same order)"""
+    fit_rows: list[FitRow]
+    skipped: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """table, label, reason: rows no config expresses (not in the figures)"""
+    times: dict[str, StepTimes] = field(default_factory=dict)
+    """gpu -> its rows' StepTimes (built on first use)"""
+
+    def gpu_indices(self, gpu: str) -> np.ndarray:
+        return np.flatnonzero(self.rows["gpu"].to_numpy() == gpu)
+
+    def step_times(self, gpu: str) -> tuple[StepTimes, np.ndarray]:
+        """The GPU's StepTimes (its rows in pool order, from the GPU's data-free start) and their pool indices."""
+        indices = self.gpu_indices(gpu)
+        if gpu not in self.times:
+            rows = [self.fit_rows[i] for i in indices]
+            self.times[gpu] = StepTimes(rows, data_free_params(rows[0].hw))
+        return self.times[gpu], indices
+
+
+def predict_held_out(pool: PooledRows, held_out: Callable[[pd.DataFrame], np.ndarray],
+                     start_of: Callable[[str], dict[str, float]] | None = None) -> pd.DataFrame:
+    """Every row of the pool predicted by a fit that excludes the rows `held_out` marks in its own fold: rows are
+    grouped into folds by the held-out mask's key (held_out returns one fold label per row); per GPU and fold, the
+    GPU's rows outside the fold are fitted from the data-free start (or `start_of(gpu)`), and the fold's rows are
+    composed with that fit (at the start where the GPU has no other row)."""
+    folds = held_out(pool.rows)
+    predicted = np.full(len(pool.rows), np.nan)
+    fitted = [None] * len(pool.rows)
+    for gpu in pool.rows["gpu"].unique():
+        times, indices = pool.step_times(gpu)
+        measured = pool.rows["measured_s"].to_numpy(dtype=float)[indices]
+        start = start_of(gpu) if start_of is not None else times.start
+        for fold in pd.unique(folds[indices]):
+            inside = folds[indices] == fold
+            train = np.flatnonzero(~inside)
+            params = fit_gauss_newton(_from(times, start), train, measured).params if len(train) else start
+            for local in np.flatnonzero(inside):
+                predicted[indices[local]] = times.seconds(int(local), params)
+                fitted[indices[local]] = "fit" if len(train) else "start"
+    out = pool.rows.assign(predicted_s=predicted, params_from=fitted)
+    out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)
+    return out
+
+
+def _from(times: StepTimes, start: dict[str, float]) -> StepTimes:
+    """`times` itself where the fit starts at its start, else a view of its rows starting at `start` (the
+    composed cache shared: a step time depends on the point, not on where a fit began)."""
+    if start == times.start:
+        return times
+    return StepTimes(times.rows, start, times.composed)
+
+
+def leave_one_table_out(pool: PooledRows) -> pd.DataFrame:
+    return predict_held_out(pool, lambda rows: rows["table"].to_numpy())
+
+
+def leave_one_family_out(pool: PooledRows) -> pd.DataFrame:
+    return predict_held_out(pool, lambda rows: rows["family"].to_numpy())
+
+
+def transferred_ratios(pool: PooledRows, gpus: Sequence[str]) -> dict[str, float]:
+    """Per FITTED_PER_GPU parameter, the geometric mean over `gpus` of (fit to all the GPU's rows) / (its
+    data-free start): what a GPU's software reaches of its measured ceilings, carried to another GPU."""
+    logs: dict[str, list[float]] = {name: [] for name in FITTED_PER_GPU}
+    for gpu in gpus:
+        times, indices = pool.step_times(gpu)
+        measured = pool.rows["measured_s"].to_numpy(dtype=float)[indices]
+        fit = fit_gauss_newton(times, range(len(indices)), measured).params
+        for name in FITTED_PER_GPU:
+            if fit[name] != times.start[name]:  # a parameter no row of that GPU depends on stays at its start
+                logs[name].append(math.log(fit[name] / times.start[name]))
+    return {name: math.exp(sum(v) / len(v)) if v else 1.0 for name, v in logs.items()}
+
+
+def leave_one_gpu_out(pool: PooledRows) -> pd.DataFrame:
+    """Each GPU's rows composed at its data-free start times the ratios the other GPUs' fits reach."""
+    gpus = list(pool.rows["gpu"].unique())
+    frames = []
+    for gpu in gpus:
+        ratios = transferred_ratios(pool, [g for g in gpus if g != gpu])
+        times, indices = pool.step_times(gpu)
+        params = {name: times.start[name] * ratios[name] for name in FITTED_PER_GPU}
+        predicted = [times.seconds(local, params) for local in range(len(indices))]
+        frames.append(pool.rows.iloc[indices].assign(predicted_s=predicted, params_from="other GPUs"))
+    out = pd.concat(frames).sort_index()
+    out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)
+    return out
+
+
+def table_errors(predicted: pd.DataFrame, by: str = "table") -> pd.DataFrame:
+    """Per group: rows, mean |error|, signed mean error."""
+    grouped = predicted.groupby(by)["error_pct"]
+    return pd.DataFrame({"rows": grouped.size(), "mape_pct": grouped.apply(lambda e: e.abs().mean()),
+                         "bias_pct": grouped.mean()})
+
+
+POOLED_RECIPE_TABLES = ("megatron-bridge_25.09_pretrain.csv", "megatron-bridge_26.02_pretrain.csv",
+                        "megatron-bridge_26.04_pretrain.csv", "nemo_25.02_pretrain_partial.csv",
+                        "nemo_25.04_pretrain_partial.csv", "nemo_25.07_pretrain_partial.csv",
+                        "torchtitan_llama_perf.csv")
+"""validation/recipes.py's tables in the pool (NeMo 24.07's is there as published.py's nemo2407_h100_fp8)."""
+
+
+def base_run(hardware: str):
+    """The run whose NCCL calibration and overlap slowdown compose a hardware option's rows (its option alone,
+    as published.table_run: pipeline.build_point builds both)."""
+    from trainsim.config import compose_run
+
+    return compose_run([f"hardware={hardware}", "model=gpt-small", "parallelism=single"])
+
+
+def recipe_fit_rows(table: str, workers: int = 2) -> tuple[pd.DataFrame, list[FitRow], pd.DataFrame]:
+    """A recipe table's rows that compose, traced, as FitRows (each with the hardware and layout its overrides
+    compose, framework included), and the refused rows with their reasons."""
+    from trainsim.validation.fitting import calibrated_comm, pipeline_slowdown
+    from trainsim.validation.published import RowRun, trace_rows
+    from trainsim.validation.recipes import compose_recipe, read_recipes
+
+    kept, skipped, runs = [], [], []
+    for recipe in read_recipes(table):
+        composed = compose_recipe(recipe)
+        if composed.refusal or recipe.measured_s is None:
+            skipped.append({"table": table, "label": recipe.label,
+                            "reason": composed.refusal or "no step time in the table"})
+            continue
+        kept.append(composed)
+        runs.append(RowRun(composed.run.model, composed.run.parallelism, None))
+    runs = trace_rows(runs, workers)
+    fit_rows, frames, bases = [], [], {}
+    for composed, traced_run in zip(kept, runs):
+        hardware = composed.run.choices["hardware"]
+        if hardware not in bases:
+            run = base_run(hardware)
+            bases[hardware] = (calibrated_comm(run), pipeline_slowdown(run))
+        comm, slowdown = bases[hardware]
+        fit_rows.append(FitRow(traced_run.directory, composed.run.parallelism, composed.run.hardware, comm, slowdown))
+        frames.append({"label": composed.recipe.label, "model": composed.run.model.name,
+                       "hardware": hardware, "measured_s": composed.recipe.measured_s})
+    return pd.DataFrame(frames), fit_rows, pd.DataFrame(skipped)
+
+
+def pool_rows(published: Sequence[str], recipes: Sequence[str] = POOLED_RECIPE_TABLES, workers: int = 2
+              ) -> PooledRows:
+    """The pool of every runnable row of the published tables `published` (validation/published.py) and the
+    recipe tables `recipes` (validation/recipes.py)."""
+    from trainsim.validation.published import TABLES, table_fit_rows
+
+    frames, fit_rows, skipped = [], [], []
+    for name in published:
+        rows, table_rows, table_skipped = table_fit_rows(name, workers)
+        frames.append(pd.DataFrame({"table": name, "label": rows["model"].astype(str) + " " + rows["gpus"].astype(str)
+                                    + " GPUs", "model": rows["model"].astype(str), "hardware": TABLES[name].hardware,
+                                    "measured_s": rows["measured_s"]}))
+        fit_rows += table_rows
+        skipped += [{"table": name, "label": f"{r.model} {r.gpus} GPUs", "reason": r.skip_reason}
+                    for r in table_skipped.itertuples()]
+    for name in recipes:
+        rows, table_rows, table_skipped = recipe_fit_rows(name, workers)
+        if len(rows):
+            frames.append(rows.assign(table=name))
+        fit_rows += table_rows
+        skipped += table_skipped.to_dict("records")
+    rows = pd.concat(frames, ignore_index=True)
+    rows["family"] = [family_of(m) for m in rows["model"]]
+    rows["gpu"] = [r.hw.device_name for r in fit_rows]
+    return PooledRows(rows, fit_rows, pd.DataFrame(skipped, columns=["table", "label", "reason"]))

@@ -1,0 +1,52 @@
+"""Author-compiled busbw tables read with their rank and node counts, and a broken line named."""
+
+import pytest
+
+from trainsim.comm.busbw_tables import read_busbw_table
+from trainsim.comm.nccl_tests import NcclTestsFormatError
+
+DATA = "data/nccl-tests/"
+P5 = "h100-16to256gpu-2to32node-aws_p5_hyperpod-efa_{}.txt"
+SENDRECV = "b200-16to512gpu-2to64node-together_use3a-ss-ib_cx7_400g_sendrecv_busbw_table.txt"
+SHARP = "b200-8to512gpu-1to64node-together_slinky-ib_ndr400_12hca_sharp_peak_busbw_tables.txt"
+
+
+@pytest.mark.parametrize("name,collective", [("all_reduce", "all_reduce"), ("all_gather", "all_gather"),
+                                             ("alltoall", "all_to_all")])
+def test_p5_tables_have_8_gpus_per_node_from_2_to_32_nodes(name, collective):
+    runs = read_busbw_table(DATA + P5.format(name))
+    assert sorted((r.result.nodes, r.result.nranks) for r in runs) == [(n, 8 * n) for n in (2, 4, 8, 16, 32)]
+    assert {r.result.collective for r in runs} == {collective}
+
+
+def test_p5_all_reduce_busbw_is_the_tabulated_value():
+    runs = read_busbw_table(DATA + P5.format("all_reduce"))
+    two = next(r.result.table for r in runs if r.result.nodes == 2)
+    largest = two[(two.message_bytes == 8192 << 20) & (two.placement == "out_of_place")]
+    assert largest.busbw_gbps.iloc[0] == pytest.approx(477.71, rel=1e-3)
+    assert largest.time_s.iloc[0] == pytest.approx((8192 << 20) / 254.78e9, rel=1e-6)
+
+
+def test_sendrecv_table_reads_every_node_count():
+    runs = read_busbw_table(DATA + SENDRECV)
+    assert {(r.result.nodes, r.result.nranks) for r in runs} == {(n, 8 * n) for n in (2, 4, 8, 16, 32, 64)}
+    assert all(r.result.collective == "send_recv" for r in runs)
+
+
+def test_sharp_table_keeps_each_forced_algorithm_and_skips_failed_runs():
+    runs = read_busbw_table(DATA + SHARP)
+    allreduce = {(r.result.nodes, r.algorithm) for r in runs if r.result.collective == "all_reduce"}
+    assert (2, "CollnetDirect") in allreduce and (1, "Ring") in allreduce
+    assert (8, "CollnetDirect") not in allreduce  # '(retry 8n ok, peak not re-parsed in TSV)'
+    assert (1, "CollnetChain") not in allreduce
+    sendrecv = {r.result.nodes: r.result.table.busbw_gbps.iloc[0] for r in runs if r.result.collective == "send_recv"}
+    assert sendrecv[64] == pytest.approx(17.19)
+
+
+def test_a_broken_line_is_named(tmp_path):
+    text = (DATA_TEXT := open(DATA + P5.format("all_reduce")).read()).replace("4,32,64,1000", "4,32,sixty-four,1000")
+    assert text != DATA_TEXT
+    bad = tmp_path / P5.format("all_reduce")
+    bad.write_text(text)
+    with pytest.raises(NcclTestsFormatError, match=r":\d+: not a number.*sixty-four"):
+        read_busbw_table(bad)
