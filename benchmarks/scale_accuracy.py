@@ -74,6 +74,9 @@ from trainsim.validation.published import (
     table_run,
 )
 
+PREDICTIONS = Path(__file__).parent / "results" / "generalisation_predictions.csv"
+"""Every pooled row's out-of-sample predictions (fold kind, table, row, measured, predicted), written by
+generalise(): benchmarks/uncertainty.py scores the intervals on them."""
 TIMING_POINT = ["hardware=a100-80g-selene", "model=gpt-175b", "parallelism=pp16-tp8-dp8"]
 
 
@@ -88,8 +91,12 @@ def time_one_point() -> float:
     return time.perf_counter() - started
 
 
-def generalise(published: list[str], recipes: list[str]) -> None:
-    """The headline figures: whole tables, model families and GPUs predicted by fits that never saw them."""
+FOLDS = ("table", "family", "gpu")
+
+
+def generalise(published: list[str], recipes: list[str], folds: tuple[str, ...] = FOLDS) -> list[pd.DataFrame]:
+    """The headline figures: whole tables, model families and GPUs predicted by fits that never saw them;
+    returns each fold kind's predictions (the kinds `folds` names)."""
     for hardware in sorted({base for base in recipe_hardware(recipes)}):
         build_point(base_run(hardware), "calibration")
         build_point(base_run(hardware), "slowdown_model")
@@ -101,11 +108,18 @@ def generalise(published: list[str], recipes: list[str]) -> None:
     for row in pool.skipped.itertuples():
         print(f"  {row.table}: {row.label}: {row.reason.splitlines()[0][:150]}")
     figure("scale_rows_expressed_pct", 100 * len(pool.rows) / total, "%")
-    columns = ["table", "label", "gpu", "measured_s", "predicted_s", "error_pct", "params_from"]
+    out = [{"table": tables_out, "family": families_out, "gpu": gpus_out}[kind](pool).assign(held_out=kind)
+           for kind in folds]
+    print(f"pooled figures in {time.perf_counter() - started:.0f} s")
+    return out
+
+
+def tables_out(pool) -> pd.DataFrame:
     tables = generalisation.leave_one_table_out(pool)
     print("\nleave-one-table-out (each table predicted by a fit to its GPU's other tables; 'start': a GPU without "
           "other tables, at its data-free start):")
-    print(tables[columns].round(3).to_string(index=False))
+    print(tables[["table", "label", "gpu", "measured_s", "predicted_s", "error_pct", "params_from"]].round(3)
+          .to_string(index=False))
     per_table = table_errors(tables)
     print(per_table.round(2).to_string())
     for name, row in per_table.iterrows():
@@ -113,15 +127,55 @@ def generalise(published: list[str], recipes: list[str]) -> None:
     figure("scale_mape_pct_leave_one_table_out", per_table["mape_pct"].mean(), "%")
     figure("scale_mape_pct_leave_one_table_out_worst_table", per_table["mape_pct"].max(), "%")
     figure("scale_bias_pct_leave_one_table_out_max", per_table["bias_pct"].abs().max(), "%")
+    return tables
+
+
+def families_out(pool) -> pd.DataFrame:
     families = generalisation.leave_one_family_out(pool)
     print("\nleave-one-family-out:")
     print(table_errors(families, "family").round(2).to_string())
     figure("scale_mape_pct_leave_one_family_out", families["error_pct"].abs().mean(), "%")
+    return families
+
+
+def gpus_out(pool) -> pd.DataFrame:
     gpus = generalisation.leave_one_gpu_out(pool)
     print("\nleave-one-GPU-out (the other GPUs' fitted/data-free ratios on this GPU's data-free start):")
     print(table_errors(gpus, "gpu").round(2).to_string())
     figure("scale_mape_pct_leave_one_gpu_out", gpus["error_pct"].abs().mean(), "%")
-    print(f"pooled figures in {time.perf_counter() - started:.0f} s")
+    return gpus
+
+
+def write_predictions(frames: list[pd.DataFrame]) -> None:
+    """The out-of-sample predictions of every fold kind in one csv (PREDICTIONS): the kinds in `frames` replace
+    theirs, the other kinds' rows stay (leave-one-row-out and the pooled folds are measured apart). Written
+    beside and renamed into place."""
+    columns = ["held_out", "table", "label", "model", "family", "gpu", "hardware", "framework", "measured_s",
+               "predicted_s", "error_pct", "params_from"]
+    new = pd.concat(frames, ignore_index=True)[columns]
+    if PREDICTIONS.is_file():
+        kept = pd.read_csv(PREDICTIONS)
+        new = pd.concat([kept[~kept["held_out"].isin(new["held_out"].unique())], new], ignore_index=True)
+    tmp = PREDICTIONS.with_suffix(".csv.tmp")
+    new.sort_values("held_out", kind="stable").to_csv(tmp, index=False, float_format="%.6g")
+    tmp.replace(PREDICTIONS)
+    print(f"predictions in {PREDICTIONS}")
+
+
+def row_predictions(evaluated: dict) -> pd.DataFrame:
+    """The published tables' leave-one-row-out predictions in generalise()'s columns."""
+    from trainsim.validation.generalisation import family_of
+
+    frames = []
+    for name, result in evaluated.items():
+        rows = result.rows
+        frames.append(pd.DataFrame({
+            "held_out": "row", "table": name, "label": rows["model"].astype(str) + " " + rows["gpus"].astype(str)
+            + " GPUs", "model": rows["model"].astype(str), "family": [family_of(m) for m in rows["model"].astype(str)],
+            "gpu": table_run(name).hardware.device_name, "hardware": TABLES[name].hardware,
+            "framework": TABLES[name].framework, "measured_s": rows["measured_s"],
+            "predicted_s": rows["predicted_s"], "error_pct": rows["error_pct"], "params_from": "fit"}))
+    return pd.concat(frames, ignore_index=True)
 
 
 def recipe_hardware(recipes: list[str]) -> set[str]:
@@ -142,6 +196,10 @@ def main() -> None:
                         help="tables to predict (none: only the timing)")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-leave-one-table-out", action="store_true")
+    parser.add_argument("--generalise-only", action="store_true",
+                        help="only the pooled figures (the tables' leave-one-row-out predictions in the csv kept)")
+    parser.add_argument("--folds", nargs="+", choices=FOLDS, default=list(FOLDS),
+                        help="the pooled fold kinds to run (each writes its rows of the predictions csv)")
     parser.add_argument("--skip-generalise", action="store_true",
                         help="skip the pooled leave-one-table/family/GPU-out figures (every table of data/published)")
     parser.add_argument("--recipe-tables", nargs="*", default=list(POOLED_RECIPE_TABLES),
@@ -158,6 +216,9 @@ def main() -> None:
     for name in args.tables:  # the tables' NCCL calibrations and slowdown models, built where missing
         build_point(table_run(name), "calibration")
         build_point(table_run(name), "slowdown_model")
+    if args.generalise_only:
+        write_predictions(generalise(args.tables, args.recipe_tables, tuple(args.folds)))
+        return
     evaluated = evaluate_tables(args.tables)
     for name, result in evaluated.items():
         rows = result.rows
@@ -190,8 +251,10 @@ def main() -> None:
             print(rows[["model", "gpus", "measured_s", "predicted_s", "error_pct"]].round(3).to_string(index=False))
             figure(f"scale_mape_pct_{name}_leave_one_table_out", rows['error_pct'].abs().mean(), "%")
             figure(f"scale_bias_pct_{name}_leave_one_table_out", rows['error_pct'].mean(), "%")
+    if set(evaluated) == set(TABLES):
+        write_predictions([row_predictions(evaluated)])
     if not args.skip_generalise:
-        generalise(args.tables, args.recipe_tables)
+        write_predictions(generalise(args.tables, args.recipe_tables, tuple(args.folds)))
     if args.page is not None:
         from trainsim.report.accuracy_figures import published_page
 

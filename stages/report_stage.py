@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         if "compose" not in inputs:
             raise ConfigError("--input compose=DIR is required")
         truth = inputs.get("ground_truth", Path(STAGES["ground_truth"].path(keys)))
-        result = write_report_artifact(keys, inputs, args.output, truth, train=config["train"])
+        result = write_report_artifact(keys, inputs, args.output, truth, train=config["train"],
+                                       framework=config["framework"])
     except (ConfigError, ArtifactError) as exc:
         console.print(f"[red]report failed:[/red] {exc}")
         return 2

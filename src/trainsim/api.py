@@ -4,6 +4,8 @@
     p = trainsim.predict("model=gpt-175b", "parallelism=pp16-tp8-dp8", hardware="a100-80g-dgx")
     p.step_time_s, p.breakdown, p.memory, p.warnings
     p.efficiency["mfu_pct"]                   # with "train.tokens=3e11": p.efficiency["training_days"]
+    p.step_time_interval_s                    # (low, high): 80 % of such predictions hold the real step time
+    p.intervals["mfu_pct"], p.interval.describe(95)
     p.write_chrome_trace("step.json")        # open in https://ui.perfetto.dev
 
 `trainsim compose` calls the same `predict`, so the two never disagree. Artifacts are cached under
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+
+from trainsim.uncertainty.interval import PRINTED_LEVEL, StepInterval
 
 GIB = 1024**3
 BREAKDOWN_COLUMNS = ["rank_class", "ranks", "pp_rank", "compute_s", "slowdown_added_s", "exposed_tp_s",
@@ -53,10 +57,21 @@ class Prediction:
     """The step in the field's numbers: tokens/s (and per GPU), model TFLOP/s per GPU, MFU, HFU, cost per
     step and per million tokens; with `train.tokens` the whole run: steps, days, GPU-hours, cost, energy
     (report/efficiency.py; None where the hardware config lacks a peak rate, price or power)."""
+    interval: StepInterval
+    """How far to trust step_time_s: central intervals at 50, 80 and 95 %, from each cost model's measured
+    held-out error on this step's critical path (uncertainty/interval.py)."""
+    intervals: dict
+    """(low, high) at 80 % of the step time (`step_time_s`) and of every efficiency figure that moves with it
+    (tokens/s, MFU, days, cost, ...)."""
     summary: dict
     """The whole summary.json of the timeline artifact."""
     artifact_dir: Path
     """The timeline artifact (summary.json, classes.parquet, timeline.parquet, trace.json)."""
+
+    @property
+    def step_time_interval_s(self) -> tuple[float, float]:
+        """(low, high) seconds: the 80 % interval of the step time."""
+        return self.interval.at(PRINTED_LEVEL)
 
     @property
     def oom(self) -> bool:
@@ -95,9 +110,10 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
     from trainsim.config import compose_run
     from trainsim.pipeline import compose_point
     from trainsim.registry import STAGES
-    from trainsim.report.efficiency import efficiency
+    from trainsim.report.efficiency import efficiency, efficiency_intervals
     from trainsim.timeline.stage import CLASSES_FILE
     from trainsim.trace.stage import MEMORY_FILE
+    from trainsim.uncertainty import step_interval
 
     run = compose_run(overrides_from(overrides, options), check="layout")
     summary, out_dir = compose_point(run, Path(output) if output else None, build_missing=build_missing)
@@ -105,15 +121,19 @@ def predict(*overrides: str, build_missing: bool = True, output: str | Path | No
     trace_dir = Path(STAGES["trace"].path(run.keys))  # the trace the timeline was composed from
     memory = memory_table(read_table(trace_dir, MEMORY_FILE).to_pandas(), run.hardware.memory_capacity_bytes)
     step_time_s = float(summary["step_time_s"])
-    figures = efficiency(step_time_s, run.group("hardware"), run.group("model"), run.group("parallelism"),
-                         train_tokens=run.train.tokens)
+    groups = run.group("hardware"), run.group("model"), run.group("parallelism")
+    figures = efficiency(step_time_s, *groups, train_tokens=run.train.tokens)
+    interval = step_interval(summary, run.hardware.kernel_model.fitted_frameworks, run.framework.name)
+    intervals = {"step_time_s": interval.at(PRINTED_LEVEL),
+                 **efficiency_intervals(interval.at(PRINTED_LEVEL), *groups, train_tokens=run.train.tokens)}
     at = BREAKDOWN_COLUMNS.index("exposed_other_s") + 1
     others = [c for c in classes.columns
               if c.startswith("exposed_") and c not in BREAKDOWN_COLUMNS and classes[c].any()]
     columns = [*BREAKDOWN_COLUMNS[:at], *others, *BREAKDOWN_COLUMNS[at:]]
     return Prediction(step_time_s=step_time_s, breakdown=classes[columns],
                       memory=memory, critical_path=summary["critical_path"], inputs=summary["inputs"],
-                      warnings=list(summary["inputs"]["warnings"]), efficiency=figures, summary=summary,
+                      warnings=list(summary["inputs"]["warnings"]), efficiency=figures, interval=interval,
+                      intervals=intervals, summary=summary,
                       artifact_dir=out_dir)
 
 

@@ -191,27 +191,38 @@ def _inputs_lines(inputs: dict) -> list[str]:
     return lines + [f"[yellow]warning:[/yellow] {w}" for w in inputs["warnings"]]
 
 
-def _efficiency_lines(figures: dict) -> list[str]:
-    """The step, then the whole run, in the numbers the field compares (report/efficiency.py)."""
+def _money(usd: float) -> str:
+    return f"${usd / 1e6:,.2f} M" if usd >= 1e6 else f"${usd:,.2f}" if usd >= 1 else f"${usd:.3g}"
+
+
+def _efficiency_lines(figures: dict, intervals: dict | None = None) -> list[str]:
+    """The step, then the whole run, in the numbers the field compares (report/efficiency.py); with `intervals`
+    (name -> (low, high) at 80 %) the main ones carry theirs."""
     from trainsim.report.efficiency import token_count
 
-    def money(usd):
-        return f"${usd / 1e6:,.2f} M" if usd >= 1e6 else f"${usd:,.2f}" if usd >= 1 else f"${usd:.3g}"
+    def within(name: str, text) -> str:
+        if not intervals or name not in intervals:
+            return ""
+        low, high = intervals[name]
+        return f" (80 %: {text(low)}-{text(high)})"
 
-    rates = [f"{figures['tokens_per_s']:,.0f} tokens/s ({figures['tokens_per_s_per_gpu']:,.0f} per GPU)",
+    rates = [f"{figures['tokens_per_s']:,.0f} tokens/s{within('tokens_per_s', lambda v: f'{v:,.0f}')} "
+             f"({figures['tokens_per_s_per_gpu']:,.0f} per GPU)",
              f"{figures['model_tflops_per_s_per_gpu']:.1f} model TFLOP/s per GPU"]
     if figures["mfu_pct"] is not None:
-        rates.append(f"MFU {figures['mfu_pct']:.1f} %, HFU {figures['hfu_pct']:.1f} %")
+        rates.append(f"MFU {figures['mfu_pct']:.1f} %{within('mfu_pct', lambda v: f'{v:.1f}')}, "
+                     f"HFU {figures['hfu_pct']:.1f} %")
     if figures["cost_per_step_usd"] is not None:
-        rates.append(f"{money(figures['cost_per_step_usd'])} per step, "
-                     f"{money(figures['cost_per_million_tokens_usd'])} per million tokens")
+        rates.append(f"{_money(figures['cost_per_step_usd'])} per step, "
+                     f"{_money(figures['cost_per_million_tokens_usd'])} per million tokens")
     lines = ["throughput: " + "; ".join(rates)]
     if figures["training_tokens"] is None:
         return lines + ["(add train.tokens=3e11 for the days, GPU-hours and cost of a whole run)"]
-    run = [f"{figures['training_steps']:,} steps", f"{figures['training_days']:,.1f} days",
+    run = [f"{figures['training_steps']:,} steps",
+           f"{figures['training_days']:,.1f} days{within('training_days', lambda v: f'{v:,.1f}')}",
            f"{figures['training_gpu_hours']:,.0f} GPU-hours"]
     if figures["training_cost_usd"] is not None:
-        run.append(money(figures["training_cost_usd"]))
+        run.append(_money(figures["training_cost_usd"]) + within("training_cost_usd", _money))
     if figures["training_energy_mwh"] is not None:
         run.append(f"{figures['training_energy_mwh']:,.0f} MWh at the GPUs' maximum power")
     return lines + [f"training on {token_count(figures['training_tokens'])} tokens: " + ", ".join(run)]
@@ -236,7 +247,9 @@ def _print_json_and_warnings(document: dict, warnings: list[str]) -> None:
 def compose_document(result) -> dict:
     """`trainsim compose --json`: the step time, where it goes, memory, throughput and what it was made from."""
     breakdown = breakdown_rows(result.step_time_s, result.summary["classes"])
-    return {"step_time_s": result.step_time_s, "oom": result.oom, "classes": breakdown.records(),
+    return {"step_time_s": result.step_time_s, "step_time_interval_s": result.interval.as_dict()["intervals_s"],
+            "uncertainty": result.interval.parts, "intervals_80": result.intervals,
+            "oom": result.oom, "classes": breakdown.records(),
             "memory": result.memory.to_dict(orient="records"), "efficiency": result.efficiency,
             "inputs": result.inputs, "warnings": result.warnings, "artifact_dir": str(result.artifact_dir)}
 
@@ -249,10 +262,34 @@ def print_compose(result, console: Console, as_json: bool = False) -> None:
         return
     summary = result.summary
     show(console, breakdown_rows(result.step_time_s, summary["classes"]))
-    for line in [*_efficiency_lines(result.efficiency), *_inputs_lines(result.inputs)]:
+    console.print(f"step time: {result.interval.describe()}; 95 %: {_seconds_range(result.interval.at(95))} "
+                  f"({_interval_basis(result.interval.parts)})", highlight=False)
+    console.print(critical_path_line(result.critical_path), highlight=False)
+    for line in [*_efficiency_lines(result.efficiency, result.intervals), *_inputs_lines(result.inputs)]:
         console.print(line, highlight=False)
     console.print(f"{summary['num_nodes']} nodes in {summary['simulate_s']:.2f} s -> {result.artifact_dir} "
                   f"(open {result.artifact_dir}/trace.json in https://ui.perfetto.dev)", highlight=False)
+
+
+def critical_path_line(critical_path: dict) -> str:
+    """What the step's critical path is made of, largest first: compute, host-bound time (the GPU waiting for the
+    host to issue kernels, hardware.host_dispatch_s) and each group kind's exposed communication."""
+    names = {"compute": "compute", "host": "host-bound"}
+    parts = sorted(critical_path.get("by_category", {}).items(), key=lambda kv: -kv[1])
+    return "critical path: " + ", ".join(f"{names.get(k, k.replace('comm.', 'exposed '))} {v:.4g} s"
+                                         for k, v in parts if v > 0)
+
+
+def _seconds_range(bounds: tuple[float, float]) -> str:
+    return f"{bounds[0]:.3g}-{bounds[1]:.3g} s"
+
+
+def _interval_basis(parts: list[dict]) -> str:
+    """What the interval was built from: each part's level and measured spread, largest part first."""
+    ordered = sorted(parts, key=lambda p: -p["seconds"])
+    return "from " + ", ".join(f"{p['component']} {p['level'].replace('_', ' ')} +-{p['spread_pct']:.0f} %"
+                               + (f" bias {p['bias_pct']:+.0f} %" if abs(p["bias_pct"]) >= 1 else "")
+                               for p in ordered)
 
 
 def _cmd_import_model(args, console: Console) -> int:
@@ -303,12 +340,12 @@ def _search_setup(args):
 
 
 def _cmd_plan(args, console: Console) -> int:
-    from trainsim.search.plan import CHOICES, PAGE_FILE, answer, make_plan, plan_dir, write_plan_artifact
+    from trainsim.search.plan import CHOICES, PAGE_FILE, answer, make_plan, odds_line, plan_dir, write_plan_artifact
 
     run, space, calibration = _search_setup(args)
     with status(f"searching the layouts of {run.model.name} on {args.gpus} x {run.hardware.name}, then "
                 "composing the chosen one in full (missing inputs built first)"):
-        plan = make_plan(run, args.gpus, space, by=args.by, within_days=args.within_days,
+        plan = make_plan(run, args.gpus, space, by=args.by, within_days=args.within_days, confidence=args.confidence,
                          jobs=args.jobs or os.cpu_count() or 1, calibration_dir=calibration)
     output = Path(args.output) if args.output else plan_dir(run, args.gpus)
     write_plan_artifact(plan, output)
@@ -318,9 +355,10 @@ def _cmd_plan(args, console: Console) -> int:
         return 0
     deadline = f" within {args.within_days:g} days" if args.within_days else ""
     console.print(f"{a['layout']} on {a['world_size']} GPUs ({CHOICES[args.by]}"
-                  f"{deadline} of {len(plan.search.table)} layouts): {a['step_time_s']:.4f} s per step"
+                  f"{deadline} of {len(plan.search.table)} layouts): {plan.prediction.interval.describe()} per step"
                   + (" [red](OOM in the full trace)[/red]" if a["oom"] else ""), highlight=False)
-    for line in [*_efficiency_lines(plan.prediction.efficiency), *_inputs_lines(plan.prediction.inputs)]:
+    for line in [odds_line(a, args.by), *_efficiency_lines(plan.prediction.efficiency, plan.prediction.intervals),
+                 *_inputs_lines(plan.prediction.inputs)]:
         console.print(line, highlight=False)
     console.print(f"reproduce: trainsim compose {' '.join(plan.overrides)}", highlight=False)
     console.print(f"-> {output}/{PAGE_FILE} (the answer, where the time goes, memory, the alternatives)",
@@ -533,6 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--within-days", type=float, default=0.0, metavar="DAYS",
                    help="only layouts that train train.tokens within DAYS (with --by cost: how many GPUs, and "
                         "which layout, to finish in time at the least cost)")
+    p.add_argument("--confidence", type=float, default=0.0, metavar="P",
+                   help="with --within-days: only layouts that meet the deadline with chance P (e.g. 0.9), by the "
+                        "error measured on runs no fit saw (default: the estimate alone meets it)")
     p.add_argument("--output", help="artifact directory (default artifacts/plans/{hardware}/{model}/{gpus}gpu)")
     p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("import-layout", help="turn Megatron-LM launch arguments or a torchtitan TOML job into a "

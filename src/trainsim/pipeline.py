@@ -135,7 +135,7 @@ def _build_report(run, inputs: dict[str, Path], output: Path) -> Any:
     from trainsim.report.stage import write_report_artifact
 
     truth = inputs.get("ground_truth", Path(STAGES["ground_truth"].path(run.keys)))
-    return write_report_artifact(run.keys, inputs, output, truth, train=run.train)
+    return write_report_artifact(run.keys, inputs, output, truth, train=run.train, framework=run.framework)
 
 
 BUILDERS: dict[str, Callable[[Any, dict[str, Path], Path], Any]] = {

@@ -15,6 +15,10 @@ import yaml
 from trainsim.config.schema import RunConfig
 
 RUN_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig)}
+CHOSEN_SETTINGS = ("framework",)
+"""Config group choices every stage composes with beside its keyed groups (conf/framework/<name>.yaml writes its
+values into them): DVC passes the choice from params.yaml to every stage (`framework=${framework}`), so a change
+re-runs what it changes."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,8 @@ class Stage:
     """Caption (reStructuredText) under which `snakemake --report` shows the output; None: not shown."""
     settings: tuple[str, ...] = ()
     """Root config nodes beyond `keyed_by` that the stage reads (e.g. 'train': the token budget of the
-    report's training totals). They key no path: a change re-runs the stage in place, nothing upstream."""
+    report's training totals; 'framework': the software stack, whose fitted state sets the width of the step
+    time's interval). They key no path: a change re-runs the stage in place, nothing upstream."""
 
     def path(self, keys: dict[str, str]) -> str:
         return self.output.format(**{k: keys[k] for k in self.keyed_by})
@@ -153,7 +158,7 @@ STAGES: dict[str, Stage] = {
                    ("plots/breakdown.csv", "part", "seconds"),
                    ("plots/importances.csv", "feature", "gain_share")),
         snakemake_report="report/caption.rst",
-        settings=("train",),
+        settings=("train", "framework"),
     ),
 }
 
@@ -182,8 +187,8 @@ def render_dvc_yaml() -> str:
         # `dvc repro` builds every stage, on-demand ones included, so optional inputs are plain deps here
         inputs = {name: STAGES[name].path(keys) for name in (*stage.inputs, *stage.optional_inputs)}
         database = stage.database_path(keys) if stage.database else None
-        settings = [f"{name}.{field.name}" for name in stage.settings
-                    for field in dataclasses.fields(RUN_FIELDS[name].default_factory())]
+        settings = [*CHOSEN_SETTINGS, *(f"{name}.{field.name}" for name in stage.settings if name not in CHOSEN_SETTINGS
+                                        for field in dataclasses.fields(RUN_FIELDS[name].default_factory()))]
         choices = " ".join(f"{key}=${{{key}}}" for key in (*stage.keyed_by, *settings))
         outs: list = [f"{output}/{name}" for name in stage.dvc_files] or [output]
         if database:

@@ -115,3 +115,10 @@ def test_help_examples_are_valid_commands():
             overrides.append(f"hardware={args.hardware}")
         if overrides:
             compose_run(overrides, check="layout")
+
+
+def test_the_critical_path_line_names_host_bound_time():
+    from trainsim.cli import critical_path_line
+
+    line = critical_path_line({"by_category": {"comm.tp": 0.1, "compute": 2.0, "host": 0.5, "comm.dp": 0.0}})
+    assert line == "critical path: compute 2 s, host-bound 0.5 s, exposed tp 0.1 s"

@@ -496,3 +496,18 @@ def test_plan_takes_the_cheapest_layout_that_meets_the_deadline():
     assert fastest["training_days"] > 0.5
     with pytest.raises(ConfigError, match=rf"trains within 0.5 days: the fastest, {fastest['layout']}, takes "):
         choose(table, "cost", 0.5)
+
+
+def test_a_confidence_of_meeting_the_deadline_takes_a_layout_with_room_to_spare():
+    from trainsim.search.plan import choose
+
+    table = _layout_table()
+    ok = table["status"] == STATUS_OK
+    table.loc[ok, "training_days"] = table.loc[ok, "step_time_s"] * 10.0
+    cheapest = choose(table, "cost")
+    deadline = cheapest["training_days"] * 1.1  # the cheapest meets it by its estimate, not with 20 % to spare
+    assert choose(table, "cost", deadline)["layout"] == cheapest["layout"]
+    sure = choose(table, "cost", deadline, days_factor=1.2)
+    assert sure["layout"] != cheapest["layout"] and sure["training_days"] * 1.2 <= deadline
+    with pytest.raises(ConfigError, match=r"x1.20 for the confidence asked"):
+        choose(table, "cost", table.loc[ok, "training_days"].min() * 1.1, days_factor=1.2)

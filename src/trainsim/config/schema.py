@@ -188,6 +188,10 @@ class KernelModelConfig:
     fitted_on: str = ""
     """What these parameters were fitted to (data, split, held-out error), stated with every prediction;
     empty = the defaults above, not fitted to this hardware (predictions then carry a warning)."""
+    fitted_frameworks: list[str] = field(default_factory=list)
+    """The frameworks (conf/framework/) of the step-time tables these parameters were fitted to; empty = fitted
+    to no step time of this GPU. A run of another framework gets the wider interval measured leave-one-table-out,
+    one on a GPU without any the interval measured leave-one-GPU-out (uncertainty/interval.py)."""
 
 
 @dataclass

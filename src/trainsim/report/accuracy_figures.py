@@ -45,9 +45,10 @@ def layout_label(row: Mapping[str, Any]) -> str:
 
 
 def accuracy_points(frame: pd.DataFrame, *, predicted: str, measured: str, label: str, model: str | None = None,
-                    group: str | None = None) -> pd.DataFrame:
+                    group: str | None = None, interval: tuple[str, str] | None = None) -> pd.DataFrame:
     """One row per configuration with both a prediction and a measurement (POINT_COLUMNS; error_pct signed,
-    of measured). Rows without a measurement are left out: an unmeasured point is not an error of zero."""
+    of measured). Rows without a measurement are left out: an unmeasured point is not an error of zero.
+    `interval`: the columns of each prediction's 80 % interval (low, high), kept as predicted_low_s/_high_s."""
     if measured not in frame or predicted not in frame:
         return pd.DataFrame(columns=POINT_COLUMNS)
     has = frame[frame[measured].notna() & frame[predicted].notna()]
@@ -59,6 +60,9 @@ def accuracy_points(frame: pd.DataFrame, *, predicted: str, measured: str, label
     points = pd.DataFrame({"label": text(label), "group": text(group), "model": text(model),
                            "layout": [layout_label(r) for _, r in has.iterrows()], "predicted_s": pred,
                            "measured_s": meas, "error_pct": 100 * (pred / meas - 1)}, columns=POINT_COLUMNS)
+    if interval is not None and set(interval) <= set(has.columns) and has[list(interval)].notna().all().all():
+        points["predicted_low_s"] = has[interval[0]].astype(float).to_numpy()
+        points["predicted_high_s"] = has[interval[1]].astype(float).to_numpy()
     return points.reset_index(drop=True)
 
 
@@ -91,6 +95,10 @@ def accuracy_scatter(points: pd.DataFrame):
     for group, part in points.groupby("group", sort=False):
         ax.scatter(part["measured_s"], part["predicted_s"], s=30, color=colours[group], edgecolor="white", lw=0.5,
                    zorder=3, label=group or "configurations")
+        if "predicted_low_s" in part:  # each prediction's 80 % interval: honest where it crosses y = x 4 times in 5
+            ax.errorbar(part["measured_s"], part["predicted_s"], fmt="none", ecolor=colours[group], lw=1, capsize=2,
+                        yerr=[part["predicted_s"] - part["predicted_low_s"],
+                              part["predicted_high_s"] - part["predicted_s"]], zorder=2)
     if log:  # ticks at 1, 2, 5 x 10^k written plainly (matplotlib's minor labels overlap at this size)
         ax.set_xscale("log")
         ax.set_yscale("log")

@@ -17,7 +17,8 @@ import pandas as pd
 from trainsim.artifacts import read_manifest
 from trainsim.comm.fit import AlphaBeta, predict_table
 from trainsim.comm.model import CollectiveParams
-from trainsim.report.efficiency import efficiency
+from trainsim.report.efficiency import efficiency, efficiency_intervals
+from trainsim.uncertainty import step_interval
 from trainsim.validation.ground_truth import NOT_MEASURED, error_pct, read_ground_truth
 
 
@@ -100,8 +101,9 @@ def provenance(inputs: dict[str, Path]) -> list[dict[str, Any]]:
 
 
 def collect(inputs: dict[str, Path], keys: dict[str, str], truth_dir: Path,
-            train_tokens: float = 0.0) -> dict[str, Any]:
-    """Everything the page and the metrics need, read from the artifacts named in `inputs`."""
+            train_tokens: float = 0.0, framework: str = "pytorch") -> dict[str, Any]:
+    """Everything the page and the metrics need, read from the artifacts named in `inputs`; `framework`: the
+    software stack the step was composed for (the width of its interval depends on whether it was fitted)."""
     prov = provenance(inputs)
     compose_dir = inputs["compose"]
     summary = json.loads((compose_dir / "summary.json").read_text())
@@ -121,9 +123,14 @@ def collect(inputs: dict[str, Path], keys: dict[str, str], truth_dir: Path,
         "provenance": prov,
     }
     config = data["config"]
+    fitted = config.get("hardware", {}).get("kernel_model", {}).get("fitted_frameworks", [])
+    interval = step_interval(summary, fitted, framework)
+    data["end_to_end"]["interval_s"] = interval.as_dict()["intervals_s"]
+    data["end_to_end"]["uncertainty"] = interval.parts
     if {"hardware", "model", "parallelism"} <= set(config):
-        data["efficiency"] = efficiency(float(summary["step_time_s"]), config["hardware"], config["model"],
-                                        config["parallelism"], train_tokens=train_tokens)
+        groups = config["hardware"], config["model"], config["parallelism"]
+        data["efficiency"] = efficiency(float(summary["step_time_s"]), *groups, train_tokens=train_tokens)
+        data["efficiency_intervals"] = efficiency_intervals(interval.at(), *groups, train_tokens=train_tokens)
     if "calibration" in inputs:
         data["comm_summary"], data["comm_by_size"] = comm_errors(inputs["calibration"])
     if "slowdown_model" in inputs:

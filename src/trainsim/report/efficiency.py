@@ -148,6 +148,15 @@ def efficiency(step_time_s: float, hardware: dict[str, Any], model: dict[str, An
     }
 
 
+def efficiency_intervals(bounds_s: tuple[float, float], hardware: dict[str, Any], model: dict[str, Any],
+                         par: dict[str, Any], train_tokens: float = 0.0) -> dict[str, tuple[float, float]]:
+    """Each figure of `efficiency` that moves with the step time, as (low, high) over a step-time interval:
+    throughput and MFU fall as the step lengthens, days and dollars rise."""
+    ends = [efficiency(seconds, hardware, model, par, train_tokens) for seconds in bounds_s]
+    return {name: (min(ends[0][name], ends[1][name]), max(ends[0][name], ends[1][name])) for name in ends[0]
+            if ends[0][name] is not None and ends[0][name] != ends[1][name]}
+
+
 TRAINING_TOTALS = ("training_tokens", "training_steps", "training_days", "training_gpu_hours", "training_cost_usd",
                    "training_energy_mwh")
 

@@ -32,18 +32,24 @@ def png_data_uri(fig) -> str:
 def end_to_end_figure(e2e: dict[str, Any]) -> str:
     """Predicted step time normalised to measured (1.0 = exact); without ground truth, says so."""
     fig, ax = plt.subplots(figsize=(5, 2.6))
+    low, high = e2e.get("interval_s", {}).get("80", (e2e["predicted_s"], e2e["predicted_s"]))
     if e2e["measured"]:
         ax.bar(["measured", "predicted"], [1.0, e2e["normalised"]],
                color=[COLOURS["measured"], COLOURS["model"]])
         if e2e.get("spread_s"):
             ax.errorbar([0], [1.0], yerr=[e2e["spread_s"] / e2e["measured_s"]], color="black", capsize=4)
+        scale = e2e["measured_s"]
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_ylabel("step time / measured")
     else:
         ax.bar(["predicted"], [e2e["predicted_s"] * 1e3], color=COLOURS["model"])
+        scale = 1e-3
         ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", fontsize=14,
                 color="#a00")
         ax.set_ylabel("step time (ms)")
+    centre = e2e["predicted_s"] / scale  # the predicted bar's 80 % interval as an error bar
+    ax.errorbar([len(ax.patches) - 1], [centre], yerr=[[centre - low / scale], [high / scale - centre]],
+                color="black", capsize=4, label="80 % interval")
     return png_data_uri(fig)
 
 

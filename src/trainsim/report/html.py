@@ -133,6 +133,9 @@ def end_to_end_section(data: dict[str, Any]) -> str:
     e2e = data["end_to_end"]
     row = {"configuration": "/".join(data["keys"][k] for k in ("hardware", "model", "parallelism")),
            "predicted_s": e2e["predicted_s"]}
+    if "interval_s" in e2e:
+        row["80 % interval (s)"] = "{}-{}".format(*map(_fmt, e2e["interval_s"]["80"]))
+        row["95 % interval (s)"] = "{}-{}".format(*map(_fmt, e2e["interval_s"]["95"]))
     if e2e["measured"]:
         row.update({"measured_s": e2e["measured_s"], "spread_s": e2e.get("spread_s"),
                     "predicted / measured": e2e["normalised"], "error_pct": e2e["error_pct"]})
@@ -142,7 +145,7 @@ def end_to_end_section(data: dict[str, Any]) -> str:
         note = (f'<p class="missing">{NOT_MEASURED} ({html.escape(str(e2e["reason"]))}); ground truth is read from '
                 f'<code>{html.escape(str(data["ground_truth_dir"]))}</code>. No error is reported.</p>')
     source = f"measured: {data['ground_truth_dir']}" if e2e["measured"] else "no measurement"
-    return (note + table_html(pd.DataFrame([row]), "end-to-end-table")
+    return (note + table_html(pd.DataFrame([row]), "end-to-end-table") + interval_basis(e2e.get("uncertainty", []))
             + figure_html(figures.end_to_end_figure(e2e), "end-to-end-figure", "predicted vs measured step time",
                           f"predicted by trainsim ({_predicted_by(data)}); {source}"))
 
@@ -156,13 +159,31 @@ TRAINING_ROWS = {"training_tokens": "tokens", "training_steps": "steps", "traini
                  "training_energy_mwh": "energy (MWh, at the GPUs' maximum power)"}
 
 
+def interval_basis(parts: list[dict[str, Any]]) -> str:
+    """How the interval was built: each part of the critical path, the model's level and its measured error."""
+    if not parts:
+        return ""
+    frame = pd.DataFrame([{"part": p["component"], "level": p["level"].replace("_", " "), "seconds": p["seconds"],
+                           "measured bias (%)": p["bias_pct"], "measured spread (%)": p["spread_pct"],
+                           "measured on": p["source"]} for p in parts])
+    return ("<p>The intervals hold the real step time as often as they say on runs no fit saw (benchmarks/"
+            "uncertainty.py): each part of the critical path varies by its model's error measured held out.</p>"
+            + table_html(frame, "interval-table"))
+
+
+def _with_interval(value: Any, interval: tuple[float, float] | None) -> str:
+    return _fmt(value) if interval is None else f"{_fmt(value)} (80 %: {_fmt(interval[0])}-{_fmt(interval[1])})"
+
+
 def efficiency_section(data: dict[str, Any]) -> str:
     """The step in the numbers the field compares (MFU as Megatron counts it), and the whole run."""
     numbers = data.get("efficiency")
     if not numbers:
         return "<p class='missing'>the compose artifact carries no config: no efficiency figures</p>"
     hw = data["config"]["hardware"]
-    step = _kv_table({label: numbers[k] for k, label in EFFICIENCY_ROWS.items()}, "efficiency-table")
+    within = data.get("efficiency_intervals", {})
+    step = _kv_table({label: _with_interval(numbers[k], within.get(k)) for k, label in EFFICIENCY_ROWS.items()},
+                     "efficiency-table")
     sources = (f"<p>MFU counts model FLOPs (Narayanan et al. 2021), HFU adds recomputation, both against the "
                f"{hw.get('name')} peak; cost at {_fmt(hw.get('price_per_device_hour') or None)} USD per GPU-hour "
                f"and energy at {_fmt(hw.get('power_per_device_w') or None)} W per GPU (hardware config; "
@@ -172,7 +193,8 @@ def efficiency_section(data: dict[str, Any]) -> str:
                "GPU-hours, cost and energy of a whole training run.</p>")
     else:
         run = ("<h3>The whole training run</h3>"
-               + _kv_table({label: numbers[k] for k, label in TRAINING_ROWS.items()}, "training-table")
+               + _kv_table({label: _with_interval(numbers[k], within.get(k)) for k, label in TRAINING_ROWS.items()},
+                           "training-table")
                + "<p>Steady-state steps only: no start-up, checkpoints, evaluation or failures.</p>")
     return step + sources + run
 

@@ -29,6 +29,8 @@ def metrics(data: dict[str, Any]) -> dict[str, Any]:
     e2e = data["end_to_end"]
     out: dict[str, Any] = {"end_to_end": _clean({k: e2e.get(k) for k in (
         "predicted_s", "measured", "measured_s", "spread_s", "normalised", "error_pct")})}
+    for level, (low, high) in e2e.get("interval_s", {}).items():
+        out["end_to_end"][f"predicted_low_{level}_s"], out["end_to_end"][f"predicted_high_{level}_s"] = low, high
     breakdown = data["breakdown"]
     out["breakdown"] = _clean({col: float(breakdown[col].max()) for col in breakdown.columns if col.endswith("_s")})
     if "comm_summary" in data:

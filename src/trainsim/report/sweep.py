@@ -65,6 +65,8 @@ def point_row(keys: dict[str, str], root: Path = Path(".")) -> dict[str, Any]:
     }
     row["measured_step_s"] = end_to_end.get("measured_s")
     row["error_pct"] = end_to_end.get("error_pct")
+    row["step_time_low_80_s"] = end_to_end.get("predicted_low_80_s")  # the report's interval, where it made one
+    row["step_time_high_80_s"] = end_to_end.get("predicted_high_80_s")
     return row
 
 
@@ -148,7 +150,7 @@ def end_to_end_html(valid: pd.DataFrame) -> str:
     """The paper-style figures (accuracy_figures) over the points with a ground truth; without any, a sentence
     saying so (no empty figure: an absent measurement is not an error of zero)."""
     points = accuracy_points(valid, predicted="step_time_s", measured="measured_step_s", label="point",
-                             model="model", group="hardware")
+                             model="model", group="hardware", interval=("step_time_low_80_s", "step_time_high_80_s"))
     if not len(points):
         return (f"<p class='missing' id='no-ground-truth'>No point has a ground truth ({NOT_MEASURED}): nothing to "
                 f"compare. A measured step time is read from {STAGES['ground_truth'].output}.</p>")
@@ -186,7 +188,8 @@ def grid_html(valid: pd.DataFrame) -> str:
 
 def render_summary_page(name: str, table: pd.DataFrame) -> str:
     shown = [c for c in ("point", "status", "reason", "world_size", "dp", "tp", "cp", "pp", "micro_batch_size",
-                         "schedule", "recompute", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu_pct",
+                         "schedule", "recompute", "step_time_s", "step_time_low_80_s", "step_time_high_80_s",
+                         "tokens_per_s", "tokens_per_s_per_gpu", "mfu_pct",
                          "hfu_pct", "peak_memory_gib", "oom", "cost_per_step_usd", "cost_per_million_tokens_usd",
                          "training_days", "training_gpu_hours", "training_cost_usd", "training_energy_mwh",
                          "step_vs_first_pct", "measured_step_s", "error_pct")

@@ -26,11 +26,14 @@ from trainsim.report.efficiency import token_count
 from trainsim.report.html import breakdown_section, efficiency_section, html_page, inputs_used, table_html
 from trainsim.search.layouts import SearchSpace
 from trainsim.search.output import chosen_layouts, search_sections
-from trainsim.search.run import STATUS_OK, SearchResult, point_overrides, search_layouts
+from trainsim.search.run import STATUS_OK, SearchResult, cost_column, point_overrides, search_layouts
+from trainsim.uncertainty.interval import component_errors, compute_level, probability_best, upper_ratio
 
 CHOICES = {"time": "fastest", "cost": "cheapest"}
 SECTIONS = ("answer", "time", "memory", "alternatives", "inputs")
 ANSWER_FILE, PAGE_FILE = "plan.json", "plan.html"
+RANKING = ("ranking", "same_table")
+"""The measured spread between two runs of one GPU and framework (uncertainty/component_errors.yaml)."""
 
 
 @dataclass
@@ -51,12 +54,51 @@ class Plan:
     """The chosen layout composed in full (the answer's numbers come from here, not from the estimate)."""
     within_days: float = 0.0
     """The deadline the choice was held to (0: none)."""
+    confidence: float = 0.0
+    """The chance of meeting the deadline the choice asked for (0: the estimate alone meets it)."""
+
+    def probability_best(self) -> float:
+        """The chance that the chosen layout is really the fastest (or cheapest) of the layouts it was chosen
+        from, their estimates moving apart by the measured spread between runs of one GPU and framework."""
+        candidates = eligible(self.search.table, self.within_days, self.days_factor())
+        column = "step_time_s" if self.by == "time" else cost_column(self.search.table)
+        others = candidates[candidates["layout"] != self.chosen["layout"]][column]
+        return probability_best(float(self.chosen[column]), [float(v) for v in others],
+                                component_errors()[RANKING].spread)
+
+    def probability_within_deadline(self) -> float | None:
+        """The chance that the composed step is fast enough to train within the deadline (None without one)."""
+        if not self.within_days:
+            return None
+        steps = self.prediction.efficiency["training_steps"]
+        return self.prediction.interval.probability_at_most(self.within_days * 86400 / steps)
+
+    def days_factor(self) -> float:
+        """What the choice multiplies a layout's estimated days by to meet the deadline with `confidence`: the
+        one-sided quantile of the measured error of this GPU and framework's compute (1 without a confidence)."""
+        if not self.confidence:
+            return 1.0
+        return deadline_factor(self.run, self.confidence)
+
+
+def deadline_factor(run: Run, confidence: float) -> float:
+    """The factor over an estimated step time under which the real one stays with `confidence`, from the
+    measured error of the run's compute level (a fitted framework, another one, another GPU)."""
+    level = compute_level(run.hardware.kernel_model.fitted_frameworks, run.framework.name, {"analytical": 1}, True)
+    return upper_ratio(component_errors()[("compute", level)], confidence)
+
+
+def eligible(table: pd.DataFrame, within_days: float, days_factor: float = 1.0) -> pd.DataFrame:
+    """The searched layouts that fit, and meet the deadline (their estimated days times `days_factor`)."""
+    fits = table[table["status"] == STATUS_OK]
+    return fits[fits["training_days"] * days_factor <= within_days] if within_days else fits
 
 
 def make_plan(run: Run, budget: int, space: SearchSpace, *, by: str = "time", within_days: float = 0.0,
-              jobs: int = 1, calibration_dir: Path | None = None) -> Plan:
+              confidence: float = 0.0, jobs: int = 1, calibration_dir: Path | None = None) -> Plan:
     """Search the layouts of `run` on `budget` GPUs (and its halvings), choose one by `by` among those that
-    train `train.tokens` within `within_days` (0: no deadline), compose it in full.
+    train `train.tokens` within `within_days` (0: no deadline; with `confidence` in (0, 1): with that chance,
+    by the measured error of the run's compute), compose it in full.
 
     `by='cost', within_days=D` answers "how many GPUs, and which layout, to train this in D days at the least
     cost": a smaller world that meets the deadline costs fewer GPU-hours when it runs as efficiently."""
@@ -74,25 +116,28 @@ def make_plan(run: Run, budget: int, space: SearchSpace, *, by: str = "time", wi
         raise ConfigError(f"none of the {len(result.table)} layouts of {run.model.name} fits in memory on {budget} x "
                           f"{run.hardware.name} (least peak {result.table['peak_memory_gib'].min():.0f} GiB per GPU); "
                           f"try {', '.join(tries)}")
-    row = choose(result.table, by, within_days)
+    if confidence and not (0 < confidence < 1 and within_days):
+        raise ConfigError(f"plan --confidence {confidence:g}: accepted a chance between 0 and 1, with --within-days")
+    row = choose(result.table, by, within_days, deadline_factor(run, confidence) if confidence else 1.0)
     # the full compose needs no node count (it spans the ranks the layout has); keeping the configured one
     # keeps the hardware's artifact key, so its calibration and slowdown model are reused, not rebuilt
     overrides = [o for o in point_overrides(row, run, budget) if not o.startswith("hardware.num_nodes=")]
     return Plan(run=run, budget=budget, by=by, search=result, chosen=row, overrides=overrides,
                 chosen_run=compose_run(overrides, check="layout"), prediction=predict(*overrides),
-                within_days=within_days)
+                within_days=within_days, confidence=confidence)
 
 
-def choose(table: pd.DataFrame, by: str, within_days: float = 0.0) -> pd.Series:
+def choose(table: pd.DataFrame, by: str, within_days: float = 0.0, days_factor: float = 1.0) -> pd.Series:
     """The searched layout a plan takes: the fastest or the cheapest that fits, among those whose
-    training_days meet the deadline when there is one."""
+    training_days (times `days_factor`, for a confidence of meeting it) meet the deadline when there is one."""
     fits = table[table["status"] == STATUS_OK]
-    meets = fits[fits["training_days"] <= within_days] if within_days else fits
+    meets = eligible(table, within_days, days_factor)
     if meets.empty:
         fastest = fits.loc[fits["step_time_s"].idxmin()]
-        raise ConfigError(f"no layout on up to {fits['world_size'].max()} GPUs trains within {within_days:g} days: "
-                          f"the fastest, {fastest['layout']}, takes {fastest['training_days']:.1f} days; raise "
-                          "--gpus or --within-days")
+        margin = f" (x{days_factor:.2f} for the confidence asked)" if days_factor != 1 else ""
+        raise ConfigError(f"no layout on up to {fits['world_size'].max()} GPUs trains within {within_days:g} days"
+                          f"{margin}: the fastest, {fastest['layout']}, takes {fastest['training_days']:.1f} days; "
+                          "raise --gpus or --within-days")
     return chosen_layouts(meets)[CHOICES[by]]
 
 
@@ -112,8 +157,20 @@ def answer(plan: Plan) -> dict:
             "chosen_by": plan.by, "within_days": plan.within_days or None, "layout": row["layout"],
             "world_size": int(row["world_size"]),
             "overrides": plan.overrides, "step_time_s": p.step_time_s,
+            "step_time_interval_s": p.interval.as_dict()["intervals_s"], "intervals_80": p.intervals,
             "estimated_step_time_s": float(row["step_time_s"]), "oom": p.oom, **p.efficiency,
-            "warnings": p.warnings}
+            "probability_best": plan.probability_best(), "confidence": plan.confidence or None,
+            "probability_within_deadline": plan.probability_within_deadline(), "warnings": p.warnings}
+
+
+def odds_line(a: dict, by: str) -> str:
+    """How sure the answer is: the chance the layout is really the fastest (cheapest) of those it was chosen
+    from, and of meeting the deadline."""
+    text = f"{100 * a['probability_best']:.0f} % chance it is really the {CHOICES[by]} of the layouts that qualify"
+    if a["probability_within_deadline"] is not None:
+        text += (f"; {100 * a['probability_within_deadline']:.0f} % chance it trains within {a['within_days']:g} days"
+                 + (f" (asked: {100 * a['confidence']:.0f} %)" if a["confidence"] else ""))
+    return text + " (by the errors measured on runs no fit saw: benchmarks/uncertainty.py)"
 
 
 def answer_html(plan: Plan, data: dict) -> str:
@@ -121,13 +178,18 @@ def answer_html(plan: Plan, data: dict) -> str:
     lead = (f"<p id='answer-line'><b>{html.escape(a['layout'])}</b> on {a['world_size']:,} of {plan.budget:,} "
             f"{html.escape(a['hardware'])} GPUs ({CHOICES[plan.by]} layout that fits"
             + (f" and trains within {plan.within_days:g} days" if plan.within_days else "") + "): "
-            f"{a['step_time_s']:.4g} s per step")
+            f"{plan.prediction.interval.describe()} per step")
+    within = a["intervals_80"]
     if a["training_days"] is not None:
         lead += f", {a['training_days']:,.1f} days"
+        if "training_days" in within:
+            lead += " (80 %: {:,.1f}-{:,.1f})".format(*within["training_days"])
         if a["training_cost_usd"] is not None:
             lead += f" and {a['training_cost_usd']:,.0f} USD"
+            if "training_cost_usd" in within:
+                lead += " (80 %: {:,.0f}-{:,.0f})".format(*within["training_cost_usd"])
         lead += f" for {token_count(a['training_tokens'])} tokens"
-    lead += ".</p>"
+    lead += ".</p>" + f"<p id='answer-odds'>{html.escape(odds_line(a, plan.by))}</p>"
     if a["oom"]:
         lead += "<p class='missing'>The full trace of this layout needs more memory than the GPU has (the search's " \
                 "estimate said it fits): see the memory section.</p>"

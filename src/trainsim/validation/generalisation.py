@@ -51,7 +51,7 @@ class PooledRows:
     traced FitRow the fits compose."""
 
     rows: pd.DataFrame
-    """table, label, family, gpu, measured_s (one per fit_rows entry, same order)"""
+    """table, label, model, hardware, framework, family, gpu, measured_s (one per fit_rows entry, same order)"""
     fit_rows: list[FitRow]
     skipped: pd.DataFrame = field(default_factory=pd.DataFrame)
     """table, label, reason: rows no config expresses (not in the figures)"""
@@ -188,7 +188,8 @@ def recipe_fit_rows(table: str, workers: int = 2) -> tuple[pd.DataFrame, list[Fi
         comm, slowdown = bases[hardware]
         fit_rows.append(FitRow(traced_run.directory, composed.run.parallelism, composed.run.hardware, comm, slowdown))
         frames.append({"label": composed.recipe.label, "model": composed.run.model.name,
-                       "hardware": hardware, "measured_s": composed.recipe.measured_s})
+                       "hardware": hardware, "framework": composed.run.framework.name,
+                       "measured_s": composed.recipe.measured_s})
     return pd.DataFrame(frames), fit_rows, pd.DataFrame(skipped)
 
 
@@ -203,7 +204,7 @@ def pool_rows(published: Sequence[str], recipes: Sequence[str] = POOLED_RECIPE_T
         rows, table_rows, table_skipped = table_fit_rows(name, workers)
         frames.append(pd.DataFrame({"table": name, "label": rows["model"].astype(str) + " " + rows["gpus"].astype(str)
                                     + " GPUs", "model": rows["model"].astype(str), "hardware": TABLES[name].hardware,
-                                    "measured_s": rows["measured_s"]}))
+                                    "framework": TABLES[name].framework, "measured_s": rows["measured_s"]}))
         fit_rows += table_rows
         skipped += [{"table": name, "label": f"{r.model} {r.gpus} GPUs", "reason": r.skip_reason}
                     for r in table_skipped.itertuples()]
