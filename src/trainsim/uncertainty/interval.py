@@ -92,10 +92,6 @@ class StepInterval:
         low, high = self.at(level)
         return low / self.step_time_s, high / self.step_time_s
 
-    def width_pct(self, level: int = PRINTED_LEVEL) -> float:
-        low, high = self.ratios(level)
-        return 100 * (high - low)
-
     def describe(self, level: int = PRINTED_LEVEL) -> str:
         """'27.3 s (80 %: 25.1-29.8 s)'"""
         low, high = self.at(level)

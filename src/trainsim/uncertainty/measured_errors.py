@@ -13,8 +13,6 @@ measurement from the recorded results.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pandas as pd
 
@@ -123,10 +121,3 @@ def component_table(predictions: pd.DataFrame, comm_figures: dict[str, float], e
         components.setdefault(component, {})[level] = entry
     return {"components": components}
 
-
-def spread_pct(entry: dict) -> float:
-    return 100 * float(entry["spread"])
-
-
-def bias_pct(entry: dict) -> float:
-    return 100 * math.expm1(float(entry["bias"]))
