@@ -76,3 +76,18 @@ def test_a_fold_never_sees_its_row_and_sees_every_other(times):
         moved = leave_one_row_out(times, trained, groups, only=[held_out])
         assert max(abs(moved.folds[0][n] / fold.folds[0][n] - 1) for n in FITTED_PER_GPU) > 1e-3
         assert moved.predicted_s[0] != fold.predicted_s[0]
+
+
+GPU_CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf/hardware").glob("*.yaml")
+                     if p.stem not in ("local-cpu", "a100-80g-vtrain"))
+
+
+@pytest.mark.parametrize("hardware", GPU_CONFIGS)
+def test_every_gpu_config_starts_its_fits_at_a_measured_matmul_ceiling(hardware):
+    """A GPU without its own row would start at its datasheet peak (efficiency 1), and its fitted-over-start
+    ratios would mislead the GPUs that borrow them (leave-one-GPU-out)."""
+    from trainsim.config import compose_run
+
+    hw = compose_run([f"hardware={hardware}"]).hardware
+    start = data_free_params(hw)
+    assert 0.6 < start["matmul_efficiency"] < 0.9 and 0.6 < start["fp8_matmul_efficiency"] < 0.9, hw.device_name

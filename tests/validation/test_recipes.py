@@ -71,3 +71,20 @@ def test_torchtitan_rows_train_in_bf16_unless_float8_and_name_their_framework():
     float8 = next(r for r in recipes if "float8 rowwise" in r.label)
     assert "parallelism.precision=bf16" in bf16.overrides and "framework=torchtitan" in bf16.overrides
     assert "parallelism.precision=fp8" in float8.overrides and "parallelism.precision=bf16" not in float8.overrides
+
+
+def test_torchtitans_500_w_h100_runs_on_its_own_config_at_power_limited_clocks():
+    """The source's H100 is a 500 W, HBM2e part: its peaks are the H100 SXM's at the clock a 500 W limit leaves
+    (dynamic power ~ f^3), its bandwidth HBM2e's, and its kernel efficiencies the H100's (same silicon)."""
+    from trainsim.config import compose_run
+
+    h100 = next(r for r in read_recipes("torchtitan_llama_perf.csv") if "H100" in r.label)
+    assert "hardware=h100-grand-teton" in h100.overrides
+    capped = compose_run(["hardware=h100-grand-teton"]).hardware
+    dgx = compose_run(["hardware=h100-sxm-dgx"]).hardware
+    clock = (capped.power_per_device_w / dgx.power_per_device_w) ** (1 / 3)
+    for dtype, peak in dgx.peak_flops_per_s.items():
+        assert capped.peak_flops_per_s[dtype] == pytest.approx(peak * clock, rel=2e-3)
+    assert capped.memory_bandwidth_bytes_per_s < dgx.memory_bandwidth_bytes_per_s
+    assert capped.kernel_model.matmul_efficiency == dgx.kernel_model.matmul_efficiency
+    assert capped.device_name != dgx.device_name  # its own GPU in the per-GPU fits

@@ -55,15 +55,21 @@ def test_swiglu_matches_silu_times_up(dtype):
     torch.testing.assert_close(g1[0], g2[0], **tolerance)
 
 
-def test_a_llama_layer_traces_one_op_per_fused_kernel():
+SMALL_LLAMA = ["model=llama3-8b", "model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=8",
+               "model.num_kv_heads=4", "model.ffn_hidden_size=256", "model.seq_length=64", "model.vocab_size=512",
+               "parallelism=single", "hardware.devices_per_node=1"]
+
+
+def _graph(*overrides):
     from trainsim.config import compose_run
     from trainsim.trace import trace_layout
 
-    run = compose_run(["model=llama3-8b", "model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=8",
-                       "model.num_kv_heads=4", "model.ffn_hidden_size=256", "model.seq_length=64",
-                       "model.vocab_size=512", "parallelism=single", "hardware.devices_per_node=1"],
-                      check="layout")
-    graph = trace_layout(run.model, run.parallelism).graph.to_pandas()
+    run = compose_run([*SMALL_LLAMA, *overrides], check="layout")
+    return run, trace_layout(run.model, run.parallelism).graph.to_pandas()
+
+
+def test_a_llama_layer_traces_one_op_per_fused_kernel():
+    run, graph = _graph()
     counts = graph.groupby(["phase", "op"]).size()
     layers = run.model.num_layers
     assert counts[("forward", "trainsim::rms_norm")] == 2 * layers + 1  # two per layer, the final norm
@@ -73,3 +79,20 @@ def test_a_llama_layer_traces_one_op_per_fused_kernel():
     passes = graph[graph["phase"].isin(["forward", "backward"])]  # (the optimizer's clipping has a stack, rsqrt)
     leftover = passes[passes["op"].isin(["aten::pow.Tensor_Scalar", "aten::rsqrt", "aten::silu", "aten::stack"])]
     assert leftover.empty, leftover[["phase", "op"]]
+
+
+def test_without_fused_kernels_a_llama_layer_traces_eager_ops_that_move_more_bytes():
+    """torchtitan without torch.compile: each norm, rotation and SwiGLU is several eager kernels and passes."""
+    _, fused = _graph()
+    run, eager = _graph("framework=torchtitan")
+    assert not run.model.fused_elementwise
+    layers = run.model.num_layers
+    forward = eager[eager["phase"] == "forward"]["op"].value_counts()
+    assert not eager["op"].str.startswith("trainsim::").any()
+    assert forward["aten::rsqrt"] == 2 * layers + 1 and forward["aten::silu"] == layers
+    assert forward["aten::stack"] == 2 * layers  # q and k rotated
+    passes = {name: g[g["phase"].isin(["forward", "backward"])] for name, g in (("fused", fused), ("eager", eager))}
+    assert passes["eager"]["bytes_moved"].sum() > 1.3 * passes["fused"]["bytes_moved"].sum()
+    assert passes["eager"]["flops"].sum() == pytest.approx(passes["fused"]["flops"].sum(), rel=0.02)
+    _, compiled = _graph("framework=torchtitan", "framework.fused_elementwise=true")
+    assert compiled["op"].eq("trainsim::rms_norm").any()

@@ -418,6 +418,10 @@ class ModelConfig:
     """Core attention kernel: 'fused' (flash-attention style, torch's scaled_dot_product_attention: scores
     never in memory) or 'unfused' (Megatron before flash attention: scaled-masked scores GEMM, softmax,
     dropout and a second GEMM, with the [s, s] scores in memory)."""
+    fused_elementwise: bool = True
+    """Whether RMSNorm, rotary embedding and SwiGLU run as one fused kernel each way (Transformer Engine's kernels,
+    torch.compile's fusions) or, false, as eager PyTorch's separate ops and autograd's backward kernels, each a
+    pass over the activations (torchtitan and plain PyTorch without torch.compile; workloads/fused.py)."""
     attention_dropout: float = 0.0
     """Dropout probability on the attention probabilities (Megatron's --attention-dropout)."""
     norm_eps: float = 1e-5
@@ -735,7 +739,12 @@ class FrameworkConfig:
     """A flash-attention release whose measured rates replace the hardware config's attention efficiencies:
     'Fav2' / 'Fav3' = FlashAttention-2 / -3's causal forward/backward measured on H100 (data/kernels/
     h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv; NeMo 24.07 ran Fav2: Transformer Engine before its FlashAttention-3
-    support, with NVTE_FUSED_ATTN=0); H100 only; '' = the hardware's."""
+    support, with NVTE_FUSED_ATTN=0); applied on Hopper GPUs, elsewhere the hardware's rates stand;
+    '' = the hardware's."""
+    fused_elementwise: bool | None = None
+    """Its default for model.fused_elementwise: fused norm, rotary and SwiGLU kernels (Transformer Engine: true),
+    or eager PyTorch ops (torchtitan, whose training.compile is off unless set: false; set it true for a run
+    with torch.compile)."""
     tp_comm_overlap: bool = True
     """Whether the stack can overlap tensor-parallel communication with GEMMs (Transformer Engine's userbuffers,
     torchtitan's async TP); False refuses parallelism.tp_comm_overlap=true."""

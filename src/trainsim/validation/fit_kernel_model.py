@@ -26,7 +26,7 @@ DECIMALS = 3
 FIT_COMMENT = re.compile(r"fit_kernel_model, \d{4}-\d{2}-\d{2}\): \d+\.\d+( / \d+\.\d+)*")
 """the part of a config comment this script rewrites: 'fit_kernel_model, <date>): <values in FITTED_PER_GPU
 order, ' / ' between>'"""
-CARRIED_TO = {"a100-80g-selene": ("a100-80g-dgx",), "h100-sxm-dgx": ("h200-sxm-dgx", "h800-dgx")}
+CARRIED_TO = {"a100-80g-selene": ("a100-80g-dgx",), "h100-sxm-dgx": ("h200-sxm-dgx", "h800-dgx", "h100-grand-teton")}
 """fitted hardware -> the configs of the same GPU (or a sibling without published tables) that carry its fit
 unchanged: --write writes them too, and tests/validation/test_scale_figures.py checks they agree"""
 

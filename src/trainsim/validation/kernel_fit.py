@@ -34,8 +34,19 @@ number."""
 CEILING_DTYPE = {"matmul_efficiency": "bf16", "fp8_matmul_efficiency": "float8_e4m3fn"}
 """FITTED_PER_GPU GEMM parameter -> the mamf dtype whose best measured throughput bounds it"""
 MATMUL_CEILING = DATA_DIR / "kernels/matmul_max-achievable-tflops_mlengineering.csv"
-CEILING_ROW = {"NVIDIA A100-SXM4-80GB": "NVIDIA A100 SXM", "NVIDIA H100 80GB HBM3": "NVIDIA H100 SXM"}
-"""hardware.device_name -> the accelerator row of the best measured matmul throughput (mamf-finder)."""
+CEILING_ROW = {
+    "NVIDIA A100-SXM4-80GB": ("NVIDIA A100 SXM",), "NVIDIA A100-SXM4-40GB": ("NVIDIA A100 SXM",),
+    "NVIDIA H100 80GB HBM3": ("NVIDIA H100 SXM",), "NVIDIA H800": ("NVIDIA H100 SXM",),
+    "NVIDIA H100 96GB HBM2e 500W": ("NVIDIA H100 SXM",),
+    "NVIDIA H200": ("NVIDIA H200 SXM", "NVIDIA H100 SXM"),
+    "NVIDIA B200": ("NVIDIA B200 SXM",), "NVIDIA B300": ("NVIDIA B300 SXM",),
+    "NVIDIA GB200": ("NVIDIA GB200 SXM",), "NVIDIA GB300": ("NVIDIA GB200 SXM",),
+}
+"""hardware.device_name -> the accelerator rows of the best measured matmul throughput (mamf-finder), the
+GPU's own first, then a part of the same silicon where the table has no row of that dtype: the H800 and the
+500 W Grand Teton H100 are H100 silicon (the latter's config peaks are already its power-limited clock's, so
+the measured fraction of peak carries), the H200's bf16 is the H100's (the table notes "H200 is the same"), and
+the GB300 takes the GB200's (the same Grace-Blackwell package and dense peaks; the table has no GB300 row)."""
 CONVERGED = 1e-3
 """Gauss-Newton stops when no parameter moves by more than this fraction."""
 MOST_ITERATIONS = 4
@@ -46,8 +57,11 @@ def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
     its datasheet peak (no GEMM of a training step beats a brute-force search for the fastest shape); 1
     where the GPU has no row."""
     table = pd.read_csv(MATMUL_CEILING, comment="#")
-    row = table[(table["accelerator"] == CEILING_ROW.get(hw.device_name, "")) & (table["dtype"] == dtype)]
-    return float(row["mamf_tflops"].iloc[0] / row["theory_tflops"].iloc[0]) if len(row) else 1.0
+    for accelerator in CEILING_ROW.get(hw.device_name, ()):
+        row = table[(table["accelerator"] == accelerator) & (table["dtype"] == dtype)]
+        if len(row):
+            return float(row["mamf_tflops"].iloc[0] / row["theory_tflops"].iloc[0])
+    return 1.0
 
 
 def data_free_params(hw: HardwareConfig) -> dict[str, float]:

@@ -27,17 +27,11 @@ SYSTEMS = {
     "DGX-B300": "dgx-b300",
     "DGX-GB200": "gb200-nvl72",
     "DGX-GB300": "gb300-nvl72",
-    "H100 (96GB HBM2e 500W)": "h100-sxm-dgx",
+    "H100 (96GB HBM2e 500W)": "h100-grand-teton",
     "H200 (8/host; 400Gb/s CX-7 per GPU)": "h200-sxm-dgx",
     "A100 80GB": "a100-80g-dgx",
 }
-"""System named by a table -> conf/hardware option. Meta's Grand Teton H100 (96 GB HBM2e at 500 W) runs as
-the DGX H100 config: SYSTEM_NOTES says what differs."""
-
-SYSTEM_NOTES = {
-    "H100 (96GB HBM2e 500W)": "Grand Teton H100 (96 GB HBM2e, 500 W power limit) composed as h100-sxm-dgx "
-                              "(80 GB HBM3, 700 W): its lower clocks and memory bandwidth are not modelled",
-}
+"""System named by a table -> conf/hardware option."""
 
 MODELS = {
     "LLAMA3_8B": "llama3-8b", "LLAMA3-8B": "llama3-8b", "Llama 3 8B": "llama3-8b", "Llama3 8B": "llama3-8b",
@@ -233,8 +227,6 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
     notes += ["no activation recomputation (not stated)", f"hardware.num_nodes for {gpus} GPUs"]
     if model_name in MODEL_NOTES:
         notes.append(MODEL_NOTES[model_name])
-    if system in SYSTEM_NOTES:
-        notes.append(SYSTEM_NOTES[system])
     return Recipe(**base, overrides=tuple(overrides), notes=tuple(notes))
 
 
@@ -252,7 +244,9 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
     techniques = str(row["techniques"])
     gpus = number(row["num_gpus"])
     label = f"{row['model']} {row['gpu']} {gpus} GPUs {techniques}"
-    notes: list[str] = ["torch.compile's fusions are not modelled (eager kernels)"] if "compile" in techniques else []
+    compiled = "compile" in techniques
+    notes: list[str] = [] if compiled else ["torch.compile not named: eager kernels (torchtitan's training.compile "
+                                           "default)"]
     tp = number(row["tp"]) or number(row["derived_tp"]) or 1
     pp, cp = number(row["pp"]) or 1, number(row["cp"]) or 1
     local = number(row["local_batch_size"])
@@ -277,7 +271,7 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
     if mode != recompute:
         notes.append(f"activation checkpointing {mode!r} composed as recompute={recompute}")
     overrides = [f"hardware={SYSTEMS[row['gpu']]}", "framework=torchtitan", f"model={MODELS[row['model']]}",
-                 "parallelism=single",
+                 "parallelism=single", *(["framework.fused_elementwise=true"] if compiled else []),
                  f"model.seq_length={seq}", f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
                  f"parallelism.cp={cp}", f"parallelism.micro_batch_size={local}",
                  f"parallelism.global_batch_size={gbs}", "parallelism.zero_stage=3",
@@ -302,8 +296,6 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
                      "them: ring attention; trainsim's p2p needs seq divisible by 2 * cp, either is allowed)")
     if row["model"] in MODEL_NOTES:
         notes.append(MODEL_NOTES[row["model"]])
-    if row["gpu"] in SYSTEM_NOTES:
-        notes.append(SYSTEM_NOTES[row["gpu"]])
     notes.append(f"hardware.num_nodes for {gpus} GPUs")
     return Recipe(**base, overrides=tuple(overrides), notes=tuple(notes))
 

@@ -6,6 +6,10 @@ more in backward; rotary: strided slices, four multiplies, add, sub, stack), eac
 On a GPU a TE run reads and writes each tensor once. As custom operators (torch.library) the trace records one
 op per fused kernel with the bytes it really moves, the analytical kernel model prices it as one memory-bound
 pass, and a real run computes the same numbers (the CPU and CUDA implementations below are the unfused math).
+
+A stack without these kernels (torchtitan or plain PyTorch without torch.compile: model.fused_elementwise false)
+runs the same math as separate eager ops, and autograd's kernels backward: `RMSNorm(fused=False)`, `rotate` and
+`gated_silu` with fused=False trace exactly those ops, each priced as its own pass.
 """
 
 from __future__ import annotations
@@ -60,26 +64,39 @@ def _rms_norm_grad(ctx, grad, _grad_rstd):
 rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
 
 
-class RMSNorm(nn.Module):
-    """torch.nn.RMSNorm's parameters and results, computed by one op each way."""
+def rms_norm_unfused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as eager PyTorch computes it (torchtitan's RMSNorm without torch.compile): cast, square, mean,
+    rsqrt, two multiplies, each a kernel."""
+    wide = _wide(x)
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+
+class RMSNorm(nn.Module):
+    """torch.nn.RMSNorm's parameters and results, computed by one op each way (`fused`) or eagerly."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, fused: bool = True):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)[0]
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps)[0]
+        return rms_norm_unfused(x, self.weight, self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    if inverse:
+        sin = -sin
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
 @torch.library.custom_op("trainsim::rotary", mutates_args=())
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """Rotate each interleaved pair (x[2i], x[2i+1]) of the last dimension by its angle (cos, sin: [s, d/2]);
     `inverse` rotates back, which is the rotation's gradient."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    if inverse:
-        sin = -sin
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return _rotate(x, cos, sin, inverse)
 
 
 @rotary.register_fake
@@ -104,6 +121,10 @@ rotary.register_autograd(_rotary_grad, setup_context=_rotary_setup)
 @torch.library.custom_op("trainsim::swiglu", mutates_args=())
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of h = [gate | up] (the fused gate and up projections' output)."""
+    return _silu_gate(h)
+
+
+def _silu_gate(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 
@@ -136,3 +157,13 @@ def _swiglu_grad(ctx, grad):
 
 
 swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """Rotary embedding of x [..., d] by the tables [s, d/2]: one fused op, or eager slices, multiplies and a stack."""
+    return rotary(x, cos, sin, False) if fused else _rotate(x, cos, sin, False)
+
+
+def gated_silu(h: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of h = [gate | up]: one fused op, or eager silu and multiply."""
+    return swiglu(h) if fused else _silu_gate(h)

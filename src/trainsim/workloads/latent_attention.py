@@ -23,7 +23,7 @@ from trainsim.config.schema import ModelConfig
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.core_attention import layer_core_attention
 from trainsim.workloads.fp8 import Fp8Region
-from trainsim.workloads.fused import RMSNorm, rotary
+from trainsim.workloads.fused import RMSNorm, rotate
 from trainsim.workloads.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_from_sp
 
 
@@ -36,7 +36,7 @@ def duplicated_linear(in_features: int, out_features: int, dtype: torch.dtype, s
 
 
 def latent_norm(width: int, cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool) -> RMSNorm:
-    norm = RMSNorm(width, cfg.norm_eps, dtype)
+    norm = RMSNorm(width, cfg.norm_eps, dtype, cfg.fused_elementwise)
     norm.weight.sequence_parallel = sequence_parallel
     return norm
 
@@ -55,7 +55,7 @@ class LatentAttention(nn.Module):
         self.nope_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
         self.rope_dim, self.kv_rank = cfg.qk_rope_head_dim, cfg.kv_lora_rank
         self.v_dim = cfg.v_head_dim or self.nope_dim
-        self.selective_recompute = selective_recompute
+        self.selective_recompute, self.fused = selective_recompute, cfg.fused_elementwise
         heads, qk_dim = cfg.num_attention_heads, self.nope_dim + self.rope_dim
         sp = self.sequence_parallel
         if cfg.q_lora_rank:
@@ -94,8 +94,8 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv = kv.view(b, s, self.heads, -1).transpose(1, 2)  # [b, hl, s, d + dv]
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rope = rotary(k_rope.view(b, 1, s, self.rope_dim), *rotary_tables, False)
-        q = torch.cat([q_nope, rotary(q_rope, *rotary_tables, False)], dim=-1)
+        k_rope = rotate(k_rope.view(b, 1, s, self.rope_dim), *rotary_tables, self.fused)
+        q = torch.cat([q_nope, rotate(q_rope, *rotary_tables, self.fused)], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, self.heads, s, self.rope_dim)], dim=-1)
         out = checkpoint(self.core, q, k, v, use_reentrant=False) if self.selective_recompute else self.core(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.heads * self.v_dim))

@@ -18,7 +18,7 @@ from trainsim.workloads.combined_passes import Step
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.core_attention import dropout, layer_core_attention
 from trainsim.workloads.fp8 import Fp8Region, Fp8Settings
-from trainsim.workloads.fused import RMSNorm, rotary, swiglu
+from trainsim.workloads.fused import RMSNorm, gated_silu, rotate
 from trainsim.workloads.latent_attention import LatentAttention
 from trainsim.workloads.mamba import MambaMixer
 from trainsim.workloads.moe import ExpertParallel, MoE
@@ -47,7 +47,7 @@ def head_width(cfg: ModelConfig) -> int:
 
 
 def _norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False) -> nn.Module:
-    norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype) if cfg.family == "llama"
+    norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, cfg.fused_elementwise) if cfg.family == "llama"
             else nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype))
     for p in norm.parameters():  # applied to a token shard: each tp rank holds a partial gradient
         p.sequence_parallel = sequence_parallel
@@ -62,10 +62,6 @@ def _rotary_tables(cfg: ModelConfig, dtype: torch.dtype, positions: torch.Tensor
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return rotary(x, cos, sin, False)  # x [b, hl, s, d]; one fused op (workloads/fused.py)
-
-
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention of layer `layer` (its window: model.window_of)."""
 
@@ -77,7 +73,7 @@ class Attention(nn.Module):
         self.heads = cfg.num_attention_heads // tp
         self.kv_heads = (cfg.num_kv_heads or cfg.num_attention_heads) // tp
         self.head_dim = head_width(cfg)
-        self.selective_recompute = selective_recompute
+        self.selective_recompute, self.fused = selective_recompute, cfg.fused_elementwise
         self.core = layer_core_attention(cfg, layer, self.heads, self.kv_heads, self.head_dim, dtype, cp)
         bias = cfg.family == "gpt"
         full_heads = cfg.num_attention_heads + 2 * (cfg.num_kv_heads or cfg.num_attention_heads)
@@ -103,7 +99,7 @@ class Attention(nn.Module):
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
-            q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
+            q, k = rotate(q, *rotary, self.fused), rotate(k, *rotary, self.fused)  # [b, hl, s, d]
         if self.selective_recompute:  # Korthikanti et al. 2022: recompute only the core attention
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
@@ -116,7 +112,7 @@ class MLP(nn.Module):
                  comm_overlap: bool = False, fp8: Fp8Region | None = None, ffn: int | None = None):
         super().__init__()
         ffn = ffn or cfg.ffn_hidden_size or 4 * cfg.hidden_size
-        self.swiglu = cfg.family == "llama"
+        self.swiglu, self.fused = cfg.family == "llama", cfg.fused_elementwise
         bias = not self.swiglu
         up_width = 2 * ffn if self.swiglu else ffn  # SwiGLU fuses gate and up projections
         self.up = ColumnParallelLinear(cfg.hidden_size, up_width, tp, tp_group, dtype, bias, sequence_parallel,
@@ -127,7 +123,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
         if self.swiglu:
-            h = swiglu(h)
+            h = gated_silu(h, self.fused)
         else:
             h = nn.functional.gelu(h, approximate="tanh")
         return self.down(h)

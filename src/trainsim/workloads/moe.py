@@ -39,7 +39,7 @@ from torch import nn
 
 from trainsim.config.schema import ModelConfig
 from trainsim.workloads.fp8 import Fp8Linear, Fp8Region, fp8_experts
-from trainsim.workloads.fused import swiglu
+from trainsim.workloads.fused import gated_silu
 from trainsim.workloads.grouped_gemm import grouped_mm
 from trainsim.workloads.observe import observer
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
@@ -190,12 +190,12 @@ class Experts(nn.Module):
         for weight in (self.w1, self.w2):
             nn.init.normal_(weight, std=0.02)
         self.w1.expert = self.w2.expert = True
-        self.swiglu, self.grouped_gemm = cfg.family == "llama", grouped_gemm
+        self.swiglu, self.grouped_gemm, self.fused = cfg.family == "llama", grouped_gemm, cfg.fused_elementwise
         # FP8 grouped GEMMs (workloads/fp8.py)
         self.fp8_w1, self.fp8_w2 = (Fp8Linear(fp8), Fp8Linear(fp8)) if fp8 is not None else (None, None)
 
     def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
-        return swiglu(hidden) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
+        return gated_silu(hidden, self.fused) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
 
     def forward(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """x: the rows of each local expert in turn (per_expert[e] of them)."""
