@@ -15,6 +15,7 @@ import dataclasses
 
 from trainsim.config.choices import PRECISION_WEIGHT_BYTES
 from trainsim.config.data_path import DATA_DIR
+from trainsim.config.devices import gpu_generation
 from trainsim.config.schema import FrameworkConfig, HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.errors import ConfigError
 
@@ -62,8 +63,6 @@ def flash_attention_hardware(kernel: str, hw: HardwareConfig) -> HardwareConfig:
     and no release of these tables runs on Blackwell."""
     import pandas as pd
 
-    from trainsim.config.devices import gpu_generation
-
     if gpu_generation(hw.device_name) != "hopper":
         return hw
     rates = pd.read_csv(FLASH_ATTENTION_RATES, comment="#")
@@ -108,7 +107,7 @@ def apply_framework(fw: FrameworkConfig, hw: HardwareConfig, model: ModelConfig,
         model = dataclasses.replace(model, fused_elementwise=fw.fused_elementwise)
     if decides("hardware.host_dispatch_s", fw.host_dispatch_s):
         hw = dataclasses.replace(hw, host_dispatch_s=fw.host_dispatch_s)
-    if fw.flash_attention and hw.device_kind != "cpu":
+    if fw.flash_attention:
         hw = flash_attention_hardware(fw.flash_attention, hw)
     if par.tp_comm_overlap and not fw.tp_comm_overlap:
         raise ConfigError(f"parallelism.tp_comm_overlap=true: framework '{fw.name}' cannot overlap tensor-parallel "

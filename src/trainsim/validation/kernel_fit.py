@@ -14,6 +14,7 @@ Each row's step time is composed once per point and shared by every fit that lin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from trainsim.config.data_path import DATA_DIR
+from trainsim.config.devices import device_type_of
 from trainsim.config.schema import HardwareConfig, ParallelismConfig
 from trainsim.validation.fitting import SENSITIVITY_STEP, with_kernel_params
 from trainsim.validation.traces import analytical_step, trace_tables
@@ -34,30 +36,33 @@ number."""
 CEILING_DTYPE = {"matmul_efficiency": "bf16", "fp8_matmul_efficiency": "float8_e4m3fn"}
 """FITTED_PER_GPU GEMM parameter -> the mamf dtype whose best measured throughput bounds it"""
 MATMUL_CEILING = DATA_DIR / "kernels/matmul_max-achievable-tflops_mlengineering.csv"
-CEILING_ROW = {
-    "NVIDIA A100-SXM4-80GB": ("NVIDIA A100 SXM",), "NVIDIA A100-SXM4-40GB": ("NVIDIA A100 SXM",),
-    "NVIDIA H100 80GB HBM3": ("NVIDIA H100 SXM",), "NVIDIA H800": ("NVIDIA H100 SXM",),
-    "NVIDIA H100 96GB HBM2e 500W": ("NVIDIA H100 SXM",),
-    "NVIDIA H200": ("NVIDIA H200 SXM", "NVIDIA H100 SXM"),
-    "NVIDIA B200": ("NVIDIA B200 SXM",), "NVIDIA B300": ("NVIDIA B300 SXM",),
-    "NVIDIA GB200": ("NVIDIA GB200 SXM",), "NVIDIA GB300": ("NVIDIA GB200 SXM",),
+CEILING_ROWS = {
+    "A100": ("NVIDIA A100 SXM",), "H100": ("NVIDIA H100 SXM",), "H800": ("NVIDIA H100 SXM",),
+    "H200": ("NVIDIA H200 SXM", "NVIDIA H100 SXM"), "B200": ("NVIDIA B200 SXM",), "B300": ("NVIDIA B300 SXM",),
+    "GB200": ("NVIDIA GB200 SXM",), "GB300": ("NVIDIA GB200 SXM",),
 }
-"""hardware.device_name -> the accelerator rows of the best measured matmul throughput (mamf-finder), the
-GPU's own first, then a part of the same silicon where the table has no row of that dtype: the H800 and the
-500 W Grand Teton H100 are H100 silicon (the latter's config peaks are already its power-limited clock's, so
-the measured fraction of peak carries), the H200's bf16 is the H100's (the table notes "H200 is the same"), and
-the GB300 takes the GB200's (the same Grace-Blackwell package and dense peaks; the table has no GB300 row)."""
+"""GPU family (config/devices.py) -> the accelerator rows of the best measured matmul throughput (mamf-finder),
+the GPU's own first, then a part of the same silicon where the table has no row of that dtype: the H800 is H100
+silicon (and so is the 500 W Grand Teton H100, whose config peaks are already its power-limited clock's, so the
+measured fraction of peak carries), the H200's bf16 is the H100's (the table notes "H200 is the same"), and the
+GB300 takes the GB200's (the same Grace-Blackwell package and dense peaks; the table has no GB300 row)."""
 CONVERGED = 1e-3
 """Gauss-Newton stops when no parameter moves by more than this fraction."""
 MOST_ITERATIONS = 4
+
+
+@functools.cache
+def matmul_ceilings() -> pd.DataFrame:
+    """The mamf-finder table (read once: every fit step bounds its efficiencies by it)."""
+    return pd.read_csv(MATMUL_CEILING, comment="#")
 
 
 def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
     """The highest matmul_efficiency a fit may reach: the best torch.mm throughput measured on this GPU over
     its datasheet peak (no GEMM of a training step beats a brute-force search for the fastest shape); 1
     where the GPU has no row."""
-    table = pd.read_csv(MATMUL_CEILING, comment="#")
-    for accelerator in CEILING_ROW.get(hw.device_name, ()):
+    table = matmul_ceilings()
+    for accelerator in CEILING_ROWS.get(device_type_of(hw.device_kind, hw.device_name), ()):
         row = table[(table["accelerator"] == accelerator) & (table["dtype"] == dtype)]
         if len(row):
             return float(row["mamf_tflops"].iloc[0] / row["theory_tflops"].iloc[0])
