@@ -38,6 +38,7 @@ priors.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
@@ -55,22 +56,14 @@ from trainsim.comm.fit import AlphaBeta, every_other_size, fit_alpha_beta, fit_c
 from trainsim.comm.model import CommModel, prior_params
 from trainsim.comm.nccl_tuner import fit_nccl_tuner
 from trainsim.comm.network import domain_bandwidth
-from trainsim.comm.network_fit import (
-    LEVELS,
-    MSCCLPP_SECTIONS,
-    Cluster,
-    held_out,
-    load_clusters,
-    mscclpp_nccl_all_reduce,
-    priors_without,
-)
+from trainsim.comm.network_fit import LEVELS, Cluster, held_out, load_clusters, priors_without
 from trainsim.comm.nvlink_fit import nvlink_efficiency
 from trainsim.config import compose_run
 from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile
 from trainsim.errors import ConfigError
 
-HARDWARE_BY_PREFIX = {"a100": "a100-80g-dgx", "h100": "h100-sxm-dgx", "h200": "h100-sxm-dgx"}
+HARDWARE_BY_PREFIX = {"a100": "a100-80g-dgx", "h100": "h100-sxm-dgx", "h200": "h100-sxm-dgx", "b200": "dgx-b200"}
 
 
 CLUSTER_HARDWARE = {"p4de": "a100-80g-p4de", "p5": "h100-80g-p5", "oci": "a100-40g-oci", "ndmv4": "a100-80g-selene"}
@@ -78,7 +71,7 @@ CLUSTER_HARDWARE = {"p4de": "a100-80g-p4de", "p5": "h100-80g-p5", "oci": "a100-4
 
 
 def hardware_for(name: str):
-    key = next((hw for tag, hw in CLUSTER_HARDWARE.items() if f"-{tag}" in name),
+    key = next((hw for tag, hw in CLUSTER_HARDWARE.items() if re.search(rf"[-_]{tag}[-_]", name)),
                HARDWARE_BY_PREFIX.get(name.split("-")[0], "a100-80g-dgx"))
     return compose_run([f"hardware={key}"], check="layout").hardware
 
@@ -107,25 +100,51 @@ def fit_and_score(train: pd.DataFrame, test: pd.DataFrame, hw, prior) -> dict:
             "channels": fit.params.channels, "rows": len(test), "params": fit.params, "predicted": model}
 
 
-def held_out_sizes(path: Path, clusters: list[Cluster]) -> dict:
-    """One file fitted on every other size, from priors learned without it (held_out_prior: network priors
-    from the clusters that never read it, the NVLink efficiency from the other sources), predicting the rest."""
+# set: sizes a sweep needs for the held-out-sizes figure (every other one held out)
+MIN_SWEEP_SIZES = 4
+
+
+def auto_curves(path: Path) -> pd.DataFrame:
+    """A file's measurements of what NCCL picks itself (an author table's forced-algorithm curves left out)."""
     table = read_calibration_file(CalibrationFile(path=str(path)))
+    return table[table["algorithm"] == "auto"].reset_index(drop=True)
+
+
+def sweeps(table: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the (ranks, nodes) sweeps with at least MIN_SWEEP_SIZES sizes."""
+    sizes = table.groupby(["num_ranks", "num_nodes"])["message_bytes"].transform("nunique")
+    return table[sizes >= MIN_SWEEP_SIZES].reset_index(drop=True)
+
+
+def held_out_sizes(path: Path, clusters: list[Cluster], collective: str | None = None) -> dict:
+    """One file's sweeps of one collective (default: its only one) fitted on every other size, from priors
+    learned without the file (held_out_prior: network priors from the clusters that never read it, the NVLink
+    efficiency from the other sources), predicting the rest."""
+    table = sweeps(auto_curves(path))
+    collective = collective or table["collective"].iloc[0]
+    table = table[table["collective"] == collective].reset_index(drop=True)
     train = every_other_size(table)
     hw = hardware_for(path.name)
-    prior = held_out_prior(hw, table["collective"].iloc[0], clusters, [path])
+    prior = held_out_prior(hw, collective, clusters, [path])
     return fit_and_score(table[train], table[~train].reset_index(drop=True), hw, prior)
 
 
-def per_file(data: Path, clusters: list[Cluster]) -> tuple[pd.DataFrame, dict[str, str]]:
-    """The held-out-sizes scores of every file that reads, and file -> reason for those that do not."""
-    rows, refused = [], {}
+def per_file(data: Path, clusters: list[Cluster]) -> tuple[pd.DataFrame, dict[str, str], list[str]]:
+    """The held-out-sizes scores of every (file, collective) with sweeps, file -> reason for the files the reader
+    refuses, and the files read whose curves are too short to hold sizes out (scored by the sections below)."""
+    rows, refused, unscored = [], {}, []
     for path in sorted(data.iterdir()):
         try:
-            rows.append({"file": path.name, **held_out_sizes(path, clusters)})
+            collectives = sorted(set(sweeps(auto_curves(path))["collective"]))
         except ConfigError as exc:
             refused[path.name] = str(exc).splitlines()[0]
-    return pd.DataFrame(rows).drop(columns=["params", "predicted"]), refused
+            continue
+        if not collectives:
+            unscored.append(path.name)
+        for collective in collectives:
+            rows.append({"file": path.name, "collective": collective,
+                         **held_out_sizes(path, clusters, collective)})
+    return pd.DataFrame(rows).drop(columns=["params", "predicted"]), refused, unscored
 
 
 def contradicts_its_header(reason: str) -> bool:
@@ -211,21 +230,94 @@ def all_to_all_public(clusters: list[Cluster]) -> pd.DataFrame:
     both share)."""
     path = resolve_data_path(AZURE_SUMMARY, "comm_accuracy")
     priors = priors_without(clusters, [path])
+    table = read_calibration_file(CalibrationFile(path=AZURE_SUMMARY)).set_index(["num_ranks", "num_nodes"])
     rows = []
-    for section, (ranks, nodes) in MSCCLPP_SECTIONS.items():
+    for (ranks, nodes), curve in table.groupby(level=[0, 1], sort=False):
         hw = compose_run(["hardware=a100-80g-selene", f"hardware.num_nodes={nodes}"], check="layout").hardware
         model = CommModel.from_hardware(hw, priors)
-        gathers = mscclpp_nccl_all_reduce(path, section, ranks, "all_gather").set_index("message_bytes")["time_s"]
-        for r in mscclpp_nccl_all_reduce(path, section, ranks, "all_to_all").itertuples():
+        gathers = curve[curve["collective"] == "all_gather"].set_index("message_bytes")["time_s"]
+        for r in curve[curve["collective"] == "all_to_all"].itertuples():
             predicted = model.collective_seconds("all_to_all", r.message_bytes, ranks, nodes)
             ring = model.collective_seconds("all_gather", r.message_bytes, ranks, nodes)
             structure = gathers[r.message_bytes] * predicted / ring
-            rows.append({"section": section, "bytes": r.message_bytes, "measured_ms": 1e3 * r.time_s,
-                         "predicted_ms": 1e3 * predicted, "ring_ms": 1e3 * ring,
+            rows.append({"nodes x gpus": f"{nodes} x {ranks // nodes}", "bytes": r.message_bytes,
+                         "measured_ms": 1e3 * r.time_s, "predicted_ms": 1e3 * predicted, "ring_ms": 1e3 * ring,
                          "error_pct": 100 * (predicted / r.time_s - 1),
                          "ring_error_pct": 100 * (ring / r.time_s - 1),
                          "structure_error_pct": 100 * (structure / r.time_s - 1)})
     return pd.DataFrame(rows)
+
+
+P5_TABLES = tuple(f"data/nccl-tests/h100-16to256gpu-2to32node-aws_p5_hyperpod-efa_{c}.txt"
+                  for c in ("all_reduce", "all_gather", "alltoall"))
+"""AWS p5 (EFA v2) on 2-32 nodes: the node-scaling figure's tables."""
+
+
+def node_scaling(clusters: list[Cluster]) -> pd.DataFrame:
+    """Each p5 table fitted on its 2-node rows (priors learned without it), predicting 4-32 nodes; alpha-beta
+    fitted the same way beside it. One row per (collective, nodes): MAPE and signed mean error, %."""
+    hw = compose_run(["hardware=h100-80g-p5"], check="layout").hardware
+    rows = []
+    for name in P5_TABLES:
+        path = resolve_data_path(name, "comm_accuracy")
+        table = auto_curves(path)
+        collective = table["collective"].iloc[0]
+        train, test = table[table["num_nodes"] == 2], table[table["num_nodes"] > 2].reset_index(drop=True)
+        score = fit_and_score(train, test, hw, held_out_prior(hw, collective, clusters, [path]))
+        baseline = fit_alpha_beta(train, collective).predict(test)
+        for nodes, part in test.groupby("num_nodes"):
+            measured, index = part["time_s"].to_numpy(), part.index.to_numpy()
+            rows.append({"collective": collective, "nodes": nodes,
+                         "mape": mape_pct(score["predicted"][index], measured),
+                         "bias": float(np.mean(score["predicted"][index] / measured - 1) * 100),
+                         "base_mape": mape_pct(baseline[index], measured), "rows": len(part)})
+    return pd.DataFrame(rows)
+
+
+MULTINODE = {
+    "all_to_all": (("aws-p5-hyperpod-efa", "h100-80g-p5", "data/nccl-tests/"
+                    "h100-16to256gpu-2to32node-aws_p5_hyperpod-efa_alltoall.txt"),
+                   ("azure-ndmv4-ib-hdr", "a100-80g-selene", AZURE_SUMMARY)),
+    "send_recv": (("together-b200-ib-ndr", "dgx-b200", "data/nccl-tests/"
+                   "b200-16to512gpu-2to64node-together_use3a-ss-ib_cx7_400g_sendrecv_busbw_table.txt"),
+                  ("together-b200-ib-ndr", "dgx-b200",
+                   "data/nccl-tests/b200-16gpu-2node-together_use3a-ss-ib_cx7_400g_sendrecv.txt"),
+                  ("together-b200-slinky-ib-ndr-sharp", "dgx-b200", "data/nccl-tests/"
+                   "b200-8to512gpu-1to64node-together_slinky-ib_ndr400_12hca_sharp_peak_busbw_tables.txt")),
+}
+"""Per collective, the multi-node logs of clusters a hardware config describes: (cluster, hardware, file). The
+H100 pair on a slow fabric (xxrjun cluster00) is not among them: its source does not state its interconnect."""
+
+
+def multinode(collective: str, clusters: list[Cluster]) -> pd.DataFrame:
+    """Each cluster's multi-node rows of `collective`, predicted from its hardware description alone (the model
+    `trainsim compose` uses for a cluster it has no measurement of: datasheet rates, NCCL constants and the
+    network priors, learned without the cluster's files). One row per (cluster, nodes): MAPE and bias, %."""
+    rows = []
+    for cluster, hardware, name in MULTINODE[collective]:
+        path = resolve_data_path(name, "comm_accuracy")
+        table = auto_curves(path)
+        table = table[(table["collective"] == collective) & (table["num_nodes"] > 1)]
+        files = [resolve_data_path(n, "comm_accuracy") for c, _, n in MULTINODE[collective] if c == cluster]
+        priors = priors_without(clusters, files)
+        for (ranks, nodes), part in table.groupby(["num_ranks", "num_nodes"]):
+            hw = compose_run([f"hardware={hardware}", f"hardware.num_nodes={nodes}"], check="layout").hardware
+            model = CommModel.from_hardware(hw, priors)
+            predicted = np.array([model.collective_seconds(collective, int(b), int(ranks), int(nodes))
+                                  for b in part["message_bytes"]])
+            measured = part["time_s"].to_numpy()
+            large = (part["message_bytes"] >= LARGE_BYTES).to_numpy()
+            rows.append({"cluster": cluster, "file": path.name[:40], "nodes": nodes, "ranks": ranks,
+                         "mape_large": mape_pct(predicted[large], measured[large]),
+                         "bias_large": float(np.mean(predicted[large] / measured[large] - 1) * 100),
+                         "rows": int(large.sum())})
+    return pd.DataFrame(rows)
+
+
+def cluster_mean(table: pd.DataFrame) -> float:
+    """Mean over clusters of each cluster's row-weighted MAPE at >= 1 MiB."""
+    weighted = table.assign(w=table["mape_large"] * table["rows"]).groupby("cluster")[["w", "rows"]].sum()
+    return float((weighted["w"] / weighted["rows"]).mean())
 
 
 def main() -> None:
@@ -236,10 +328,12 @@ def main() -> None:
     pd.set_option("display.width", 200)
     start = time.perf_counter()
     clusters = load_clusters()
-    files, refused = per_file(args.data, clusters)
+    files, refused, unscored = per_file(args.data, clusters)
     for name, reason in refused.items():
         kind = "header contradicts its numbers" if contradicts_its_header(reason) else "refused"
         print(f"{kind}: {name}: {reason[:200]}")
+    for name in unscored:
+        print(f"read, curves too short to hold sizes out (scored below): {name}")
     figure("comm_files_refused", sum(not contradicts_its_header(r) for r in refused.values()), "files", "d")
     print("\nHeld-out sizes (fit on every other size), MAPE %:")
     print(files.round(2).to_string(index=False))
@@ -264,6 +358,17 @@ def main() -> None:
     figure("comm_mape_pct_cross_cluster_small", cross['mape_small'].mean(), "%")
     figure("comm_clusters_better_than_baseline", f"{(cross['mape_large'] < cross['base_large']).sum()}/{len(cross)}",
            "clusters")
+    scaling = node_scaling(clusters)
+    print("\nAWS p5 (EFA) fitted on 2 nodes, 4-32 nodes predicted (MAPE %, bias %):")
+    print(scaling.round(2).to_string(index=False))
+    figure("comm_mape_pct_node_scaling", scaling.groupby("collective")["mape"].mean().mean(), "%")
+    figure("baseline_mape_pct_node_scaling", scaling.groupby("collective")["base_mape"].mean().mean(), "%")
+    for collective, name in (("all_to_all", "alltoall"), ("send_recv", "sendrecv")):
+        table = multinode(collective, clusters)
+        print(f"\nMulti-node {collective}, each cluster from its description, network priors learned without it "
+              "(MAPE %, bias % at >= 1 MiB):")
+        print(table.round(2).to_string(index=False))
+        figure(f"comm_mape_pct_{name}_multinode", cluster_mean(table), "%")
     alltoall = all_to_all_public(clusters)
     print("\nNCCL all-to-all on Azure NDm A100 v4, predicted by a100-80g-selene (uncalibrated, network priors "
           "learned without Azure), as a ring, and anchored on the cluster's own all-gather (error %):")

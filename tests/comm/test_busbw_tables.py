@@ -36,9 +36,9 @@ def test_sendrecv_table_reads_every_node_count():
 def test_sharp_table_keeps_each_forced_algorithm_and_skips_failed_runs():
     runs = read_busbw_table(DATA + SHARP)
     allreduce = {(r.result.nodes, r.algorithm) for r in runs if r.result.collective == "all_reduce"}
-    assert (2, "CollnetDirect") in allreduce and (1, "Ring") in allreduce
-    assert (8, "CollnetDirect") not in allreduce  # '(retry 8n ok, peak not re-parsed in TSV)'
-    assert (1, "CollnetChain") not in allreduce
+    assert (2, "collnet_direct") in allreduce and (1, "ring") in allreduce
+    assert (8, "collnet_direct") not in allreduce  # '(retry 8n ok, peak not re-parsed in TSV)'
+    assert (1, "collnet_chain") not in allreduce
     sendrecv = {r.result.nodes: r.result.table.busbw_gbps.iloc[0] for r in runs if r.result.collective == "send_recv"}
     assert sendrecv[64] == pytest.approx(17.19)
 
@@ -50,3 +50,39 @@ def test_a_broken_line_is_named(tmp_path):
     bad.write_text(text)
     with pytest.raises(NcclTestsFormatError, match=r":\d+: not a number.*sixty-four"):
         read_busbw_table(bad)
+
+
+def test_the_calibration_reader_takes_author_tables_with_their_counts_and_forced_algorithms():
+    """hardware.calibration.files accepts the tables: each curve keeps its ranks and nodes, a forced algorithm
+    its name, and the fit sees only what NCCL picked itself, the forced rows counted."""
+    from trainsim.comm.calibration import collect_measurements, read_calibration_file
+    from trainsim.config import compose_run
+    from trainsim.config.schema import CalibrationFile
+
+    table = read_calibration_file(CalibrationFile(path=DATA + SHARP))
+    ring = table[(table.collective == "all_reduce") & (table.algorithm == "ring") & (table.num_nodes == 64)]
+    assert ring.num_ranks.tolist() == [512] and ring.time_s.iloc[0] == pytest.approx(
+        (32 << 30) * 2 * 511 / 512 / 389.81e9, rel=1e-6)
+    assert set(table[table.collective == "send_recv"].algorithm) == {"auto"}
+    hw = compose_run(["hardware=dgx-b200", f"hardware.calibration.files=[{{path: {DATA + SHARP}}}]"],
+                     check="layout").hardware
+    measured = collect_measurements(hw)
+    assert set(measured.collective) == {"send_recv"} and len(measured) == 7
+    assert measured.attrs["forced_algorithm_rows"] == {DATA + SHARP: len(table) - 7}
+
+
+def test_the_summary_form_reads_every_nccl_column_and_the_entry_selects_curves():
+    """The mscclpp summary's NCCL columns in each section (1 x 8, 2 x 1, 2 x 8 GPUs); MSCCL/MSCCL++ left out."""
+    from trainsim.comm.calibration import read_calibration_file
+    from trainsim.config.schema import CalibrationFile
+    from trainsim.errors import ConfigError
+
+    path = DATA + "a100-ndmv4-azure-1node-2node_summary_mscclpp.txt"
+    table = read_calibration_file(CalibrationFile(path=path))
+    assert set(map(tuple, table[["num_ranks", "num_nodes"]].drop_duplicates().values)) == {(8, 1), (2, 2), (16, 2)}
+    assert set(table.collective) == {"all_gather", "all_reduce", "all_to_all"} and len(table) == 21
+    picked = read_calibration_file(CalibrationFile(path=path, collective="all_to_all", num_ranks=16))
+    assert picked.time_s.tolist() == pytest.approx([49.75e-6, (1 << 30) * 15 / 16 / 37.80e9,
+                                                    (4 << 30) * 15 / 16 / 37.81e9])
+    with pytest.raises(ConfigError, match=r"no curve with nranks=4.*\(collective, ranks, nodes\)"):
+        read_calibration_file(CalibrationFile(path=path, num_ranks=4))

@@ -116,7 +116,7 @@ def test_a_pair_reads_only_the_values_pair_parameters_names(name):
     sizes = np.array([2.0**k for k in range(3, 34, 3)])
     for collective in ALGORITHMS:
         params = prior_params(hw, collective, channels=4)
-        params.values["alpha.network"] = 30e-6
+        params.values["latency.network"] = 30e-6
         for ranks, nodes in ((2, 1), (8, 1), (16, 2), (64, 8)):
             for pair in candidate_pairs(params, nodes):
                 before = algorithm_protocol_seconds(params, *pair, sizes, ranks, nodes)
@@ -320,7 +320,6 @@ def test_all_to_all_across_nodes_loads_the_nics_as_moe_dispatch_does():
     """Every rank of an all-to-all sends (N-K)/N of its buffer off its node: on 2 x 8 GPUs 4.3x a ring's network
     bytes. NCCL's all-to-all on 2 x 8 A100 (mscclpp summary: 26.6 ms at 1 GiB, 106.5 ms at 4 GiB) is predicted
     within 20 % by a config never fitted to an all-to-all (-80 % when it was priced as a ring)."""
-    from trainsim.comm.network_fit import mscclpp_nccl_all_reduce
     from trainsim.timeline.stage import comm_model
 
     hw = compose_run(["hardware=a100-80g-selene", "hardware.num_nodes=2"], check="layout").hardware
@@ -331,8 +330,8 @@ def test_all_to_all_across_nodes_loads_the_nics_as_moe_dispatch_does():
     # one node: the same bytes over each GPU's NVLink as a ring (nccl-tests: 254.7 vs 253.6 GB/s bus bandwidth)
     assert model.collective_seconds("all_to_all", size, 8, 1) == pytest.approx(
         model.collective_seconds("all_gather", size, 8, 1), rel=0.05)
-    rows = mscclpp_nccl_all_reduce(DATA_DIR / "nccl-tests/a100-ndmv4-azure-1node-2node_summary_mscclpp.txt",
-                                   "2 nodes, 8 gpus/node", 16, "all_to_all")
+    rows = read_calibration_file(CalibrationFile(path=str(DATA_DIR / "nccl-tests/a100-ndmv4-azure-1node-2node_summary_"
+                                                      "mscclpp.txt"), collective="all_to_all", num_ranks=16))
     large = rows[rows["message_bytes"] >= size]
     assert len(large) == 2
     for r in large.itertuples():

@@ -1,8 +1,8 @@
 """Held-out collective figures (benchmarks/comm_accuracy.py) never fit what they hold out (issue 52).
 
-Each test poisons measured times (x5) as every reader hands them out (calibration files, nccl-tests logs,
-the mscclpp summary), then reruns the figure's own code: poisoning the held-out part must leave the fits
-and the predictions of the held-out rows where they were, poisoning a training part must move them (so a
+Each test poisons measured times (x5) as every reader hands them out (calibration files: nccl-tests logs,
+author tables, the mscclpp summary), then reruns the figure's own code: poisoning the held-out part must leave
+the fits and the predictions of the held-out rows where they were, poisoning a training part must move them (so a
 leak would show). Clusters are the cheap ones of network_fit.CLUSTERS (no single-node fit to redo).
 """
 
@@ -63,9 +63,7 @@ def poison(monkeypatch, bench, file_name: str, rows: str = "all") -> list[int]:
         return reader
 
     for module, name in ((calibration, "read_calibration_file"), (network_fit, "read_calibration_file"),
-                         (network_fit, "mscclpp_nccl_all_reduce"), (nvlink_fit, "read_calibration_file"),
-                         (bench, "read_calibration_file"),
-                         (bench, "mscclpp_nccl_all_reduce")):
+                         (nvlink_fit, "read_calibration_file"), (bench, "read_calibration_file")):
         monkeypatch.setattr(module, name, wrap(getattr(module, name)))
     return poisoned
 
@@ -120,7 +118,7 @@ def test_held_out_cluster_never_reaches_its_network_prior_or_the_baseline(bench,
         clusters = h100_clusters()
         model = bench.cross_cluster(clusters).set_index("cluster").loc["aws-p5-efa"]
         baseline = bench.alpha_beta_cross_cluster(clusters).set_index("case").loc["aws-p5-efa"]
-        return [*model[["efficiency", "alpha_us"]], *baseline[["latency_us", "ratio"]]]
+        return [*model[["efficiency", "hop_latency_us"]], *baseline[["latency_us", "ratio"]]]
 
     assert_held_out(run, monkeypatch, bench, held_out=(P5,), trained=(COREWEAVE,))
 

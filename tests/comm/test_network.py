@@ -73,6 +73,33 @@ def test_ring_latency_grows_linearly_and_tree_logarithmically_with_nodes():
                                                                        rel=0.15)
 
 
+def test_the_network_hop_latency_is_paid_per_hop_on_the_critical_path_not_per_loop():
+    """The learned latency of a network hop: a ring all-gather over M nodes crosses M - 1 of them, a tree 2 per
+    level, a send/recv and an all-to-all one, whatever the message size (the loops stream behind it)."""
+    hw = hardware("h100-80g-p5", "hardware.nccl.algorithms=[ring]")
+    params = prior_params(hw, "all_gather")
+    hop = params.values["latency.network"]
+    assert hop == pytest.approx(network_prior(hw).hop_latency_s)
+    without = dataclasses.replace(params, values={k: v for k, v in params.values.items() if k != "latency.network"})
+    for size in (1 << 20, 1 << 32):
+        for nodes in (2, 8, 32):
+            added = predict_seconds(params, np.array([size]), 8 * nodes, nodes)[0] - predict_seconds(
+                without, np.array([size]), 8 * nodes, nodes)[0]
+            assert added == pytest.approx((nodes - 1) * hop, rel=1e-6)
+    one_node = predict_seconds(params, np.array([1 << 20]), 8, 1)[0]
+    assert one_node == predict_seconds(without, np.array([1 << 20]), 8, 1)[0]
+
+
+def test_a_send_recv_crosses_nodes_through_one_gpus_nic():
+    """nccl-tests' sendrecv_perf on 2 x 8 B200 (Together, 8 x 400 Gb/s InfiniBand per node): every rank sends to the
+    next, the two pairs that cross nodes bound the step at one NIC's rate, 43 GB/s at 256 MiB (not the node's 8)."""
+    model = CommModel.from_hardware(hardware("dgx-b200", "hardware.num_nodes=2"))
+    size = 256 << 20
+    busbw = size / model.collective_seconds("send_recv", size, 16, 2)
+    assert busbw == pytest.approx(43.14e9, rel=0.1)
+    assert model.collective_seconds("send_recv", size, 16, 2) == model.p2p_seconds(size, same_node=False)
+
+
 def test_groups_that_cross_the_spine_get_its_oversubscribed_share():
     blocking = prior_params(hardware("a100-80g-selene", "hardware.network.oversubscription=2"), "all_reduce")
     assert blocking.nic_share(8 * 20, 20) == 1.0  # one leaf (20 nodes per scalable unit)
@@ -172,7 +199,7 @@ def test_network_priors_file_is_what_the_measured_clusters_give():
         assert stored[level].keys() == entries.keys(), level
         for key, entry in entries.items():
             assert stored[level][key]["clusters"] == entry["clusters"]
-            for name in ("bandwidth_efficiency", "alpha_s", "error_pct"):
+            for name in ("bandwidth_efficiency", "hop_latency_s", "error_pct"):
                 assert stored[level][key][name] == pytest.approx(entry[name], rel=0.02, abs=0.2 if name == "error_pct"
                                                                  else 0), (level, key, name)
 

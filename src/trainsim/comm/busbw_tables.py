@@ -13,6 +13,12 @@ They carry no time column, so each row's time is size / algbw. The documented fo
   ('2n (16)') has one column per forced NCCL algorithm and measures the size the title states ('@ 32 GiB').
   Values are busbw in GB/s; cells that are not numbers (failed runs) are left out.
 
+* Summary form (the mscclpp performance summary): '### N node(s), K gpus/node' sections, each with a
+  '**Latency (us)**' and a '**BusBW (GB/s)**' table whose first column is the message size and whose
+  'NCCL <Collective>' columns are nccl-tests' (the other libraries' columns are not NCCL and are left out).
+  A latency row is the time itself, a busbw row gives it through nccl-tests' bus factor; the one placement
+  the summary reports is taken as the measurement.
+
 Each (section, collective, nodes, algorithm) becomes one NcclTestsResult, the record comm/nccl_tests.py
 yields for a full log, so calibration reads both alike.
 """
@@ -33,8 +39,24 @@ from trainsim.comm.nccl_tests import COLUMNS, NcclTestsFormatError, NcclTestsRes
 UNIT_BYTES = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _CSV_MARK = "# ---- verbatim CSV below ----"
 _TABLES_MARK = "# ---- verbatim tables below ----"
+_SUMMARY_SECTION = re.compile(r"### (\d+) nodes?, (\d+) gpus?/node")
 _COLLECTIVE_WORDS = (("all_reduce", r"all[-_ ]?reduce"), ("all_gather", r"all[-_ ]?gather"),
                      ("all_to_all", r"all[-_ ]?to[-_ ]?all"), ("send_recv", r"send[-_ ]?recv"))
+
+
+def nccl_algorithm(column: str) -> str:
+    """The algorithm a table column forces, in hardware.nccl.algorithms' spelling: 'Ring' -> 'ring',
+    'NVLS / NVLSTree' -> 'nvls' (NVLSTree is NVLS across nodes), 'CollnetDirect' -> 'collnet_direct'."""
+    first = re.split(r"\s*/\s*", column.strip())[0]
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", first).lower()
+
+
+def is_busbw_table(path: str | os.PathLike[str]) -> bool:
+    """Whether the file is an author-compiled table: a header line ends in one of the two marks, or it has the
+    summary form's sections."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return any(line.strip() in (_CSV_MARK, _TABLES_MARK) or _SUMMARY_SECTION.fullmatch(line.strip())
+                   for line in handle)
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,7 @@ class TableRun:
 
     result: NcclTestsResult
     algorithm: str | None
+    """The NCCL algorithm the table forces (nccl_algorithm's spelling); None: NCCL's own choice."""
     section: str
 
 
@@ -176,13 +199,47 @@ def _markdown_table(source: str, section: str, collective: str | None, header: l
                 if row is None or title_size is None:
                     raise _error(source, lineno, line, "expected rows 'Nn (GPUs)' under a title stating '@ <size>'")
                 nodes, gpus = int(row.group(1)), int(row.group(2))
-                size, algorithm = _size_bytes(title_size.group(1)), (None if len(header) == 2 else column)
+                size = _size_bytes(title_size.group(1))
+                algorithm = None if len(header) == 2 else nccl_algorithm(column)
             key = (nodes, gpus, algorithm)
             curves.setdefault(key, []).append((size, "out_of_place", value))
             spans.setdefault(key, [lineno, lineno])[1] = lineno
     return [TableRun(result=_rows_to_result(source, collective, gpus, nodes, rows, "busbw", tuple(spans[key])),
                      algorithm=algorithm, section=section)
             for key, rows in curves.items() for nodes, gpus, algorithm in [key]]
+
+
+def _read_summary(source: str, lines: list[str]) -> list[TableRun]:
+    curves: dict[tuple[int, int, str], list] = {}
+    spans: dict[tuple[int, int, str], list[int]] = {}
+    section, kind, header = None, None, None
+    for lineno, line in enumerate(lines, start=1):
+        if match := _SUMMARY_SECTION.fullmatch(line.strip()):
+            nodes, per_node = int(match.group(1)), int(match.group(2))
+            section, header = (nodes, nodes * per_node, line[4:].strip()), None
+        elif line.startswith("**"):
+            kind, header = ("latency" if "Latency" in line else "busbw"), None
+        elif line.lstrip().startswith("|") and section is not None:
+            cells = _cells(line)
+            if header is None:
+                header = cells
+            elif not all(re.fullmatch(r":?-+:?", c) for c in cells):
+                for column, cell in zip(header[1:], cells[1:], strict=True):
+                    if not column.startswith("NCCL ") or (collective := _collective_in(column)) is None:
+                        continue
+                    try:
+                        size, value = _size_bytes(cells[0]), float(cell)
+                    except ValueError:
+                        raise _error(source, lineno, line, f"not a number in column {column!r}") from None
+                    nodes, ranks, title = section
+                    factor = busbw_factor(collective, ranks)
+                    seconds = value * 1e-6 if kind == "latency" else size * factor / (value * 1e9)
+                    key = (nodes, ranks, collective)
+                    curves.setdefault(key, []).append((size, "out_of_place", size / seconds / 1e9))
+                    spans.setdefault(key, [lineno, lineno])[1] = lineno
+    return [TableRun(result=_rows_to_result(source, collective, ranks, nodes, rows, "algbw", tuple(spans[key])),
+                     algorithm=None, section=f"{nodes} node(s), {ranks} GPUs")
+            for key, rows in curves.items() for nodes, ranks, collective in [key]]
 
 
 def read_busbw_table(path: str | os.PathLike[str]) -> list[TableRun]:
@@ -198,4 +255,7 @@ def read_busbw_table(path: str | os.PathLike[str]) -> list[TableRun]:
             return _read_csv(source, lines, index + 1)
         if line.strip() == _TABLES_MARK:
             return _read_markdown(source, lines, index + 1, gpus_per_node)
-    raise NcclTestsFormatError(f"{source}: no '{_CSV_MARK}' or '{_TABLES_MARK}' line ends the header")
+    if runs := _read_summary(source, lines):
+        return runs
+    raise NcclTestsFormatError(f"{source}: no '{_CSV_MARK}' or '{_TABLES_MARK}' line ends the header, and no "
+                               "'### N nodes, K gpus/node' summary sections with NCCL columns")

@@ -2,8 +2,8 @@
 
 Sources, all turned into one table of MEASUREMENT_COLUMNS:
   * the local sweep (hardware.calibration.local_sweep): gloo over loopback here, NCCL on GPUs;
-  * files measured elsewhere (hardware.calibration.files): nccl-tests logs, or Parquet written by
-    `torchrun ... -m trainsim.comm.sweep` on a cluster.
+  * files measured elsewhere (hardware.calibration.files): nccl-tests logs, author-compiled busbw tables
+    (busbw_tables.py), or Parquet written by `torchrun ... -m trainsim.comm.sweep` on a cluster.
 Only out-of-place timings are used (nccl-tests prints both; in-place repeats the measurement).
 
 Artifact (artifacts/calibration/{hardware}/):
@@ -13,8 +13,9 @@ Artifact (artifacts/calibration/{hardware}/):
                         rest; >= 1 MiB and below) next to the alpha-beta baseline fitted the same way; the source files
                         with their SHA-256; with the local sweep on a CPU, the system noise model
                         (noise.py) and its measurements; per source file, the measurements nccl-tests
-                        flagged wrong (skipped_wrong_results) and the data-like lines the parser left
-                        out, by reason with their line numbers (skipped_lines)
+                        flagged wrong (skipped_wrong_results), the data-like lines the parser left
+                        out, by reason with their line numbers (skipped_lines), and the rows of curves
+                        run with a forced NCCL algorithm, not fitted (forced_algorithm_rows)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from trainsim.artifacts.store import atomic_artifact, file_sha256
+from trainsim.comm.busbw_tables import is_busbw_table, read_busbw_table
 from trainsim.comm.fit import CHANNEL_CHOICES, every_other_size, fit_alpha_beta, fit_collective, mape_pct, predict_table
 from trainsim.comm.model import FIT_FILE, prior_params
 from trainsim.comm.nccl_tests import NcclTestsFormatError, normalize_collective, parse_nccl_tests_runs
@@ -65,6 +67,8 @@ def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibra
             table["num_ranks"] = entry.num_ranks
         if entry.num_nodes:
             table["num_nodes"] = entry.num_nodes
+    elif is_busbw_table(path):
+        table = _read_busbw_table(path, entry)
     else:
         try:
             runs = parse_nccl_tests_runs(path, collective=entry.collective or None, nranks=entry.num_ranks or None)
@@ -91,11 +95,31 @@ def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibra
         raise ConfigError(f"{path}: num_ranks={uneven['num_ranks'].iloc[0]} is not a multiple of "
                           f"num_nodes={uneven['num_nodes'].iloc[0]}; set the right num_ranks / num_nodes in its "
                           f"hardware.calibration.files entry ({{path: {entry.path}, num_ranks: ..., num_nodes: ...}})")
-    table = table.assign(collective=table["collective"].map(normalize_collective), algorithm="auto",
+    algorithm = table["algorithm"] if "algorithm" in table else "auto"
+    table = table.assign(collective=table["collective"].map(normalize_collective), algorithm=algorithm,
                          protocol="auto", source=str(entry.path))[MEASUREMENT_COLUMNS].reset_index(drop=True)
     table.attrs["skipped_wrong"] = skipped_wrong
     table.attrs["skipped_lines"] = skipped_lines
     return table
+
+
+def _read_busbw_table(path: Path, entry: CalibrationFile) -> pd.DataFrame:
+    """An author-compiled table's curves (comm/busbw_tables.py), each with the rank and node counts it states and
+    the algorithm it forces ('auto' where NCCL chose); the entry's collective, num_ranks and num_nodes, where
+    set, select curves."""
+    try:
+        runs = read_busbw_table(path)
+    except NcclTestsFormatError as exc:
+        raise ConfigError(str(exc)) from None
+    wanted = {"collective": normalize_collective(entry.collective) if entry.collective else None,
+              "nranks": entry.num_ranks or None, "nodes": entry.num_nodes or None}
+    chosen = [r for r in runs if all(v is None or getattr(r.result, k) == v for k, v in wanted.items())]
+    if not chosen:
+        stated = sorted({(r.result.collective, r.result.nranks, r.result.nodes) for r in runs})
+        raise ConfigError(f"{path}: no curve with {', '.join(f'{k}={v}' for k, v in wanted.items() if v)}; its "
+                          f"(collective, ranks, nodes) are {stated}")
+    return pd.concat([r.result.table.assign(num_ranks=r.result.nranks, num_nodes=r.result.nodes,
+                                            algorithm=r.algorithm or "auto") for r in chosen], ignore_index=True)
 
 
 def local_sweep(hw: HardwareConfig) -> pd.DataFrame:
@@ -117,13 +141,18 @@ def collect_measurements(hw: HardwareConfig, sweep=local_sweep) -> pd.DataFrame:
     """All measurements of the hardware: its files, then the local sweep if enabled.
 
     `attrs["skipped_wrong"]`: per file, the rows nccl-tests flagged with wrong results (left out);
-    `attrs["skipped_lines"]`: per file with any, the data-like lines the parser left out, by reason.
+    `attrs["skipped_lines"]`: per file with any, the data-like lines the parser left out, by reason;
+    `attrs["forced_algorithm_rows"]`: per file with any, the rows of curves run with a forced NCCL algorithm
+    (author tables comparing algorithms), left out of the fit, which is of what NCCL picks itself.
     """
     tables = [read_calibration_file(entry, f"hardware.calibration.files[{i}].path")
               for i, entry in enumerate(hw.calibration.files)]
     skipped = {entry.path: t.attrs["skipped_wrong"] for entry, t in zip(hw.calibration.files, tables, strict=True)}
     skipped_lines = {entry.path: t.attrs["skipped_lines"]
                      for entry, t in zip(hw.calibration.files, tables, strict=True) if t.attrs["skipped_lines"]}
+    forced = {entry.path: int((t["algorithm"] != "auto").sum())
+              for entry, t in zip(hw.calibration.files, tables, strict=True) if (t["algorithm"] != "auto").any()}
+    tables = [t[t["algorithm"] == "auto"] for t in tables]
     if hw.calibration.local_sweep:
         tables.append(sweep(hw))
     if not tables:
@@ -137,6 +166,7 @@ def collect_measurements(hw: HardwareConfig, sweep=local_sweep) -> pd.DataFrame:
     table = table.astype({"num_ranks": "int64", "num_nodes": "int64", "message_bytes": "int64"})
     table.attrs["skipped_wrong"] = skipped
     table.attrs["skipped_lines"] = skipped_lines
+    table.attrs["forced_algorithm_rows"] = forced
     return table
 
 
@@ -149,7 +179,7 @@ def channel_choices(hw: HardwareConfig) -> tuple[int, ...]:
 HELD_OUT_PRIORS = {"network_priors": {}, "nvlink_efficiency": 1.0}
 """What the held-out fit starts from instead of the learned priors (network_priors.yaml, NVLINK_EFFICIENCY),
 which have seen the measured files, held-out sizes included: the network hop and NVLink at their datasheet
-rates, no network fixed cost (issue 52)."""
+rates, no network hop latency of its own (issue 52)."""
 
 
 def heldout_errors(table: pd.DataFrame, hw: HardwareConfig, collective: str) -> dict:
@@ -220,6 +250,7 @@ def write_calibration_artifact(hw: HardwareConfig, keys: dict[str, str], output:
         fit = {"hardware": hw.name, "nccl_version": hw.nccl.version, "sources": sources,
                "skipped_wrong_results": measurements.attrs.get("skipped_wrong", {}),
                "skipped_lines": measurements.attrs.get("skipped_lines", {}),
+               "forced_algorithm_rows": measurements.attrs.get("forced_algorithm_rows", {}),
                "collectives": calibrate(measurements, hw) if len(measurements) else {}}
         if measures_system_noise(hw):
             with status("measuring system noise (2 ranks)"):

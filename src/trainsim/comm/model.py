@@ -57,7 +57,11 @@ hardware config allows (NCCL_ALGO / NCCL_PROTO), or across nodes on networks who
 choice to NCCL's cost model (Fabric.tuner 'nccl', comm/network.py) the one that model prefers, given the
 channels and per-channel bandwidths its topology search finds (nccl_tuner.TunerTopology).
 The "node" is the NVLink domain (hardware.network.nvlink_domain_size); a collective that spans domains
-also pays the network's fixed cost alpha_net (values 'alpha.network', a learned prior of the transport).
+also pays the network's own latency per network hop on its critical path (values 'latency.network', a learned
+prior of the transport, comm/network.py): per inter-node step of a ring, per inter-node stage of a tree or chain,
+once for an all-to-all; once per collective, not per loop (the loops stream behind it, as NCCL's own estimate
+has its latency independent of size). Across the 6 measured clusters this is what lets a cluster measured on
+2-32 nodes and one measured on 2 predict each other (docs/comm.md).
 alpha, l, B and delta are fitted to measurements (comm/fit.py); NCCL's own constants (nccl_constants.yaml)
 give chunk sizes, channel thresholds and the priors the fit starts from and falls back to.
 """
@@ -164,9 +168,13 @@ class CollectiveParams:
 
     def nic_share(self, num_ranks: int, num_nodes: int) -> float:
         """Share of the node's inter-node bandwidth a group with num_ranks / num_nodes ranks per node gets,
-        over the spine's oversubscription when the group spans more nodes than one leaf switch holds."""
+        over the spine's oversubscription when the group spans more nodes than one leaf switch holds.
+        A send/recv crosses a node boundary from one GPU, through that GPU's NIC, however many ranks the group
+        has on the node (nccl-tests' sendrecv_perf: each rank sends to the next, so one pair per boundary
+        crosses the network and bounds the step; pipeline stages: each GPU sends to its own peer)."""
         f = self.fabric
-        share = min(1.0, num_ranks / num_nodes / f.devices_per_node) if f.devices_per_node else 1.0
+        per_node = 1 if self.collective == "send_recv" else num_ranks / num_nodes
+        share = min(1.0, per_node / f.devices_per_node) if f.devices_per_node else 1.0
         if f.nodes_per_leaf and num_nodes > f.nodes_per_leaf:
             share /= f.oversubscription
         return share
@@ -270,7 +278,8 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
                        + inter_steps * v[f"latency.inter.{protocol}"])
             moved = loops * steps * per_step
             nic = moved / (share * v[f"bandwidth.inter.{protocol}"]) * all_to_all_nic_load(name, num_ranks, num_nodes)
-            transfer = loops * latency + np.maximum.reduce([moved / v[f"bandwidth.intra.{protocol}"], local, nic])
+            transfer = (loops * latency + inter_steps * v.get("latency.network", 0.0)
+                        + np.maximum.reduce([moved / v[f"bandwidth.intra.{protocol}"], local, nic]))
         else:
             transfer = loops * steps * _step(v, "intra", protocol, per_step) + local
     else:
@@ -281,7 +290,7 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
         costs = {hop: (n, _step(v, hop, protocol, per_step * (load if hop == "inter" else 1.0),
                                 share if hop == "inter" else 1.0))
                  for n, hop in ((intra, "intra"), (inter, "inter")) if n}
-        fill = sum(n * cost for n, cost in costs.values())
+        fill = sum(n * cost for n, cost in costs.values()) + inter * v.get("latency.network", 0.0)
         streaming = {hop: (loops - 1) * cost for hop, (_, cost) in costs.items()}
         if algorithm == "tree" and "intra" in streaming:  # a chain GPU sends up and down through one switch port
             streaming["intra"] = streaming["intra"] * 2
@@ -291,8 +300,7 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
             transfer = fill + np.maximum.reduce([intra_part, local, streaming["inter"]])
         else:  # inside a node the same SMs move and reduce: their times add (busbw rising with N, module doc)
             transfer = fill + streaming.get("intra", 0.0) + local
-    network = v.get("alpha.network", 0.0) if num_nodes > 1 else 0.0
-    return v[f"alpha.{algorithm}"] + network + transfer
+    return v[f"alpha.{algorithm}"] + transfer
 
 
 def _all_to_all_p2p_seconds(v: dict[str, float], protocols: tuple[str, ...], channels: int, share: float,
@@ -311,7 +319,7 @@ def _all_to_all_p2p_seconds(v: dict[str, float], protocols: tuple[str, ...], cha
     local = v["delta"] * size
     if num_nodes == 1:
         return latency_intra + nvlink + local
-    network = v[f"latency.inter.{simple}"]
+    network = v[f"latency.inter.{simple}"] + v.get("latency.network", 0.0)
     latency = np.maximum(latency_intra, network) if per_node > 1 else network
     nic = per_node * (num_ranks - per_node) * per_peer / (share * channels * v[f"bandwidth.inter.{simple}"])
     return latency + np.maximum.reduce([nvlink, local, nic])
@@ -329,7 +337,7 @@ def pair_parameters(params: CollectiveParams, algorithm: str, protocol: str) -> 
     one other value leaves the pair's time as it was (tests/comm/test_comm_model.py checks this on four configs)."""
     protocols = {protocol, "LL"} if algorithm == "p2p" else {protocol}
     return frozenset(k for k in params.values
-                     if k in ("delta", "alpha.network", f"alpha.{algorithm}")
+                     if k in ("delta", "latency.network", f"alpha.{algorithm}")
                      or (k.startswith(("latency.", "bandwidth.")) and k.rsplit(".", 1)[1] in protocols))
 
 
@@ -430,22 +438,22 @@ def prior_params(hw: HardwareConfig, collective: str, channels: int | None = Non
                 payload = nccl_constants()["payload_fraction"][p]
                 values[f"bandwidth.intra.{p}"] = link_bandwidth["intra"] / channels * payload
     params = CollectiveParams(collective, algorithms, protocols, channels, nccl.buffer_size_bytes, values, fabric(hw))
-    efficiency, alpha_s = (prior.bandwidth_efficiency, prior.alpha_s) if prior else (1.0, 0.0)
-    return with_network_hop(params, hw, efficiency, alpha_s)
+    efficiency, hop_latency_s = (prior.bandwidth_efficiency, prior.hop_latency_s) if prior else (1.0, 0.0)
+    return with_network_hop(params, hw, efficiency, hop_latency_s)
 
 
-def with_network_hop(params: CollectiveParams, hw: HardwareConfig, efficiency: float, alpha_s: float
+def with_network_hop(params: CollectiveParams, hw: HardwareConfig, efficiency: float, hop_latency_s: float
                      ) -> CollectiveParams:
     """params with the network hop's bandwidth at `efficiency` x hw's nominal bandwidth per NVLink domain
-    (split over the channels, times each protocol's payload fraction) and the fixed cost of spanning
-    nodes at alpha_s (0: none)."""
+    (split over the channels, times each protocol's payload fraction) and the network's own latency per hop
+    at hop_latency_s (0: none)."""
     nominal = domain_bandwidth(hw) or 5e9
-    values = {k: v for k, v in params.values.items() if k != "alpha.network"}
+    values = {k: v for k, v in params.values.items() if k != "latency.network"}
     for p in params.protocols:
         payload = nccl_constants()["payload_fraction"][p]
         values[f"bandwidth.inter.{p}"] = efficiency * nominal / params.channels * payload
-    if alpha_s > 0:
-        values["alpha.network"] = alpha_s
+    if hop_latency_s > 0:
+        values["latency.network"] = hop_latency_s
     return dataclasses.replace(params, values=values)
 
 
@@ -510,7 +518,7 @@ class CommModel:
         closest = ("all_gather", "all_reduce") if collective == "all_to_all" else ("all_reduce",)  # same bytes moved
         donor = next((self.fits[c] for c in closest if c in self.fits), next(iter(self.fits.values()), None))
         if donor is not None:
-            borrowed = {k: v for k, v in donor.values.items() if not k.startswith("alpha.") or k == "alpha.network"}
+            borrowed = {k: v for k, v in donor.values.items() if not k.startswith("alpha.")}
             borrowed["delta"] *= LOCAL_ACCESSES[collective] / LOCAL_ACCESSES[donor.collective]
             borrowed.update({f"alpha.{a}": donor.values.get(f"alpha.{a}", donor.values[f"alpha.{donor.algorithms[0]}"])
                              for a in prior.algorithms})

@@ -2,8 +2,8 @@
 and the transport priors that let a cluster nobody measured be predicted from its description.
 
 A cluster is described by hardware.network (config/schema.py NetworkConfig). What a datasheet cannot
-say, how much of the nominal NIC bandwidth NCCL reaches over a transport and what fixed cost a
-multi-node collective pays on it (the network stack: verbs, libfabric/SRD, sockets), is learned across
+say, how much of the nominal NIC bandwidth NCCL reaches over a transport and what latency each network hop
+adds on it (the network stack: verbs, libfabric/SRD, sockets, the proxy), is learned across
 measured clusters (comm/network_fit.py) and kept in network_priors.yaml, per link generation, transport,
 NCCL network plugin and over all clusters. A prediction takes the most specific level with data and
 reports that level's leave-one-cluster-out error as its uncertainty band.
@@ -73,8 +73,10 @@ class NetworkPrior:
     key: str
     bandwidth_efficiency: float
     """Achieved fraction of the nominal node bandwidth on the network hop."""
-    alpha_s: float
-    """Fixed cost a collective pays once it spans nodes (network stack, connection setup per call)."""
+    hop_latency_s: float
+    """Latency of one network hop on a collective's critical path (network stack and proxy): paid per inter-node
+    step of a ring, per inter-node stage of a tree or chain, once by a send/recv and an all-to-all, so a
+    collective over more nodes pays it as NCCL's own model does."""
     clusters: tuple[str, ...]
     """Clusters it was learned from."""
     error_pct: float
@@ -83,7 +85,7 @@ class NetworkPrior:
 
     def describe(self) -> str:
         return (f"{self.level} {self.key!r} network prior (bandwidth efficiency {self.bandwidth_efficiency:.2f}, "
-                f"fixed cost {self.alpha_s * 1e6:.0f} us; learned from {', '.join(self.clusters)}), "
+                f"{self.hop_latency_s * 1e6:.0f} us per network hop; learned from {', '.join(self.clusters)}), "
                 f"+-{self.error_pct:.0f} % across clusters")
 
 
@@ -104,6 +106,6 @@ def network_prior(hw: HardwareConfig, table: dict | None = None) -> NetworkPrior
                        ("plugin", PLUGIN[transport]), ("all", "all")):
         entry = table.get(level, {}).get(key)
         if key and entry:
-            return NetworkPrior(level, key, float(entry["bandwidth_efficiency"]), float(entry["alpha_s"]),
+            return NetworkPrior(level, key, float(entry["bandwidth_efficiency"]), float(entry["hop_latency_s"]),
                                 tuple(entry["clusters"]), float(entry["error_pct"]))
     return None

@@ -4,7 +4,8 @@ Each cluster is a multi-node all-reduce log plus the hardware config that descri
 (hardware.network: transport, link generation, NICs). Its model is the collective model with the
 intra-node side from the GPU's single-node measurements (or priors) and the network hop at nominal;
 two numbers per group of clusters are then fitted to the group's multi-node rows (every cluster counts
-alike, relative errors): the bandwidth efficiency of the network hop and the fixed cost of spanning nodes.
+alike, relative errors): the bandwidth efficiency of the network hop and its latency (per network hop a
+collective's critical path crosses: NCCL's composition, comm/model.py).
 Groups are the link generation, the transport, the NCCL network plugin and all clusters
 (network.network_prior takes the most specific one a cluster belongs to).
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,6 @@ from scipy.optimize import least_squares
 from trainsim.comm.calibration import LARGE_BYTES, channel_choices, collect_measurements, read_calibration_file
 from trainsim.comm.fit import fit_collective, mape_pct, predict_table
 from trainsim.comm.model import CollectiveParams, fabric, prior_params, with_network_hop
-from trainsim.comm.nccl_tests import bus_bandwidth_factor
 from trainsim.comm.network import PLUGIN, PRIORS_FILE, network_prior
 from trainsim.config import compose_run
 from trainsim.config.data_path import resolve_data_path
@@ -43,7 +42,7 @@ from trainsim.config.schema import CalibrationFile, HardwareConfig
 LEVELS = ("link_generation", "transport", "plugin", "all")
 # set: the network fit's starting point
 START = (0.9, 20e-6)
-"""(efficiency, fixed cost) the fit starts from; a weak pull keeps a level with few rows near it."""
+"""(efficiency, hop latency) the fit starts from; a weak pull keeps a level with few rows near it."""
 # set: the network fit's pull towards its start
 PRIOR_WEIGHT = 0.03
 
@@ -65,6 +64,10 @@ CLUSTERS = (
                   CalibrationFile(path="data/nccl-tests/a100-16gpu-2node-aws-p4de-efa400_allreduce.txt")),
     ClusterSource("aws-p5-efa", "h100-80g-p5",
                   CalibrationFile(path="data/nccl-tests/h100-16gpu-2node-aws-p5-efa3200_allreduce.txt")),
+    ClusterSource("aws-p5-hyperpod-efa", "h100-80g-p5",
+                  CalibrationFile(path="data/nccl-tests/h100-16to256gpu-2to32node-aws_p5_hyperpod-efa_all_reduce.txt"),
+                  note="the same instance type as aws-p5-efa on SageMaker HyperPod with NCCL 2.27.7, 2-32 nodes, "
+                       ">= 32 MiB"),
     ClusterSource("oci-a100-roce", "a100-40g-oci",
                   CalibrationFile(path="data/nccl-tests/a100-16gpu-2node-oci-bmgpu4.8-roce_allreduce.txt")),
     ClusterSource("coreweave-h100-ib-ndr", "h100-sxm-dgx",
@@ -75,8 +78,8 @@ CLUSTERS = (
     ClusterSource("azure-ndmv4-ib-hdr", "a100-80g-selene",
                   CalibrationFile(path="data/nccl-tests/a100-ndmv4-azure-1node-2node_summary_mscclpp.txt",
                                   num_ranks=16, num_nodes=2),
-                  note="3 NCCL all-reduce points (1 KiB, 1 GiB, 4 GiB) of the mscclpp summary; Selene's network "
-                       "(8x 200 Gb/s HDR per node) is NDm A100 v4's"),
+                  note="3 NCCL all-reduce points (1 KiB, 1 GiB, 4 GiB) of the mscclpp summary's 2 x 8 section; "
+                       "Selene's network (8x 200 Gb/s HDR per node) is NDm A100 v4's"),
 )
 
 
@@ -87,7 +90,7 @@ class Cluster:
     table: pd.DataFrame
     """Its multi-node all-reduce rows (MEASUREMENT_COLUMNS)."""
     base: CollectiveParams
-    """The model with the network hop at nominal bandwidth and no fixed cost."""
+    """The model with the network hop at nominal bandwidth and no latency of its own."""
 
     @property
     def name(self) -> str:
@@ -99,55 +102,14 @@ class Cluster:
         return {"link_generation": f"{net.transport}/{net.link_generation}" if net.link_generation else "",
                 "transport": net.transport, "plugin": PLUGIN[net.transport], "all": "all"}
 
-    def predict(self, efficiency: float, alpha_s: float) -> np.ndarray:
-        return predict_table(with_network_hop(self.base, self.hardware, efficiency, alpha_s), self.table)
+    def predict(self, efficiency: float, hop_latency_s: float) -> np.ndarray:
+        return predict_table(with_network_hop(self.base, self.hardware, efficiency, hop_latency_s), self.table)
 
     def data_files(self) -> set[Path]:
         """Every file learning from this cluster reads: its log and its hardware's calibration files (whose
         single-node rows fit its intra-node side)."""
         entries = [self.source.log, *self.hardware.calibration.files]
         return {resolve_data_path(e.path, "network_fit.CLUSTERS") for e in entries}
-
-
-MSCCLPP_COLUMNS = {"all_reduce": "NCCL AllReduce", "all_gather": "NCCL AllGather", "all_to_all": "NCCL AllToAll"}
-# cite: the sections of the mscclpp performance summary (data/nccl-tests)
-MSCCLPP_SECTIONS = {"1 node, 8 gpus/node": (8, 1), "2 nodes, 1 gpu/node": (2, 2), "2 nodes, 8 gpus/node": (16, 2)}
-"""Section title -> (ranks, nodes) of the mscclpp performance summary."""
-
-
-def mscclpp_nccl_all_reduce(path: Path, section: str = "2 nodes, 8 gpus/node", ranks: int = 16,
-                            collective: str = "all_reduce") -> pd.DataFrame:
-    """One NCCL column (MSCCLPP_COLUMNS) of one section of the mscclpp performance summary: latency rows give
-    the time, bus-bandwidth rows give it through nccl-tests' bus factor. MEASUREMENT_COLUMNS."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    rows, current, kind, column = [], None, None, None
-    for line in path.read_text().splitlines():
-        if line.startswith("###"):
-            current = line.lstrip("#").strip()
-        elif line.startswith("**"):
-            kind = "latency" if "Latency" in line else "busbw"
-        elif line.startswith("|") and current == section:
-            cells = [c.strip().strip("*").strip() for c in line.strip("|").split("|")]
-            if MSCCLPP_COLUMNS[collective] in cells:
-                column = cells.index(MSCCLPP_COLUMNS[collective])
-            elif (size := re.fullmatch(r"(\d+)([KMG])", cells[0])) and column is not None:
-                message = int(size[1]) * units[size[2]]
-                value = float(cells[column])
-                seconds = value * 1e-6 if kind == "latency" else (
-                    message * bus_bandwidth_factor(collective, ranks) / (value * 1e9))
-                rows.append({"collective": collective, "algorithm": "", "protocol": "", "num_ranks": ranks,
-                             "num_nodes": MSCCLPP_SECTIONS.get(section, (ranks, 2))[1], "message_bytes": message,
-                             "time_s": seconds, "source": path.name})
-    if not rows:
-        raise ValueError(f"{path}: no {MSCCLPP_COLUMNS[collective]} rows in section {section!r}")
-    return pd.DataFrame(rows)
-
-
-def _read_log(entry: CalibrationFile) -> pd.DataFrame:
-    if "mscclpp" in entry.path:
-        return mscclpp_nccl_all_reduce(resolve_data_path(entry.path, "network_fit.CLUSTERS"),
-                                       ranks=entry.num_ranks)
-    return read_calibration_file(entry, "network_fit.CLUSTERS")
 
 
 def base_params(hw: HardwareConfig) -> CollectiveParams:
@@ -168,22 +130,22 @@ def load_clusters(sources=CLUSTERS) -> list[Cluster]:
     clusters = []
     for source in sources:
         hw = compose_run([f"hardware={source.hardware}", *source.overrides], check="layout").hardware
-        table = _read_log(source.log)
+        table = read_calibration_file(source.log, "network_fit.CLUSTERS")
         table = table[(table["collective"] == "all_reduce") & (table["num_nodes"] > 1)].reset_index(drop=True)
         clusters.append(Cluster(source, hw, table, base_params(hw)))
     return clusters
 
 
 def fit_group(clusters: list[Cluster]) -> tuple[float, float]:
-    """(efficiency, fixed cost) minimising relative error over the clusters' rows, each cluster weighted alike."""
+    """(efficiency, hop latency) minimising relative error over the clusters' rows, each cluster weighted alike."""
     start = np.log(START)
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        efficiency, alpha = np.exp(x)
+        efficiency, latency = np.exp(x)
         parts = []
         for c in clusters:
             measured = c.table["time_s"].to_numpy()
-            parts.append((c.predict(efficiency, alpha) - measured) / measured / np.sqrt(len(measured)))
+            parts.append((c.predict(efficiency, latency) - measured) / measured / np.sqrt(len(measured)))
         return np.concatenate([*parts, PRIOR_WEIGHT * (x - start)])
 
     result = least_squares(residuals, start, bounds=(np.log([0.05, 1e-7]), np.log([1.0, 1e-2])))
@@ -191,7 +153,7 @@ def fit_group(clusters: list[Cluster]) -> tuple[float, float]:
 
 
 def fit_levels(clusters: list[Cluster]) -> dict[str, dict[str, dict]]:
-    """{level: {key: {bandwidth_efficiency, alpha_s, clusters}}} over the groups the clusters form."""
+    """{level: {key: {bandwidth_efficiency, hop_latency_s, clusters}}} over the groups the clusters form."""
     table: dict[str, dict[str, dict]] = {level: {} for level in LEVELS}
     for level in LEVELS:
         groups: dict[str, list[Cluster]] = {}
@@ -199,8 +161,8 @@ def fit_levels(clusters: list[Cluster]) -> dict[str, dict[str, dict]]:
             if key := c.keys()[level]:
                 groups.setdefault(key, []).append(c)
         for key, members in sorted(groups.items()):
-            efficiency, alpha = fit_group(members)
-            table[level][key] = {"bandwidth_efficiency": round(efficiency, 4), "alpha_s": float(f"{alpha:.4g}"),
+            efficiency, latency = fit_group(members)
+            table[level][key] = {"bandwidth_efficiency": round(efficiency, 4), "hop_latency_s": float(f"{latency:.4g}"),
                                  "clusters": [c.name for c in members], "error_pct": float("nan")}
     return table
 
@@ -214,15 +176,16 @@ def priors_without(clusters: list[Cluster], paths) -> dict:
 
 
 def held_out(clusters: list[Cluster]) -> pd.DataFrame:
-    """Each cluster predicted from priors learned on the others (its level, efficiency, fixed cost, errors)."""
+    """Each cluster predicted from priors learned on the others (its level, efficiency, hop latency, errors)."""
     rows = []
     for c in clusters:
         table = fit_levels([o for o in clusters if o is not c])
         prior = network_prior(c.hardware, table)
-        predicted, measured = c.predict(prior.bandwidth_efficiency, prior.alpha_s), c.table["time_s"].to_numpy()
+        predicted, measured = c.predict(prior.bandwidth_efficiency, prior.hop_latency_s), c.table["time_s"].to_numpy()
         large = (c.table["message_bytes"] >= LARGE_BYTES).to_numpy()
         rows.append({"cluster": c.name, "level": f"{prior.level} {prior.key}", "efficiency": prior.bandwidth_efficiency,
-                     "alpha_us": prior.alpha_s * 1e6, "mape_large": mape_pct(predicted[large], measured[large]),
+                     "hop_latency_us": prior.hop_latency_s * 1e6,
+                     "mape_large": mape_pct(predicted[large], measured[large]),
                      "mape_small": mape_pct(predicted[~large], measured[~large]),
                      "bias_large": float(np.mean(predicted[large] / measured[large] - 1) * 100), "rows": len(measured)})
     return pd.DataFrame(rows)
@@ -245,7 +208,8 @@ def learn(clusters: list[Cluster], held: pd.DataFrame | None = None) -> dict:
 HEADER = """\
 # fit: `python -m trainsim.comm.network_fit --write` (network priors; do not edit by hand; the test suite
 # checks this file against a fresh fit). bandwidth_efficiency: achieved fraction of the nominal NIC bandwidth on
-# the network hop; alpha_s: fixed cost (s) of a collective that spans nodes; error_pct: mean absolute error at
+# the network hop; hop_latency_s: latency (s) of one network hop on a collective's critical path (per inter-node
+# ring step, tree stage, send/recv, once for an all-to-all); error_pct: mean absolute error at
 # messages >= 1 MiB of the level's clusters predicted leave-one-cluster-out (the band a prediction reports).
 # Clusters (comm/network_fit.py CLUSTERS; logs in data/nccl-tests, sources in data/SOURCES.md):
 """

@@ -78,16 +78,19 @@ class NetworkConfig:
 
 @dataclass
 class CalibrationFile:
-    """One measured collective sweep: an nccl-tests log or a `python -m trainsim.comm.sweep` Parquet."""
+    """One measured collective sweep: an nccl-tests log, an author-compiled busbw table (comm/busbw_tables.py,
+    docs/comm.md) or a `python -m trainsim.comm.sweep` Parquet."""
 
     path: str = "???"
     """File path, relative to the project root (or absolute)."""
     num_ranks: int = 0
-    """Ranks of the run; 0 = read from the file (rank lines, -np/-g flags, '<N>gpu' in its name)."""
+    """Ranks of the run; 0 = read from the file (rank lines, -np/-g flags, '<N>gpu' in its name). A table states
+    each curve's ranks: there it selects the curves."""
     num_nodes: int = 0
-    """Nodes of the run; 0 = read from the file (host names, 'N nodes', '<N>node' in its name)."""
+    """Nodes of the run; 0 = read from the file (host names, 'N nodes', '<N>node' in its name); selects a
+    table's curves."""
     collective: str = ""
-    """Collective measured; '' = read from the file (the *_perf command, or its name)."""
+    """Collective measured; '' = read from the file (the *_perf command, or its name); selects a table's curves."""
 
 
 @dataclass
