@@ -27,6 +27,7 @@ DATA = REPO / "data" / "nccl-tests"
 P5 = "h100-16gpu-2node-aws-p5-efa3200_allreduce.txt"
 COREWEAVE = "h100-64gpu-8node-coreweave-ndr-ib-sharp_allreduce.txt"
 AZURE = "a100-ndmv4-azure-1node-2node_summary_mscclpp.txt"
+HYPERPOD = "h100-16to256gpu-2to32node-aws_p5_hyperpod-efa_{}.txt"
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +47,10 @@ def h100_clusters():
     return load_clusters(sources("aws-p5-efa", "coreweave-h100-ib-ndr"))
 
 
-def poison(monkeypatch, bench, file_name: str, rows: str = "all") -> list[int]:
-    """Every reader returns `file_name`'s rows ('all', or 'held_out': the sizes every_other_size leaves out of
-    training) with five times their measured time. Returns the count of rows poisoned so far (one entry)."""
+def poison(monkeypatch, bench, file_name: str, rows="all") -> list[int]:
+    """Every reader returns `file_name`'s rows ('all'; 'held_out': the sizes every_other_size leaves out of
+    training; or a function of the table giving a mask) with five times their measured time. Returns the count of
+    rows poisoned so far (one entry)."""
     poisoned = [0]
 
     def wrap(read):
@@ -57,6 +59,8 @@ def poison(monkeypatch, bench, file_name: str, rows: str = "all") -> list[int]:
             mine = table["source"].map(lambda s: Path(s).name == file_name).to_numpy(bool, copy=True)
             if rows == "held_out":
                 mine &= ~every_other_size(table)
+            elif callable(rows):
+                mine &= rows(table)
             table.loc[mine, "time_s"] *= 5
             poisoned[0] += int(mine.sum())
             return table
@@ -134,6 +138,35 @@ def test_azure_file_never_reaches_the_all_to_all_predictions(bench, monkeypatch)
         return pd.concat([rows["predicted_ms"], rows["ring_ms"]]).to_numpy()
 
     assert_held_out(run, monkeypatch, bench, held_out=(AZURE,), trained=(COREWEAVE,))
+
+
+def test_node_scaling_sees_two_nodes_of_its_cluster_only(bench, monkeypatch):
+    """comm_mape_pct_node_scaling: the p5 HyperPod all-gather fitted on its 2-node rows, from priors learned
+    without its cluster. Its 4-32 node rows, and the same cluster's all-reduce table (a cluster of the network
+    priors), must not move the fit or its predictions; its 2-node rows must. One table and one channel count to
+    keep it fast."""
+    monkeypatch.setattr(bench, "P5_TABLES", ("data/nccl-tests/" + HYPERPOD.format("all_gather"),))
+    monkeypatch.setattr(bench, "channel_choices", lambda hw: (16,))
+    clusters = load_clusters(sources("aws-p5-efa", "aws-p5-hyperpod-efa"))
+
+    scored = bench.fit_and_score
+
+    def run():
+        fits = []
+        monkeypatch.setattr(bench, "fit_and_score", lambda *args: fits.append(scored(*args)) or fits[-1])
+        bench.node_scaling(load_clusters(sources("aws-p5-efa", "aws-p5-hyperpod-efa")))
+        return params_and_predictions(fits[0])
+
+    assert clusters[1].name == bench.P5_HYPERPOD
+    clean = run()
+    for name, rows in ((HYPERPOD.format("all_gather"), lambda t: (t["num_nodes"] > 2).to_numpy()),
+                       (HYPERPOD.format("all_reduce"), lambda t: np.ones(len(t), bool))):
+        with monkeypatch.context() as m:
+            hits = poison(m, bench, name, rows)
+            assert same(run(), clean) and hits[0] > 0
+    with monkeypatch.context() as m:
+        poison(m, bench, HYPERPOD.format("all_gather"), lambda t: (t["num_nodes"] == 2).to_numpy())
+        assert not same(run(), clean)
 
 
 def synthetic_gloo_sweep() -> pd.DataFrame:

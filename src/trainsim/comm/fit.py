@@ -39,7 +39,7 @@ per-step latency, and only per-step latency grows with N. The priors (NCCL's bas
 dispatch for gloo) put it where NCCL's own model does. The same for the network's hop latency
 ('latency.network'): a sweep on one node count sees one number of hops, so its fit cannot tell the hop from
 the fixed costs; its prior is learned across clusters of 2 to 32 nodes (network_fit.py). Held to it, p5's
-2-node fits predict 4-32 nodes at 13.6 % instead of 18.5 % (comm_mape_pct_node_scaling)."""
+2-node fits predict 4-32 nodes at 13.9 % instead of 18.5 % (comm_mape_pct_node_scaling)."""
 # set: channel counts the collective fit tries
 CHANNEL_CHOICES = (1, 2, 4, 8, 16, 32)
 # set: the collective fit's starting points
