@@ -216,7 +216,7 @@ def _read_summary(source: str, lines: list[str]) -> list[TableRun]:
     for lineno, line in enumerate(lines, start=1):
         if match := _SUMMARY_SECTION.fullmatch(line.strip()):
             nodes, per_node = int(match.group(1)), int(match.group(2))
-            section, header = (nodes, nodes * per_node, line[4:].strip()), None
+            section, header = (nodes, nodes * per_node), None
         elif line.startswith("**"):
             kind, header = ("latency" if "Latency" in line else "busbw"), None
         elif line.lstrip().startswith("|") and section is not None:
@@ -231,7 +231,7 @@ def _read_summary(source: str, lines: list[str]) -> list[TableRun]:
                         size, value = _size_bytes(cells[0]), float(cell)
                     except ValueError:
                         raise _error(source, lineno, line, f"not a number in column {column!r}") from None
-                    nodes, ranks, title = section
+                    nodes, ranks = section
                     factor = busbw_factor(collective, ranks)
                     seconds = value * 1e-6 if kind == "latency" else size * factor / (value * 1e9)
                     key = (nodes, ranks, collective)
