@@ -283,43 +283,47 @@ def node_scaling(clusters: list[Cluster]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+NCCL_TESTS = "data/nccl-tests/"
 MULTINODE = {
-    "all_to_all": ((P5_HYPERPOD, "h100-80g-p5", "data/nccl-tests/"
-                    "h100-16to256gpu-2to32node-aws_p5_hyperpod-efa_alltoall.txt"),
-                   ("azure-ndmv4-ib-hdr", "a100-80g-selene", AZURE_SUMMARY)),
-    "send_recv": (("together-b200-ib-ndr", "dgx-b200", "data/nccl-tests/"
-                   "b200-16to512gpu-2to64node-together_use3a-ss-ib_cx7_400g_sendrecv_busbw_table.txt"),
-                  ("together-b200-ib-ndr", "dgx-b200",
-                   "data/nccl-tests/b200-16gpu-2node-together_use3a-ss-ib_cx7_400g_sendrecv.txt"),
-                  ("together-b200-slinky-ib-ndr-sharp", "dgx-b200", "data/nccl-tests/"
-                   "b200-8to512gpu-1to64node-together_slinky-ib_ndr400_12hca_sharp_peak_busbw_tables.txt")),
+    "all_to_all": {
+        P5_HYPERPOD: ("h100-80g-p5", (NCCL_TESTS + "h100-16to256gpu-2to32node-aws_p5_hyperpod-efa_alltoall.txt",)),
+        "azure-ndmv4-ib-hdr": ("a100-80g-selene", (AZURE_SUMMARY,)),
+    },
+    "send_recv": {
+        "together-b200-ib-ndr": ("dgx-b200", (
+            NCCL_TESTS + "b200-16to512gpu-2to64node-together_use3a-ss-ib_cx7_400g_sendrecv_busbw_table.txt",
+            NCCL_TESTS + "b200-16gpu-2node-together_use3a-ss-ib_cx7_400g_sendrecv.txt")),
+        "together-b200-slinky-ib-ndr-sharp": ("dgx-b200", (
+            NCCL_TESTS + "b200-8to512gpu-1to64node-together_slinky-ib_ndr400_12hca_sharp_peak_busbw_tables.txt",)),
+    },
 }
-"""Per collective, the multi-node logs of clusters a hardware config describes: (cluster, hardware, file). The
-H100 pair on a slow fabric (xxrjun cluster00) is not among them: its source does not state its interconnect."""
+"""Per collective, the clusters a hardware config describes with their multi-node logs: cluster -> (hardware,
+files). The H100 pair on a slow fabric (xxrjun cluster00) is not among them: its source does not state its
+interconnect."""
 
 
 def multinode(collective: str, clusters: list[Cluster]) -> pd.DataFrame:
     """Each cluster's multi-node rows of `collective`, predicted from its hardware description alone (the model
     `trainsim compose` uses for a cluster it has no measurement of: datasheet rates, NCCL constants and the
-    network priors, learned without the cluster). One row per (cluster, nodes): MAPE and bias, %."""
+    network priors, learned without the cluster). One row per (cluster, file, nodes): MAPE and bias, %."""
     rows = []
-    for cluster, hardware, name in MULTINODE[collective]:
-        path = resolve_data_path(name, "comm_accuracy")
-        table = auto_curves(path)
-        table = table[(table["collective"] == collective) & (table["num_nodes"] > 1)]
-        files = [resolve_data_path(n, "comm_accuracy") for c, _, n in MULTINODE[collective] if c == cluster]
-        priors = priors_without(without_cluster(clusters, cluster), files)
-        for (ranks, nodes), part in table.groupby(["num_ranks", "num_nodes"]):
-            hw = compose_run([f"hardware={hardware}", f"hardware.num_nodes={nodes}"], check="layout").hardware
-            model = CommModel.from_hardware(hw, priors)
-            predicted = np.array([model.collective_seconds(collective, int(b), int(ranks), int(nodes))
-                                  for b in part["message_bytes"]])
-            measured = part["time_s"].to_numpy()
-            large = (part["message_bytes"] >= LARGE_BYTES).to_numpy()
-            rows.append({"cluster": cluster, "file": path.name[:40], "nodes": nodes, "ranks": ranks,
-                         "mape_large": mape_pct(predicted[large], measured[large]),
-                         "bias_large": float(np.mean(predicted[large] / measured[large] - 1) * 100),
-                         "rows": int(large.sum())})
+    for cluster, (hardware, names) in MULTINODE[collective].items():
+        paths = [resolve_data_path(name, "comm_accuracy") for name in names]
+        priors = priors_without(without_cluster(clusters, cluster), paths)
+        for path in paths:
+            table = auto_curves(path)
+            table = table[(table["collective"] == collective) & (table["num_nodes"] > 1)]
+            for (ranks, nodes), part in table.groupby(["num_ranks", "num_nodes"]):
+                hw = compose_run([f"hardware={hardware}", f"hardware.num_nodes={nodes}"], check="layout").hardware
+                model = CommModel.from_hardware(hw, priors)
+                predicted = np.array([model.collective_seconds(collective, int(b), int(ranks), int(nodes))
+                                      for b in part["message_bytes"]])
+                measured = part["time_s"].to_numpy()
+                large = (part["message_bytes"] >= LARGE_BYTES).to_numpy()
+                rows.append({"cluster": cluster, "file": path.name[:40], "nodes": nodes, "ranks": ranks,
+                             "mape_large": mape_pct(predicted[large], measured[large]),
+                             "bias_large": float(np.mean(predicted[large] / measured[large] - 1) * 100),
+                             "rows": int(large.sum())})
     return pd.DataFrame(rows)
 
 
