@@ -86,3 +86,18 @@ def test_the_summary_form_reads_every_nccl_column_and_the_entry_selects_curves()
                                                     (4 << 30) * 15 / 16 / 37.81e9])
     with pytest.raises(ConfigError, match=r"no curve with nranks=4.*\(collective, ranks, nodes\)"):
         read_calibration_file(CalibrationFile(path=path, num_ranks=4))
+
+
+def test_held_out_sizes_keep_every_repeat_of_a_size_on_one_side():
+    """The send/recv table holds three runs of each sweep: a size held out of the fit must be held out in all of
+    them, or the fit would see the very size it is scored on."""
+    from trainsim.comm.calibration import read_calibration_file
+    from trainsim.comm.fit import every_other_size
+    from trainsim.config.schema import CalibrationFile
+
+    table = read_calibration_file(CalibrationFile(path=DATA + SENDRECV))
+    train = every_other_size(table)
+    sides = table.assign(train=train).groupby(["num_ranks", "num_nodes", "message_bytes"])["train"].nunique()
+    assert (sides == 1).all() and train.any() and (~train).any()
+    two_nodes = sorted(table[(table.num_nodes == 2) & train].message_bytes.unique())
+    assert two_nodes == [1 << k for k in range(10, 29, 2)]  # 1K, 4K, ... 256M: every other size, smallest first
