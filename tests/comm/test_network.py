@@ -75,7 +75,7 @@ def test_ring_latency_grows_linearly_and_tree_logarithmically_with_nodes():
 
 def test_the_network_hop_latency_is_paid_per_hop_on_the_critical_path_not_per_loop():
     """The learned latency of a network hop: a ring all-gather over M nodes crosses M - 1 of them, a tree 2 per
-    level, a send/recv and an all-to-all one, whatever the message size (the loops stream behind it)."""
+    level, a send/recv one, whatever the message size (the loops stream behind it)."""
     hw = hardware("h100-80g-p5", "hardware.nccl.algorithms=[ring]")
     params = prior_params(hw, "all_gather")
     hop = params.values["latency.network"]
@@ -88,6 +88,18 @@ def test_the_network_hop_latency_is_paid_per_hop_on_the_critical_path_not_per_lo
             assert added == pytest.approx((nodes - 1) * hop, rel=1e-6)
     one_node = predict_seconds(params, np.array([1 << 20]), 8, 1)[0]
     assert one_node == predict_seconds(without, np.array([1 << 20]), 8, 1)[0]
+
+
+def test_an_all_to_all_pays_the_network_hop_once_per_batch_of_remote_peers():
+    """NCCL works through a grouped send/recv's peers 8 at a time (NCCL_MAX_DEV_WORK_P2P_PER_BATCH), and each batch
+    across nodes waits for the network's hop: on 8-GPU nodes 1 batch at 2 nodes (8 remote peers), 31 at 32."""
+    params = prior_params(hardware("h100-80g-p5"), "all_to_all")
+    hop = params.values["latency.network"]
+    without = dataclasses.replace(params, values={k: v for k, v in params.values.items() if k != "latency.network"})
+    for nodes, batches in ((2, 1), (4, 3), (32, 31)):
+        added = predict_seconds(params, np.array([1 << 20]), 8 * nodes, nodes)[0] - predict_seconds(
+            without, np.array([1 << 20]), 8 * nodes, nodes)[0]
+        assert added == pytest.approx(batches * hop, rel=1e-6)
 
 
 def test_a_send_recv_crosses_nodes_through_one_gpus_nic():

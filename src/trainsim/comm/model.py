@@ -24,10 +24,11 @@ per rank through s steps and all links work in every step, so loops do not overl
   eta s b / (share B_inter) paces the rest; gloo's all-to-all (pairwise rounds, one peer per round) is priced
   as this ring, sending K (N-K) / (N-1) times a ring's bytes through a node's NICs (all_to_all_nic_load).
 NCCL's all-to-all ("p2p"): a group of sends and receives of S/N to and from every peer, all in flight at once
-  over the p2p channels, so it pays one step's latency per kind of hop instead of one per ring step:
-  T = alpha + max(l_intra,p, l_inter,Simple) + the slowest of (K-1)/N S over the rank's NVLink (C B_intra,p),
-  K (N-K)/N S through the node's NICs (share C B_inter,Simple) and delta S; on one node latency, NVLink and
-  local work add up as on a ring. p is LL for messages per peer up to NCCL_P2P_LL_THRESHOLD; across nodes
+  over the p2p channels, so it pays one step's latency per kind of hop instead of one per ring step, and the
+  network's hop latency once per batch of 8 remote peers (p2p_network_rounds):
+  T = alpha + max(l_intra,p, l_inter,Simple + R l_network) + the slowest of (K-1)/N S over the rank's NVLink
+  (C B_intra,p), K (N-K)/N S through the node's NICs (share C B_inter,Simple) and delta S; on one node latency,
+  NVLink and local work add up as on a ring. p is LL for messages per peer up to NCCL_P2P_LL_THRESHOLD; across nodes
   it is always Simple (the network's p2p connections share Simple buffers only).
 Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream through a chain:
   eta = ceil(S / (c_p chunk_p));  b = S / (c_p eta)
@@ -59,9 +60,9 @@ channels and per-channel bandwidths its topology search finds (nccl_tuner.TunerT
 The "node" is the NVLink domain (hardware.network.nvlink_domain_size); a collective that spans domains
 also pays the network's own latency per network hop on its critical path (values 'latency.network', a learned
 prior of the transport, comm/network.py): per inter-node step of a ring, per inter-node stage of a tree or chain,
-once for an all-to-all; once per collective, not per loop (the loops stream behind it, as NCCL's own estimate
-has its latency independent of size). Across the 6 measured clusters this is what lets a cluster measured on
-2-32 nodes and one measured on 2 predict each other (docs/comm.md).
+per batch of remote peers for an all-to-all; once per collective, not per loop (the loops stream behind it, as
+NCCL's own estimate has its latency independent of size). Across the 6 measured clusters this is what lets a
+cluster measured on 2-32 nodes and one measured on 2 predict each other (docs/comm.md).
 alpha, l, B and delta are fitted to measurements (comm/fit.py); NCCL's own constants (nccl_constants.yaml)
 give chunk sizes, channel thresholds and the priors the fit starts from and falls back to.
 """
@@ -319,10 +320,19 @@ def _all_to_all_p2p_seconds(v: dict[str, float], protocols: tuple[str, ...], cha
     local = v["delta"] * size
     if num_nodes == 1:
         return latency_intra + nvlink + local
-    network = v[f"latency.inter.{simple}"] + v.get("latency.network", 0.0)
+    network = v[f"latency.inter.{simple}"] + v.get("latency.network", 0.0) * p2p_network_rounds(num_ranks, per_node)
     latency = np.maximum(latency_intra, network) if per_node > 1 else network
     nic = per_node * (num_ranks - per_node) * per_peer / (share * channels * v[f"bandwidth.inter.{simple}"])
     return latency + np.maximum.reduce([nvlink, local, nic])
+
+
+def p2p_network_rounds(num_ranks: int, per_node: int) -> int:
+    """Batches of remote peers an all-to-all's rank works through: NCCL schedules a group's sends and receives in
+    batches of NCCL_MAX_DEV_WORK_P2P_PER_BATCH peers, and each batch across nodes waits for the network's hop
+    latency. On AWS p5 the time above the bytes grows by 20 us per 8 remote peers from 2 to 32 nodes; priced
+    once per all-to-all, a 2-node fit predicts 32 nodes 26 % too fast (12.6 % with the batches,
+    comm_mape_pct_node_scaling)."""
+    return math.ceil((num_ranks - per_node) / nccl_constants()["p2p_peers_per_batch"])
 
 
 def pair_seconds(params: CollectiveParams, pairs: list[tuple[str, str]], size: np.ndarray, num_ranks: int,
