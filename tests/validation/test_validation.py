@@ -191,9 +191,6 @@ GUARD_MAPE_PCT = 9.0
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a100-80g-vtrain's 9 parameters were fitted (2026-11-25) with the kernel "
-                   "shape constants before issue 52 refitted them to single-GPU kernel data (GEMM tiles, split-K): "
-                   "15.7 % here until `python benchmarks/e2e_accuracy.py --skip-local` refits the config (~40 min)")
 def test_vtrain_accuracy_guard(tmp_path):
     rows = vtrain.read_rows().loc[GUARD_ROWS]
     run = vtrain.base_run()
