@@ -66,7 +66,7 @@ def test_profile_fit_and_import(tmp_path, monkeypatch, capsys, repo):
     run = compose_run(["parallelism=tp2"])
     ops = distinct_ops(trace_layout(run.model, run.parallelism).graph.to_pandas())
     # matmuls and two elementwise kinds, enough for profile-fit's matmul and memory rates (every op of the model
-    # took almost three minutes to time; tests/profile times them all)
+    # took almost three minutes to time; tests/profile builds and runs them all)
     ops = ops[ops["op"].isin(["aten::mm", "aten::addmm", "aten::add_.Tensor", "aten::sum.dim_IntList"])]
     ops = ops.groupby("op").head(8)
     elsewhere = ProfileDatabase(tmp_path / "elsewhere")
