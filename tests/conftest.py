@@ -79,3 +79,17 @@ def chromium() -> str:
     if browser is None:
         pytest.skip("no Chromium on this machine (apt-get install chromium)")
     return browser
+
+
+@pytest.fixture(scope="session")
+def rate_ops():
+    """A few of the tp2 model's matmuls and two elementwise kinds: enough for the analytical kernel model's matmul
+    and memory rates, timed in seconds (all of the model's ops take minutes; tests/profile builds and runs each)."""
+    from trainsim.config import compose_run
+    from trainsim.profile.stage import distinct_ops
+    from trainsim.trace import trace_layout
+
+    run = compose_run(["parallelism=tp2"], check="layout")
+    ops = distinct_ops(trace_layout(run.model, run.parallelism).graph.to_pandas())
+    ops = ops[ops["op"].isin(["aten::mm", "aten::addmm", "aten::add_.Tensor", "aten::sum.dim_IntList"])]
+    return ops.groupby("op").head(4).reset_index(drop=True)

@@ -50,29 +50,22 @@ def test_dvc_yaml_check(repo, monkeypatch, capsys):
     assert main(["dvc-yaml", "--check"]) == 0
 
 
-def test_profile_fit_and_import(tmp_path, monkeypatch, capsys, repo):
+def test_profile_fit_and_import(tmp_path, monkeypatch, capsys, repo, rate_ops):
     import shutil
 
     from trainsim.config import compose_run
     from trainsim.profile.database import ProfileDatabase
-    from trainsim.profile.stage import distinct_ops, profile_ops
-    from trainsim.trace import trace_layout
+    from trainsim.profile.stage import profile_ops
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(repo / "conf", tmp_path / "conf")
     assert main(["profile-fit"]) == 2
     assert "no measured kernels for hardware 'local-cpu'" in capsys.readouterr().err
 
-    run = compose_run(["parallelism=tp2"])
-    ops = distinct_ops(trace_layout(run.model, run.parallelism).graph.to_pandas())
-    # matmuls and two elementwise kinds, enough for profile-fit's matmul and memory rates (every op of the model
-    # took almost three minutes to time; tests/profile builds and runs them all)
-    ops = ops[ops["op"].isin(["aten::mm", "aten::addmm", "aten::add_.Tensor", "aten::sum.dim_IntList"])]
-    ops = ops.groupby("op").head(8)
     elsewhere = ProfileDatabase(tmp_path / "elsewhere")
-    profile_ops(ops, run.hardware, "local-cpu", elsewhere)
+    profile_ops(rate_ops, compose_run(["parallelism=tp2"]).hardware, "local-cpu", elsewhere)
     assert main(["profile-import", str(elsewhere.path)]) == 0
-    assert f"imported {len(ops)} new row(s)" in capsys.readouterr().out
+    assert f"imported {len(rate_ops)} new row(s)" in capsys.readouterr().out
     assert main(["profile-fit"]) == 0
     out = capsys.readouterr().out
     assert "held out" in out and "kernel_model:" in out and "matmul_half_flops" in out
