@@ -31,7 +31,7 @@ Prints per row and
   and torchtitan tables written as recipes, each with its framework; skip with --skip-generalise):
   figure scale_rows_expressed_pct <v> %     rows of those tables that compose (the others listed with the reason)
   figure scale_mape_pct_leave_one_table_out <v> %   headline: each table predicted by a fit to its GPU's other
-                                            tables (a GPU without other tables: its data-free start); mean over
+                                            tables (a GPU without: the fit its config carries); mean over
                                             tables (target <= 8, no table above 12); per table
                                             scale_table_out_mape_pct_<table>, and _worst_table
   figure scale_bias_pct_leave_one_table_out_max <v> %   the largest |signed mean| of a table (target <= 5)
@@ -116,8 +116,8 @@ def generalise(published: list[str], recipes: list[str], folds: tuple[str, ...] 
 
 def tables_out(pool) -> pd.DataFrame:
     tables = generalisation.leave_one_table_out(pool)
-    print("\nleave-one-table-out (each table predicted by a fit to its GPU's other tables; 'start': a GPU without "
-          "other tables, at its data-free start):")
+    print("\nleave-one-table-out (each table predicted by a fit to its GPU's other tables; a GPU without other tables "
+          "by the fit its config carries ('carried from'), else at its data-free start ('start')):")
     print(tables[["table", "label", "gpu", "measured_s", "predicted_s", "error_pct", "params_from"]].round(3)
           .to_string(index=False))
     per_table = table_errors(tables)

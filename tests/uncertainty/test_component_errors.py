@@ -24,16 +24,19 @@ def predictions(**columns) -> pd.DataFrame:
 
 
 def test_each_fold_kind_measures_its_level():
-    frame = predictions(held_out=["row", "row", "table", "table", "table", "gpu", "gpu"],
-                        measured_s=[1.0, 1.0, 1.1, 1.2, 1.0, 2.0, 1.0], predicted_s=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
-                        params_from=["fit", "fit", "fit", "fit", "start", "other GPUs", "other GPUs"])
+    frame = predictions(held_out=["row", "row", "table", "table", "table", "gpu", "gpu", "table"],
+                        measured_s=[1.0, 1.0, 1.1, 1.2, 1.0, 2.0, 1.0, 1.0],
+                        predicted_s=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+                        params_from=["fit", "fit", "fit", "fit", "start", "other GPUs", "other GPUs",
+                                     "carried from H100"])
     folds = scored_folds(frame)
+    # the data-free 'start' row measures no level a run gets; a carried fit is what an unfitted GPU's config runs
     assert list(folds["level"]) == ["fitted", "fitted", "unseen_framework", "unseen_framework", "unseen_gpu",
-                                    "unseen_gpu"]  # the data-free 'start' row measures no level a run gets
+                                    "unseen_gpu", "unseen_gpu"]
     errors = compute_errors(frame)
     assert errors["fitted"]["spread"] == 0 and errors["fitted"]["count"] == 2
     assert errors["unseen_framework"]["bias"] == pytest.approx(np.mean(np.log([1.1, 1.2])), abs=1e-4)
-    assert errors["unseen_gpu"]["spread"] == pytest.approx(np.std(np.log([2.0, 1.0]), ddof=1), abs=1e-4)
+    assert errors["unseen_gpu"]["spread"] == pytest.approx(np.std(np.log([2.0, 1.0, 1.0]), ddof=1), abs=1e-4)
     # a table whose framework another table of its GPU shares (another release of the same recipes) is 'fitted'
     shared = frame.assign(framework="megatron-bridge")
     assert list(scored_folds(shared)["level"])[2:4] == ["fitted", "fitted"]

@@ -36,21 +36,26 @@ class KnownSteps(StepTimes):
         return name != "fp8_matmul_efficiency"
 
 
+HARDWARE = {"h100": "h100-sxm-dgx", "a100": "a100-80g-dgx", "h200": "h200-sxm-dgx"}
+"""pool GPU -> its hardware option (the H200's config carries the H100 SXM's fit)"""
+
+
 def pool(true_matmul: dict[str, float], rows_per_table: int = 4) -> PooledRows:
-    """Two H100 tables and one A100 table; each GPU's rows run at its own true matmul efficiency."""
-    hw = {gpu: compose_run([f"hardware={name}"]).hardware for gpu, name in (("h100", "h100-sxm-dgx"),
-                                                                              ("a100", "a100-80g-dgx"))}
-    tables = {"t1": ("h100", "llama3-8b"), "t2": ("h100", "gpt-5b"), "t3": ("a100", "llama2-7b")}
+    """Two H100 tables, one A100 table and one H200 table; each GPU's rows run at its own true matmul efficiency."""
+    hw = {gpu: compose_run([f"hardware={name}"]).hardware for gpu, name in HARDWARE.items()}
+    tables = {"t1": ("h100", "llama3-8b"), "t2": ("h100", "gpt-5b"), "t3": ("a100", "llama2-7b"),
+              "t4": ("h200", "llama3-8b")}
     frames, fit_rows = [], []
     for table, (gpu, model) in tables.items():
         for k in range(rows_per_table):
-            frames.append({"table": table, "label": f"{table}-{k}", "model": model, "gpu": gpu})
+            frames.append({"table": table, "label": f"{table}-{k}", "model": model, "gpu": gpu,
+                           "hardware": HARDWARE[gpu]})
             fit_rows.append(FitRow(None, None, hw[gpu], None, None))
     rows = pd.DataFrame(frames)
     rows["family"] = [family_of(m) for m in rows["model"]]
     out = PooledRows(rows, fit_rows)
     measured = np.zeros(len(rows))
-    for gpu in ("h100", "a100"):
+    for gpu in HARDWARE:
         index = np.flatnonzero(rows["gpu"] == gpu)
         start = data_free_params(hw[gpu])
         rng = np.random.default_rng(len(index))
@@ -63,10 +68,11 @@ def pool(true_matmul: dict[str, float], rows_per_table: int = 4) -> PooledRows:
 
 
 def test_a_table_is_predicted_by_its_gpus_other_tables_and_never_by_itself():
-    truth = {"h100": 0.6, "a100": 0.55}
+    truth = {"h100": 0.6, "a100": 0.55, "h200": 0.6}
     predicted = leave_one_table_out(pool(truth)).set_index("label")
-    assert (predicted.loc[predicted["table"] != "t3", "params_from"] == "fit").all()
-    assert np.allclose(predicted.loc[predicted["table"] != "t3", "error_pct"], 0, atol=0.5)  # the GPU's truth, learned
+    h100 = predicted["table"].isin(["t1", "t2"])
+    assert (predicted.loc[h100, "params_from"] == "fit").all()
+    assert np.allclose(predicted.loc[h100, "error_pct"], 0, atol=0.5)  # the GPU's truth, learned
     assert (predicted.loc[predicted["table"] == "t3", "params_from"] == "start").all()  # alone on its GPU
     assert (predicted.loc[predicted["table"] == "t3", "error_pct"] < -5).all()  # the data-free start is optimistic
     poisoned = pool(truth)
@@ -78,8 +84,23 @@ def test_a_table_is_predicted_by_its_gpus_other_tables_and_never_by_itself():
                            predicted.loc[predicted["table"] == "t2", "predicted_s"])  # t1 fits t2's fold
 
 
+def test_a_gpu_without_other_rows_gets_the_fit_its_config_carries_without_the_held_out_rows():
+    truth = {"h100": 0.6, "a100": 0.55, "h200": 0.6}  # the H200 runs at the H100's efficiency: the same silicon
+    tables = leave_one_table_out(pool(truth)).set_index("label")
+    t4 = tables["table"] == "t4"
+    assert (tables.loc[t4, "params_from"] == "carried from h100").all()
+    assert np.allclose(tables.loc[t4, "error_pct"], 0, atol=0.5)  # the H100's fit, as conf/hardware carries it
+    families = leave_one_family_out(pool(truth)).set_index("label")
+    # Llama held out: the H100's fit to its GPT rows alone carries to the H200's Llama rows
+    assert (families.loc[families["table"] == "t4", "params_from"] == "carried from h100").all()
+    poisoned = pool(truth)
+    poisoned.rows.loc[poisoned.rows["table"] == "t1", "measured_s"] *= 3  # the H100's Llama rows
+    again = leave_one_family_out(poisoned).set_index("label")
+    assert np.allclose(again.loc[t4, "predicted_s"], families.loc[t4, "predicted_s"])  # same fold: not seen
+
+
 def test_families_and_gpus_are_held_out_whole():
-    truth = {"h100": 0.6, "a100": 0.55}
+    truth = {"h100": 0.6, "a100": 0.55, "h200": 0.6}
     families = leave_one_family_out(pool(truth))
     assert set(families["family"]) == {"Llama", "GPT"}
     assert families["error_pct"].notna().all()

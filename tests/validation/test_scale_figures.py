@@ -9,8 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainsim.validation.fit_kernel_model import CARRIED_TO
-from trainsim.validation.kernel_fit import FITTED_PER_GPU, fit_gauss_newton, kernel_params, leave_one_row_out
+from trainsim.validation.kernel_fit import (
+    CARRIED_TO,
+    FITTED_PER_GPU,
+    fit_gauss_newton,
+    kernel_params,
+    leave_one_row_out,
+)
 from trainsim.validation.published import TABLES, evaluate_tables, leave_one_table_out, table_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test evaluates every table

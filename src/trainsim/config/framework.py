@@ -26,6 +26,8 @@ DP_BUCKETS = ("", "pytorch-ddp", "megatron-core")
 ATTENTION_KERNELS = ("", "fused", "unfused")
 FLASH_ATTENTION_RATES = DATA_DIR / "kernels/h100_flash-attn2-vs-3_fwd-bwd_pr1791.csv"
 """Causal forward and backward TFLOP/s of FlashAttention-2 ('Fav2') and -3 ('Fav3') measured on H100."""
+FLASH_ATTENTION_MEASURED_PEAK = 989.0e12  # cite: H100 SXM datasheet, dense bf16 (the rates were measured on an H100)
+"""The bf16 peak of the GPU the rates were measured on: they carry to another Hopper part as fractions of it."""
 
 
 def validate_framework(fw: FrameworkConfig) -> None:
@@ -53,14 +55,17 @@ def flash_attention_kernels() -> tuple[str, ...]:
 
 
 def flash_attention_hardware(kernel: str, hw: HardwareConfig) -> HardwareConfig:
-    """`hw` with `kernel`'s measured causal forward and backward TFLOP/s over the bf16 peak as its attention
-    efficiencies, at the measurement's sequence length (the kernel model reaches attention_*_efficiency at long
-    sequences: keys / (keys + attention_tile_keys) of it at that length; the tile work and dropout cost kept).
+    """`hw` with `kernel`'s measured causal forward and backward TFLOP/s over the measuring H100's bf16 peak as its
+    attention efficiencies, at the measurement's sequence length (the kernel model reaches
+    attention_*_efficiency at long sequences: keys / (keys + attention_tile_keys) of it at that length; the tile
+    work and dropout cost kept).
 
     The rates were measured on Hopper, where the release matters (FlashAttention-2 reaches about half of what
-    FlashAttention-3 and cuDNN do); H100, H200 and H800 share its SMs and clocks, so the TFLOP/s carry. On other
-    generations the hardware config's own attention rates stand: Ampere's are FlashAttention-2's measurements,
-    and no release of these tables runs on Blackwell."""
+    FlashAttention-3 and cuDNN do). They carry to the other Hopper parts as a fraction of peak, as the matmul
+    ceilings do (validation/kernel_fit.CEILING_ROWS): the same TFLOP/s on the H100, H200 and H800 (one peak),
+    fewer on the 500 W Grand Teton H100, whose peak is its power-limited clock's. On other generations the
+    hardware config's own attention rates stand: Ampere's are FlashAttention-2's measurements, and no release of
+    these tables runs on Blackwell."""
     import pandas as pd
 
     if gpu_generation(hw.device_name) != "hopper":
@@ -68,7 +73,7 @@ def flash_attention_hardware(kernel: str, hw: HardwareConfig) -> HardwareConfig:
     rates = pd.read_csv(FLASH_ATTENTION_RATES, comment="#")
     rates = rates[(rates["kernel"] == kernel) & rates["causal"]].set_index("pass")
     long_sequence = 1 + hw.kernel_model.attention_tile_keys / rates["seqlen"]
-    efficiency = (rates["tflops"] * 1e12 / hw.peak_flops_per_s["bf16"] * long_sequence).clip(upper=1.0)
+    efficiency = (rates["tflops"] * 1e12 / FLASH_ATTENTION_MEASURED_PEAK * long_sequence).clip(upper=1.0)
     return dataclasses.replace(hw, kernel_model=dataclasses.replace(
         hw.kernel_model, attention_forward_efficiency=float(efficiency["fwd"]),
         attention_backward_efficiency=float(efficiency["bwd"])))

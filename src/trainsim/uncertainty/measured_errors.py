@@ -25,7 +25,8 @@ a table of a framework no other table of its GPU has (leave-one-table-out, fitte
 a table whose framework another table of the GPU shares, e.g. another release of the same recipes, measures
 'fitted'), a GPU none of whose rows were fitted (leave-one-GPU-out). Rows of a table predicted at a GPU's
 data-free start are not a level a user's run is predicted at (unseen GPUs carry the other GPUs' fitted
-ratios) and are left out."""
+ratios) and are left out; rows predicted with the fit their config carries from the same silicon's fitted GPU
+(params_from 'carried from ...') measure 'unseen_gpu', the level of a config with no fitted_frameworks."""
 COMM_FIGURES = {("collectives", "calibrated"): "comm_mape_pct_large_all",
                 ("collectives", "uncalibrated"): "baseline_mape_pct_cross_cluster",
                 ("alltoall", "calibrated"): "comm_mape_pct_alltoall",
@@ -50,6 +51,7 @@ def scored_folds(predictions: pd.DataFrame) -> pd.DataFrame:
     seen = [((tables["gpu"] == gpu) & (tables["table"] != table) & (tables["framework"] == framework)).any()
             for table, gpu, framework in zip(kept["table"], kept["gpu"], kept["framework"])]
     level = level.where(~((kept["held_out"] == "table").to_numpy() & np.array(seen, dtype=bool)), "fitted")
+    level = level.where(~kept["params_from"].str.startswith("carried from"), "unseen_gpu")
     return kept.assign(level=level, log_error=log_errors(kept))
 
 

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from trainsim.config.compose import default_config_dir
+from trainsim.validation.kernel_fit import CARRIED_TO
 from trainsim.validation.published import TABLES, active_params, gpu_rows
 
 DECIMALS = 3
@@ -26,9 +27,6 @@ DECIMALS = 3
 FIT_COMMENT = re.compile(r"fit_kernel_model, \d{4}-\d{2}-\d{2}\): \d+\.\d+( / \d+\.\d+)*")
 """the part of a config comment this script rewrites: 'fit_kernel_model, <date>): <values in FITTED_PER_GPU
 order, ' / ' between>'"""
-CARRIED_TO = {"a100-80g-selene": ("a100-80g-dgx",), "h100-sxm-dgx": ("h200-sxm-dgx", "h800-dgx", "h100-grand-teton")}
-"""fitted hardware -> the configs of the same GPU (or a sibling without published tables) that carry its fit
-unchanged: --write writes them too, and tests/validation/test_scale_figures.py checks they agree"""
 
 
 def fit_hardware(hardware: str, workers: int = 2) -> dict[str, float]:

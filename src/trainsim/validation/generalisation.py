@@ -8,8 +8,9 @@ them, composed as a user would, each with its framework), and the per-GPU kernel
 (kernel_fit.FITTED_PER_GPU) are fitted without the rows held out:
 
 * leave-one-table-out: a table is predicted by the fit to its GPU's other tables; where its GPU has no other
-  table, at the GPU's data-free start (kernel_fit.data_free_params: measured matmul ceilings, datasheet
-  bandwidth): a GPU never fitted;
+  table, with what the GPU's hardware config carries, as a user's run is: the fit of the same silicon's fitted
+  GPU (kernel_fit.CARRIED_TO; the H100 SXM's for the Grand Teton H100 and the H200) to that GPU's other tables,
+  else the GPU's data-free start (kernel_fit.data_free_params: measured matmul ceilings, datasheet bandwidth);
 * leave-one-family-out: a model family (Llama, GPT, Nemotron, DeepSeek, Mixtral, Kimi) predicted by the fit to
   every other family's rows of the same GPU;
 * leave-one-GPU-out: a GPU's rows predicted with what transfers from the other GPUs: each efficiency as the
@@ -28,7 +29,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from trainsim.validation.kernel_fit import FITTED_PER_GPU, FitRow, StepTimes, data_free_params, fit_gauss_newton
+from trainsim.validation.kernel_fit import (
+    CARRIED_TO,
+    FITTED_PER_GPU,
+    FitRow,
+    StepTimes,
+    data_free_params,
+    fit_gauss_newton,
+)
 
 FAMILIES = (("deepseek", "DeepSeek"), ("kimi", "Kimi"), ("mixtral", "Mixtral"), ("qwen", "Qwen"),
             ("gpt-oss", "GPT-OSS"), ("nemotron", "Nemotron"), ("llama", "Llama"), ("gpt", "GPT"))
@@ -70,37 +78,50 @@ class PooledRows:
         return self.times[gpu], indices
 
 
-def predict_held_out(pool: PooledRows, held_out: Callable[[pd.DataFrame], np.ndarray],
-                     start_of: Callable[[str], dict[str, float]] | None = None) -> pd.DataFrame:
+def predict_held_out(pool: PooledRows, held_out: Callable[[pd.DataFrame], np.ndarray]) -> pd.DataFrame:
     """Every row of the pool predicted by a fit that excludes the rows `held_out` marks in its own fold: rows are
     grouped into folds by the held-out mask's key (held_out returns one fold label per row); per GPU and fold, the
-    GPU's rows outside the fold are fitted from the data-free start (or `start_of(gpu)`), and the fold's rows are
-    composed with that fit (at the start where the GPU has no other row)."""
+    GPU's rows outside the fold are fitted from the data-free start, and the fold's rows are composed with that
+    fit. Where the GPU has no other row, its fold is composed with what its hardware config carries: the fit of
+    the GPU it carries (kernel_fit.CARRIED_TO) to that GPU's rows outside the fold, else its data-free start."""
     folds = held_out(pool.rows)
+    measured = pool.rows["measured_s"].to_numpy(dtype=float)
     predicted = np.full(len(pool.rows), np.nan)
     fitted = [None] * len(pool.rows)
+    fits: dict[tuple, dict[str, float]] = {}
+
+    def fit_outside(gpu: str, fold) -> dict[str, float] | None:
+        """The fit to `gpu`'s rows outside `fold` (None where it has none), once per (gpu, fold)."""
+        if (gpu, fold) not in fits:
+            times, indices = pool.step_times(gpu)
+            train = np.flatnonzero(folds[indices] != fold)
+            fits[gpu, fold] = fit_gauss_newton(times, train, measured[indices]).params if len(train) else None
+        return fits[gpu, fold]
+
     for gpu in pool.rows["gpu"].unique():
         times, indices = pool.step_times(gpu)
-        measured = pool.rows["measured_s"].to_numpy(dtype=float)[indices]
-        start = start_of(gpu) if start_of is not None else times.start
         for fold in pd.unique(folds[indices]):
-            inside = folds[indices] == fold
-            train = np.flatnonzero(~inside)
-            params = fit_gauss_newton(_from(times, start), train, measured).params if len(train) else start
-            for local in np.flatnonzero(inside):
+            params, source = fit_outside(gpu, fold), "fit"
+            if params is None:
+                carried = carried_gpu(pool, gpu)
+                params = fit_outside(carried, fold) if carried else None
+                params, source = (params, f"carried from {carried}") if params else (times.start, "start")
+            for local in np.flatnonzero(folds[indices] == fold):
                 predicted[indices[local]] = times.seconds(int(local), params)
-                fitted[indices[local]] = "fit" if len(train) else "start"
+                fitted[indices[local]] = source
     out = pool.rows.assign(predicted_s=predicted, params_from=fitted)
     out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)
     return out
 
 
-def _from(times: StepTimes, start: dict[str, float]) -> StepTimes:
-    """`times` itself where the fit starts at its start, else a view of its rows starting at `start` (the
-    composed cache shared: a step time depends on the point, not on where a fit began)."""
-    if start == times.start:
-        return times
-    return StepTimes(times.rows, start, times.composed)
+def carried_gpu(pool: PooledRows, gpu: str) -> str | None:
+    """The pooled GPU whose fit `gpu`'s hardware configs carry (kernel_fit.CARRIED_TO: the same silicon), or None."""
+    hardware = set(pool.rows.loc[pool.rows["gpu"] == gpu, "hardware"])
+    for fitted, carriers in CARRIED_TO.items():
+        source = pool.rows.loc[pool.rows["hardware"] == fitted, "gpu"]
+        if hardware & set(carriers) and len(source) and source.iloc[0] != gpu:
+            return source.iloc[0]
+    return None
 
 
 def leave_one_table_out(pool: PooledRows) -> pd.DataFrame:

@@ -69,6 +69,12 @@ def matmul_ceiling(hw: HardwareConfig, dtype: str = "bf16") -> float:
     return 1.0
 
 
+CARRIED_TO = {"a100-80g-selene": ("a100-80g-dgx",), "h100-sxm-dgx": ("h200-sxm-dgx", "h800-dgx", "h100-grand-teton")}
+"""fitted hardware -> the configs of the same GPU (or the same silicon without published tables of its own) that
+carry its fit unchanged: fit_kernel_model --write writes them too, tests/validation/test_scale_figures.py checks
+they agree, and validation/generalisation.py predicts their held-out rows with it, as a user's run gets it"""
+
+
 def data_free_params(hw: HardwareConfig) -> dict[str, float]:
     """Where every fit starts, fitted to no step time: each GEMM dtype at its `matmul_ceiling` (the best
     measured matmul over peak, data/kernels; FP8 at the bf16 one where the GPU has no FP8 row) and streaming
