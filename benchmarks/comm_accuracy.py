@@ -131,14 +131,18 @@ def held_out_sizes(path: Path, clusters: list[Cluster], collective: str | None =
 
 def per_file(data: Path, clusters: list[Cluster]) -> tuple[pd.DataFrame, dict[str, str], list[str]]:
     """The held-out-sizes scores of every (file, collective) with sweeps, file -> reason for the files the reader
-    refuses, and the files read whose curves are too short to hold sizes out (scored by the sections below)."""
+    refuses, and the files read whose curves are too short to hold sizes out (scored by the sections below).
+    Lines a file's reader leaves out are printed with their reason."""
     rows, refused, unscored = [], {}, []
     for path in sorted(data.iterdir()):
         try:
-            collectives = sorted(set(sweeps(auto_curves(path))["collective"]))
+            curves = auto_curves(path)
         except ConfigError as exc:
             refused[path.name] = str(exc).splitlines()[0]
             continue
+        for reason, seen in curves.attrs.get("skipped_lines", {}).items():
+            print(f"read, {seen['count']} lines left out ({reason}): {path.name}")
+        collectives = sorted(set(sweeps(curves)["collective"]))
         if not collectives:
             unscored.append(path.name)
         for collective in collectives:

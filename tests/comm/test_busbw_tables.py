@@ -101,3 +101,37 @@ def test_held_out_sizes_keep_every_repeat_of_a_size_on_one_side():
     assert (sides == 1).all() and train.any() and (~train).any()
     two_nodes = sorted(table[(table.num_nodes == 2) & train].message_bytes.unique())
     assert two_nodes == [1 << k for k in range(10, 29, 2)]  # 1K, 4K, ... 256M: every other size, smallest first
+
+
+H200_SUMMARY = "h200-8gpu-nvlink_allreduce-nvls-vs-ring_mlengineering.txt"
+
+
+def test_sections_form_reads_its_own_gpus_nccl_tests_and_reports_the_other_sections():
+    skipped = {}
+    runs = read_busbw_table(DATA + H200_SUMMARY, skipped)
+    by_gpus = {(r.result.nranks, r.algorithm): r.result.table.busbw_gbps.iloc[0] for r in runs
+               if r.result.collective == "all_reduce" and r.result.table.message_bytes.iloc[0] == 8 << 30}
+    assert by_gpus[(8, None)] == pytest.approx(473.1) and by_gpus[(8, "ring")] == pytest.approx(365.6)  # NVLS off
+    assert sorted({ranks for ranks, _ in by_gpus}) == [4, 5, 6, 7, 8]
+    at_16g = {(r.result.collective, r.algorithm) for r in runs if r.result.table.message_bytes.iloc[0] == 16 << 30}
+    assert at_16g == {("all_reduce", None), ("all_reduce", "ring"), ("all_gather", None), ("reduce_scatter", None)}
+    # the B200 table and torch's all_reduce_bench are not this file's GPU / not nccl-tests: left out, counted
+    assert {reason: seen["count"] for reason, seen in skipped.items()} == {
+        "section (b) measured on B200, not this file's H200": 5, "section (d) not measured with nccl-tests": 20}
+
+
+def test_a_section_without_a_payload_is_named(tmp_path):
+    text = open(DATA + H200_SUMMARY).read().replace("8 GiB payload, H200", "H200")
+    bad = tmp_path / H200_SUMMARY
+    bad.write_text(text)
+    with pytest.raises(NcclTestsFormatError, match=r":\d+: the section's note states no payload"):
+        read_busbw_table(bad)
+
+
+def test_the_calibration_reader_reports_the_sections_it_leaves_out():
+    from trainsim.comm.calibration import read_calibration_file
+    from trainsim.config.schema import CalibrationFile
+
+    table = read_calibration_file(CalibrationFile(path=DATA + H200_SUMMARY))
+    assert set(table["num_nodes"]) == {1} and len(table) == 14
+    assert table.attrs["skipped_lines"]["section (d) not measured with nccl-tests"]["lines"][0] == 32

@@ -19,6 +19,14 @@ They carry no time column, so each row's time is size / algbw. The documented fo
   A latency row is the time itself, a busbw row gives it through nccl-tests' bus factor; the one placement
   the summary reports is taken as the measurement.
 
+* Sections form (ml-engineering's single-node summaries): a comment '# (a) <what was measured>' above each table
+  names the tool, the GPUs and the payload ('nccl-tests all_reduce_perf, 8 GiB payload, H200'). A table whose
+  first column is 'GPUs' has one row per GPU count at that payload, its 'busbw' column NCCL's own choice and a
+  'busbw, NVLS off' column the ring NCCL runs without NVLS; a table whose first column is 'collective' has one
+  row per collective ('all-reduce, `NCCL_NVLS_ENABLE=0`'), its 'algo' column the algorithm NCCL ran. Sections
+  measured on another GPU than the file's HARDWARE line names first, or not with nccl-tests, are not read and
+  are reported as skipped, with their reason and lines.
+
 Each (section, collective, nodes, algorithm) becomes one NcclTestsResult, the record comm/nccl_tests.py
 yields for a full log, so calibration reads both alike.
 """
@@ -40,7 +48,12 @@ UNIT_BYTES = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _CSV_MARK = "# ---- verbatim CSV below ----"
 _TABLES_MARK = "# ---- verbatim tables below ----"
 _SUMMARY_SECTION = re.compile(r"### (\d+) nodes?, (\d+) gpus?/node")
+_NOTE_SECTION = re.compile(r"#\s*\(([a-z])\)\s*(.+)")
+"""A sections-form section: '# (a) <tool, GPUs, payload>' above its table."""
+_GPU_NAME = re.compile(r"\b\d+x\s*(?:NVIDIA\s+)?([A-Z]+\d+[A-Z]*)\b")
+"""'8x H200', '8x B200': the GPU a HARDWARE line or a section note names."""
 _COLLECTIVE_WORDS = (("all_reduce", r"all[-_ ]?reduce"), ("all_gather", r"all[-_ ]?gather"),
+                     ("reduce_scatter", r"reduce[-_ ]?scatter"),
                      ("all_to_all", r"all[-_ ]?to[-_ ]?all"), ("send_recv", r"send[-_ ]?recv"))
 
 
@@ -56,7 +69,7 @@ def is_busbw_table(path: str | os.PathLike[str]) -> bool:
     summary form's sections."""
     with open(path, encoding="utf-8", errors="replace") as handle:
         return any(line.strip() in (_CSV_MARK, _TABLES_MARK) or _SUMMARY_SECTION.fullmatch(line.strip())
-                   for line in handle)
+                   or _NOTE_SECTION.fullmatch(line.strip()) for line in handle)
 
 
 @dataclass(frozen=True)
@@ -242,8 +255,79 @@ def _read_summary(source: str, lines: list[str]) -> list[TableRun]:
             for key, rows in curves.items() for nodes, ranks, collective in [key]]
 
 
-def read_busbw_table(path: str | os.PathLike[str]) -> list[TableRun]:
-    """Every curve of an author-compiled table file; NcclTestsFormatError names the line and reason."""
+def _section_curves(source: str, note: str, header: list[str], block: list) -> list[TableRun]:
+    """The curves of one sections-form table (see the module docstring); `note` is its '# (x)' comment."""
+    payload = re.search(r"([0-9.]+)\s*([KMG])i?B", note)
+    if payload is None:
+        raise _error(source, block[0][0], note, "the section's note states no payload ('8 GiB')")
+    size = _size_bytes(payload.group(1) + payload.group(2))
+    columns = [c.lower() for c in header]
+    curves: dict[tuple[str, int, str | None], list] = {}
+    spans: dict[tuple[str, int, str | None], list[int]] = {}
+    for lineno, line, cells in block:
+        if len(cells) != len(header):
+            raise _error(source, lineno, line, f"{len(cells)} cells, expected {len(header)} ({' | '.join(header)})")
+        if columns[0] == "gpus":  # one all-reduce per GPU count: NCCL's choice, and the ring it runs without NVLS
+            collective, ranks = _collective_in(note), int(cells[0])
+            chosen = [(c, None) for c in columns if c == "busbw"] + [(c, "ring") for c in columns if "nvls off" in c]
+        elif columns[0] == "collective":  # one row per collective on the note's GPUs
+            collective, ranks = _collective_in(cells[0]), int(re.search(r"(\d+) GPUs", note).group(1))
+            forced = "NVLS_ENABLE=0" in cells[0]
+            chosen = [("busbw", nccl_algorithm(cells[columns.index("algo")]) if forced else None)]
+        else:
+            raise _error(source, lineno, " | ".join(header), "expected a first column 'GPUs' or 'collective'")
+        if collective is None:
+            raise _error(source, lineno, line, "names no collective")
+        for column, algorithm in chosen:
+            value = re.fullmatch(r"([0-9.]+)\s*GBps", cells[columns.index(column)])
+            if value is None:
+                raise _error(source, lineno, line, f"column {column!r} is not '<number>GBps'")
+            key = (collective, ranks, algorithm)
+            curves.setdefault(key, []).append((size, "out_of_place", float(value.group(1))))
+            spans.setdefault(key, [lineno, lineno])[1] = lineno
+    return [TableRun(result=_rows_to_result(source, collective, ranks, 1, rows, "busbw", tuple(spans[key])),
+                     algorithm=algorithm, section=note)
+            for key, rows in curves.items() for collective, ranks, algorithm in [key]]
+
+
+def _read_sections(source: str, lines: list[str], skipped: dict) -> list[TableRun]:
+    """The sections form's curves of the file's own GPU measured with nccl-tests; the other sections are added to
+    `skipped` ({reason: {"count", "lines"}}, as comm/calibration.py reports skipped lines)."""
+    hardware = next((line for line in lines if line.startswith("# HARDWARE:")), "")
+    own = _GPU_NAME.search(hardware)
+    runs: list[TableRun] = []
+    note, header, block = None, None, []
+
+    def flush() -> None:
+        if note is None or header is None or not block:
+            return
+        other = _GPU_NAME.search(note[1])
+        if other is not None and own is not None and other.group(1) != own.group(1):
+            reason = f"section ({note[0]}) measured on {other.group(1)}, not this file's {own.group(1)}"
+        elif "not nccl-tests" in note[1].lower() or "nccl-tests" not in note[1].lower():
+            reason = f"section ({note[0]}) not measured with nccl-tests"
+        else:
+            runs.extend(_section_curves(source, note[1], header, block))
+            return
+        skipped[reason] = {"count": len(block), "lines": [lineno for lineno, _, _ in block]}
+
+    for lineno, line in enumerate(lines, start=1):
+        if match := _NOTE_SECTION.fullmatch(line.strip()):
+            flush()
+            note, header, block = (match.group(1), match.group(2)), None, []
+        elif line.lstrip().startswith("|") and note is not None:
+            cells = _cells(line)
+            if header is None:
+                header = cells
+            elif not all(re.fullmatch(r":?-+:?", c) for c in cells):
+                block.append((lineno, line, cells))
+    flush()
+    return runs
+
+
+def read_busbw_table(path: str | os.PathLike[str], skipped: dict | None = None) -> list[TableRun]:
+    """Every curve of an author-compiled table file; NcclTestsFormatError names the line and reason. Sections
+    not read (sections form) are added to `skipped` as {reason: {"count", "lines"}}."""
     source = os.fspath(path)
     lines = Path(path).read_text(encoding="utf-8").split("\n")
     per_node = re.search(r"(\d+)x NVIDIA|(\d+)x H100|8 GPUs per node", "\n".join(lines[:10]))
@@ -257,5 +341,8 @@ def read_busbw_table(path: str | os.PathLike[str]) -> list[TableRun]:
             return _read_markdown(source, lines, index + 1, gpus_per_node)
     if runs := _read_summary(source, lines):
         return runs
-    raise NcclTestsFormatError(f"{source}: no '{_CSV_MARK}' or '{_TABLES_MARK}' line ends the header, and no "
-                               "'### N nodes, K gpus/node' summary sections with NCCL columns")
+    if any(_NOTE_SECTION.fullmatch(line.strip()) for line in lines):
+        return _read_sections(source, lines, {} if skipped is None else skipped)
+    raise NcclTestsFormatError(f"{source}: no '{_CSV_MARK}' or '{_TABLES_MARK}' line ends the header, no "
+                               "'### N nodes, K gpus/node' summary sections with NCCL columns, and no '# (a) ...' "
+                               "sections")

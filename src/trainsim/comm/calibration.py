@@ -68,7 +68,7 @@ def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibra
         if entry.num_nodes:
             table["num_nodes"] = entry.num_nodes
     elif is_busbw_table(path):
-        table = _read_busbw_table(path, entry)
+        table = _read_busbw_table(path, entry, skipped_lines)
     else:
         try:
             runs = parse_nccl_tests_runs(path, collective=entry.collective or None, nranks=entry.num_ranks or None)
@@ -103,12 +103,12 @@ def read_calibration_file(entry: CalibrationFile, field: str = "hardware.calibra
     return table
 
 
-def _read_busbw_table(path: Path, entry: CalibrationFile) -> pd.DataFrame:
+def _read_busbw_table(path: Path, entry: CalibrationFile, skipped_lines: dict) -> pd.DataFrame:
     """An author-compiled table's curves (comm/busbw_tables.py), each with the rank and node counts it states and
     the algorithm it forces ('auto' where NCCL chose); the entry's collective, num_ranks and num_nodes, where
-    set, select curves."""
+    set, select curves. Sections the reader leaves out are added to `skipped_lines`."""
     try:
-        runs = read_busbw_table(path)
+        runs = read_busbw_table(path, skipped_lines)
     except NcclTestsFormatError as exc:
         raise ConfigError(str(exc)) from None
     wanted = {"collective": normalize_collective(entry.collective) if entry.collective else None,

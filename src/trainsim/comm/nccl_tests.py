@@ -27,7 +27,7 @@ Rank and node counts: the run's header checked against busbw / algbw, see nccl_r
 Files in data/nccl-tests: the AWS and OCI all_reduce tables, the three vTrain CSVs, the ml-engineering A100
 table and the li-plus sendrecv table parse. The CoreWeave table is refused: its header says 64 ranks but
 busbw / algbw says 96. The h200 nvls-vs-ring and mscclpp files are markdown summaries with no (size, time)
-sweep, so parsing them raises NcclTestsFormatError.
+sweep, so parsing them here raises NcclTestsFormatError; comm/busbw_tables.py reads them.
 
 Size semantics (nccl-tests prints max(send, recv) bytes of one rank, and algbw = size / time):
 all_reduce, broadcast, reduce, send_recv: the buffer of one rank; all_gather: the gathered output,

@@ -10,7 +10,6 @@ A held-out figure on a source file takes the mean without it (`without`), as the
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,6 @@ from trainsim.comm.model import LOCAL_ACCESSES
 from trainsim.comm.nccl_tests import bus_bandwidth_factor
 from trainsim.comm.network import NVLINK_EFFICIENCY
 from trainsim.config import compose_run
-from trainsim.config.data_path import resolve_data_path
 from trainsim.config.schema import CalibrationFile
 
 
@@ -34,32 +32,27 @@ class RingAllReduce:
     hardware: str
     message_bytes: int
     ranks: int = 8
-    summary_row: str = ""
-    """For a summary table rather than a log: a regex whose first group is the row's bus bandwidth (GB/s)."""
+    algorithm: str = "auto"
+    """The calibration reader's algorithm of the curve: 'auto' (NCCL's choice), or the one the table states NCCL
+    ran when another was switched off (comm/busbw_tables.py: the ring of 'NCCL_NVLS_ENABLE=0')."""
 
 
 # cite: the two measured files named below (data/SOURCES.md), each at the message size its source reports
 SOURCES = (
     RingAllReduce("data/nccl-tests/a100-8gpu-nvlink_allreduce_vtrain-lut.csv", "a100-80g-dgx", 1 << 30),
     RingAllReduce("data/nccl-tests/h200-8gpu-nvlink_allreduce-nvls-vs-ring_mlengineering.txt", "h200-sxm-dgx",
-                  16 << 30, summary_row=r"all-reduce, `NCCL_NVLS_ENABLE=0` \| Ring \| *([\d.]+)GBps"),
+                  16 << 30, algorithm="ring"),
 )
 """vTrain's A100 table at 1 GiB, ml-engineering's H200 ring (NVLS off) at 16 GiB (data/SOURCES.md)."""
 
 
 def measured_seconds(source: RingAllReduce) -> float:
-    factor = bus_bandwidth_factor("all_reduce", source.ranks)
-    if source.summary_row:
-        path = resolve_data_path(source.path, "nvlink_fit.SOURCES")
-        match = re.search(source.summary_row, path.read_text())
-        if match is None:
-            raise ValueError(f"{path}: no row matching {source.summary_row!r} (nvlink_fit.SOURCES)")
-        return factor * source.message_bytes / (float(match[1]) * 1e9)
     table = read_calibration_file(CalibrationFile(path=source.path), "nvlink_fit.SOURCES")
-    row = table[(table["message_bytes"] == source.message_bytes) & (table["num_ranks"] == source.ranks)]
+    row = table[(table["message_bytes"] == source.message_bytes) & (table["num_ranks"] == source.ranks)
+                & (table["algorithm"] == source.algorithm)]
     if row.empty:
-        raise ValueError(f"{source.path}: no {source.ranks}-rank all-reduce of {source.message_bytes} B "
-                         "(nvlink_fit.SOURCES)")
+        raise ValueError(f"{source.path}: no {source.ranks}-rank {source.algorithm} all-reduce of "
+                         f"{source.message_bytes} B (nvlink_fit.SOURCES)")
     return float(row["time_s"].iloc[0])
 
 
