@@ -120,11 +120,13 @@ def test_sections_form_reads_its_own_gpus_nccl_tests_and_reports_the_other_secti
         "section (b) measured on B200, not this file's H200": 5, "section (d) not measured with nccl-tests": 20}
 
 
-def test_a_section_without_a_payload_is_named(tmp_path):
-    text = open(DATA + H200_SUMMARY).read().replace("8 GiB payload, H200", "H200")
+@pytest.mark.parametrize("stated,missing", [("8 GiB payload, H200", "payload"), ("-g 8 -z 1), 8 GPUs", "GPU count")])
+def test_a_section_note_missing_what_its_table_needs_is_named(tmp_path, stated, missing):
+    text = open(DATA + H200_SUMMARY).read()
+    assert stated in text
     bad = tmp_path / H200_SUMMARY
-    bad.write_text(text)
-    with pytest.raises(NcclTestsFormatError, match=r":\d+: the section's note states no payload"):
+    bad.write_text(text.replace(stated, "H200" if missing == "payload" else "-g 8 -z 1)"))
+    with pytest.raises(NcclTestsFormatError, match=rf":\d+: the section's note states no {missing}"):
         read_busbw_table(bad)
 
 

@@ -271,7 +271,9 @@ def _section_curves(source: str, note: str, header: list[str], block: list) -> l
             collective, ranks = _collective_in(note), int(cells[0])
             chosen = [(c, None) for c in columns if c == "busbw"] + [(c, "ring") for c in columns if "nvls off" in c]
         elif columns[0] == "collective":  # one row per collective on the note's GPUs
-            collective, ranks = _collective_in(cells[0]), int(re.search(r"(\d+) GPUs", note).group(1))
+            if (gpus := re.search(r"(\d+) GPUs", note)) is None:
+                raise _error(source, lineno, note, "the section's note states no GPU count ('8 GPUs')")
+            collective, ranks = _collective_in(cells[0]), int(gpus.group(1))
             forced = "NVLS_ENABLE=0" in cells[0]
             chosen = [("busbw", nccl_algorithm(cells[columns.index("algo")]) if forced else None)]
         else:
