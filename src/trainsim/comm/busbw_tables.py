@@ -157,6 +157,11 @@ def _cells(line: str) -> list[str]:
     return [c.strip().strip("*").strip() for c in line.strip().strip("|").split("|")]
 
 
+def _is_rule(cells: list[str]) -> bool:
+    """A markdown table's header rule ('|---|:--:|')."""
+    return all(re.fullmatch(r":?-+:?", c) for c in cells)
+
+
 def _read_markdown(source: str, lines: list[str], start: int, gpus_per_node: int | None) -> list[TableRun]:
     runs: list[TableRun] = []
     section, collective, header, block = "", None, None, []
@@ -174,7 +179,7 @@ def _read_markdown(source: str, lines: list[str], start: int, gpus_per_node: int
             cells = _cells(line)
             if header is None:
                 header = cells
-            elif not all(re.fullmatch(r":?-+:?", c) for c in cells):
+            elif not _is_rule(cells):
                 block.append((lineno, line, cells))
         elif line.strip() and header is not None:
             flush()
@@ -236,7 +241,7 @@ def _read_summary(source: str, lines: list[str]) -> list[TableRun]:
             cells = _cells(line)
             if header is None:
                 header = cells
-            elif not all(re.fullmatch(r":?-+:?", c) for c in cells):
+            elif not _is_rule(cells):
                 for column, cell in zip(header[1:], cells[1:], strict=True):
                     if not column.startswith("NCCL ") or (collective := _collective_in(column)) is None:
                         continue
@@ -321,7 +326,7 @@ def _read_sections(source: str, lines: list[str], skipped: dict) -> list[TableRu
             cells = _cells(line)
             if header is None:
                 header = cells
-            elif not all(re.fullmatch(r":?-+:?", c) for c in cells):
+            elif not _is_rule(cells):
                 block.append((lineno, line, cells))
     flush()
     return runs
