@@ -82,10 +82,22 @@ def test_rowwise_fp8_under_fsdp_casts_the_gathered_weights_at_every_use_with_a_s
     assert quants["per_microbatch"].all()  # no weight cast once per step: FSDP frees the gathered weights
     assert (quants["phase"] == "forward").sum() == 2 * linears  # inputs and weights
     assert (quants["phase"] == "backward").sum() == 2 * linears  # output gradients and weights again
+    # torchao runs dgrad and wgrad (no fast accumulation) unscaled, then rescales each output in a pass of its own
+    rescales = graph[graph["op"] == "trainsim::scale_rows_columns"]
+    assert (rescales["phase"] == "backward").all() and len(rescales) == 2 * linears
+    backward = gemms[gemms["phase"] == "backward"]
+    assert sorted(json.loads(s)[0] for s in rescales["input_shapes"]) == \
+        sorted([json.loads(s)[0][0], json.loads(s)[1][0]] for s in backward["input_shapes"])
+    assert (rescales["bytes_moved"] >= 4 * rescales["input_shapes"].map(
+        lambda s: json.loads(s)[0][0] * json.loads(s)[0][1])).all()  # bf16 output read and written
     x = torch.randn(64, 96, dtype=torch.bfloat16) * torch.logspace(-3, 3, 64).to(torch.bfloat16)[:, None]
     q = quantize(x, BLOCK_FORMATS["rowwise"], "activation")
     assert q.scale.shape == (64, 1) and q.scale_t.shape == (96, 1)
     assert _relative_error(dequantize(*q.rowwise), x) < 0.04  # rows six decades apart, each with its own scale
+    w = quantize(torch.randn(32, 96, dtype=torch.bfloat16), BLOCK_FORMATS["rowwise"], "weight")
+    # power-of-two scales: rescaling afterwards rounds exactly as scaling inside the GEMM
+    assert torch.equal(block_scaling.gemm(q.rowwise, w.rowwise, rescale_output=True),
+                       block_scaling.gemm(q.rowwise, w.rowwise))
 
 
 def test_nvfp4_rounds_gradients_stochastically_and_inputs_to_nearest():

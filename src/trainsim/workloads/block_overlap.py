@@ -78,10 +78,11 @@ def unpack(rows: torch.Tensor, like: BlockQuantized, groups_in_like: int, column
 def _gather_matmul(x: torch.Tensor, weight: tuple, group, tp: int, role: str, fp8):
     """(all-gather(x) @ weight^T in bf16, the gathered tensor's column-wise copy) with the ring overlapped."""
     block_tokens = getattr(fp8.region.block, f"{role}_block")[1]  # the column-wise blocks' length along the tokens
+    gemm = fp8.region.backward_gemm if role == "gradient" else block_scaling.gemm  # the gradient's: dgrad
     n = weight[0].shape[0]
     if block_tokens == 0:  # a column's scale spans every token: the ring carries bf16
         def mm_whole(rows, out):
-            y = block_scaling.gemm(fp8.region.quantize_blocks(rows, role, columnwise=False).rowwise, weight)
+            y = gemm(fp8.region.quantize_blocks(rows, role, columnwise=False).rowwise, weight)
             with observer().kernel_notes(fused=1):
                 out.copy_(y)
 
@@ -94,7 +95,7 @@ def _gather_matmul(x: torch.Tensor, weight: tuple, group, tp: int, role: str, fp
     packed = pack(q, groups, columnwise=True)
 
     def mm(rows, out):  # out: the ring's [groups, block_tokens * n] slice, i.e. these tokens' [tokens, n]
-        y = block_scaling.gemm(unpack(rows, q, groups, columnwise=True).rowwise, weight)
+        y = gemm(unpack(rows, q, groups, columnwise=True).rowwise, weight)
         with observer().kernel_notes(fused=1):  # TE's GEMM writes its block of the output in place
             out.view(-1, n).copy_(y)
 
@@ -120,9 +121,9 @@ class BlockOverlappedColumnLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x_t = ctx.saved_tensors
         gq = ctx.fp8.region.quantize_blocks(grad.contiguous(), "gradient")
-        grad_input = block_scaling.gemm(gq.rowwise, ctx.fp8.block_for_backward(ctx.weight_q).columnwise)
+        grad_input = ctx.fp8.region.backward_gemm(gq.rowwise, ctx.fp8.block_for_backward(ctx.weight_q).columnwise)
         grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp)
-        wgrad = block_scaling.gemm(gq.columnwise, x_t)
+        wgrad = ctx.fp8.region.backward_gemm(gq.columnwise, x_t)
         wait_all(scattering)
         return grad_x, wgrad, None, None, None
 
@@ -152,5 +153,5 @@ class BlockOverlappedRowLinear(torch.autograd.Function):
         x_t = ctx.saved_tensors
         w = ctx.fp8.block_for_backward(ctx.weight_q)
         grad_x, gathered_t = _gather_matmul(grad.contiguous(), w.columnwise, ctx.group, ctx.tp, "gradient", ctx.fp8)
-        wgrad = block_scaling.gemm(gathered_t, x_t)
+        wgrad = ctx.fp8.region.backward_gemm(gathered_t, x_t)
         return grad_x, wgrad, None, None, None

@@ -54,6 +54,9 @@ class BlockFormat:
     gradient_block: tuple[int, int]
     stochastic_gradients: bool = False
     hadamard_wgrad: bool = False
+    rescaled_backward: bool = False
+    """The backward GEMMs (dgrad, wgrad) run unscaled and their output is rescaled in a pass of its own
+    (torchao's rowwise recipe: `gemm`'s rescale_output)."""
 
     @property
     def largest_block(self) -> int:
@@ -67,7 +70,9 @@ BLOCK_FORMATS = {
     "blockwise": BlockFormat("blockwise", (1, 128), (128, 128), (1, 128)),
     # cite: TE NVFP4BlockScaling: 1 x 16 blocks, 2D 16 x 16 for weights, stochastic rounding of gradients, RHT on wgrad
     # cite: torchao float8 Float8LinearRecipeName.ROWWISE: axiswise scales along the reduction dim, power of 2
-    "rowwise": BlockFormat("rowwise", (1, 0), (1, 0), (1, 0)),
+    # cite: torchao float8_ops.addmm_float8_unwrapped: without fast accumulation (Float8LinearConfig's default for
+    # grad_input and grad_weight) axiswise scales take the per-tensor cuBLAS kernel and a separate rescale
+    "rowwise": BlockFormat("rowwise", (1, 0), (1, 0), (1, 0), rescaled_backward=True),
     "nvfp4": BlockFormat("nvfp4", (1, 16), (16, 16), (1, 16), stochastic_gradients=True, hadamard_wgrad=True),
 }
 """The block-scaled recipes (parallelism.fp8_recipe 'mxfp8' / 'blockwise' / 'rowwise', parallelism.precision
@@ -268,9 +273,30 @@ def quantize(x: torch.Tensor, fmt: BlockFormat, role: str, columnwise: bool = Tr
     return BlockQuantized(*quantize_blocks(x, fmt.name, *block, rowwise, columnwise, amax, stochastic, hadamard))
 
 
+@torch.library.custom_op("trainsim::scale_rows_columns", mutates_args=())
+def scale_rows_columns(y: torch.Tensor, row_scale: torch.Tensor, column_scale: torch.Tensor) -> torch.Tensor:
+    """y [m, n] times row_scale [m, 1] times column_scale [n, 1] transposed, in y's dtype: the one kernel
+    Inductor makes of torchao's `output *= a_scale * b_scale` after an unscaled GEMM (pytorch/ao#2184)."""
+    return (y.float() * row_scale.reshape(-1, 1) * column_scale.reshape(1, -1)).to(y.dtype)
+
+
+@scale_rows_columns.register_fake
+def _(y, row_scale, column_scale):
+    return torch.empty_like(y)
+
+
 def gemm(a: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b_t: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b_t^T for two (data, scale, global scale) copies, bf16 out (plus `bias`)."""
+         bias: torch.Tensor | None = None, rescale_output: bool = False) -> torch.Tensor:
+    """a @ b_t^T for two (data, scale, global scale) copies, bf16 out (plus `bias`).
+
+    rescale_output (one scale per row of both operands, BlockFormat.rescaled_backward): torchao finds PyTorch's
+    rowwise-scaled CUTLASS kernel too slow without fast accumulation, so it runs the per-tensor cuBLAS kernel
+    with unit scales and multiplies the output by the two operands' scales afterwards, one more pass over it."""
     k = a[0].shape[-1] * (2 if a[0].dtype == FP4_DTYPE else 1)
-    y = block_scaled_mm(a[0], b_t[0], a[1], b_t[1], a[2], b_t[2], k)
+    if rescale_output:
+        one = a[1].new_ones(())
+        y = block_scaled_mm(a[0], b_t[0], one.expand_as(a[1]), one.expand_as(b_t[1]), a[2], b_t[2], k)
+        y = scale_rows_columns(y, a[1], b_t[1])
+    else:
+        y = block_scaled_mm(a[0], b_t[0], a[1], b_t[1], a[2], b_t[2], k)
     return y + bias if bias is not None else y

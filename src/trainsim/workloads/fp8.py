@@ -203,6 +203,10 @@ class Fp8Region:
                     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
         return block_scaling.quantize(x, self.block, role, columnwise, amax, rowwise)
 
+    def backward_gemm(self, a: tuple, b_t: tuple) -> torch.Tensor:
+        """A backward (dgrad or wgrad) block-scaled GEMM, with the output rescale pass where the recipe has one."""
+        return block_scaling.gemm(a, b_t, rescale_output=self.block.rescaled_backward)
+
     def reduce_and_update(self, forward: bool) -> None:
         """Delayed scaling: all-reduce (MAX) this direction's current amaxes over the amax group, then new
         scales from the histories and roll them (TE's reduce_and_update_fp8_tensors)."""
@@ -356,8 +360,8 @@ class _BlockLinearFunction(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         gq = ctx.fp8.region.quantize_blocks(g, "gradient")
         w = ctx.fp8.block_for_backward(ctx.weight_q)
-        dgrad = block_scaling.gemm(gq.rowwise, w.columnwise)
-        wgrad = block_scaling.gemm(gq.columnwise, x_t)
+        dgrad = ctx.fp8.region.backward_gemm(gq.rowwise, w.columnwise)
+        wgrad = ctx.fp8.region.backward_gemm(gq.columnwise, x_t)
         dbias = g.sum(0) if ctx.has_bias else None
         return dgrad.view(*ctx.shape), wgrad, dbias, None
 
