@@ -269,7 +269,11 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
     if recompute is None:
         return Recipe(**base, overrides=(), refusal=f"activation_checkpointing={mode!r}: not one of "
                                                      f"{', '.join(TORCHTITAN_RECOMPUTE)}")
-    if mode != recompute:
+    asynchronous_tp = tp > 1 and "async" in techniques.lower()
+    if recompute == "op" and asynchronous_tp:  # validate refuses recompute=op with the overlap rings
+        recompute = "selective"
+        notes.append("op-level checkpointing with async TP not built: composed as Megatron's selective recompute")
+    elif mode != recompute:
         notes.append(f"activation checkpointing {mode!r} composed as recompute={recompute}")
     overrides = [f"hardware={SYSTEMS[row['gpu']]}", "framework=torchtitan", f"model={MODELS[row['model']]}",
                  "parallelism=single", *(["framework.fused_elementwise=true"] if compiled else []),
@@ -289,7 +293,7 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
         overrides.append("parallelism.precision=bf16")
     if tp > 1:
         overrides.append("parallelism.sequence_parallel=true")
-        if "async" in lowered:
+        if asynchronous_tp:
             overrides.append("parallelism.tp_comm_overlap=true")
     if cp > 1:
         overrides.append("parallelism.cp_comm_type=all_gather")
