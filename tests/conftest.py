@@ -93,3 +93,24 @@ def rate_ops():
     ops = distinct_ops(trace_layout(run.model, run.parallelism).graph.to_pandas())
     ops = ops[ops["op"].isin(["aten::mm", "aten::addmm", "aten::add_.Tensor", "aten::sum.dim_IntList"])]
     return ops.groupby("op").head(4).reset_index(drop=True)
+
+
+def squared_gradient_norms(rank, layout, model_cfg, par):
+    """spawn_ranks body: one training step of a rank; the squared gradient norms its optimizer computed (the
+    clipping's: set parallelism.clip_grad), to compare the gradients of two ways of running a step."""
+    import torch
+
+    from trainsim.parallel.schedules import step_actions
+    from trainsim.workloads.launch import synthetic_batch
+    from trainsim.workloads.optimizer import MixedPrecisionAdamW
+    from trainsim.workloads.train_step import build_rank_model, create_groups, train_step
+
+    groups = create_groups(layout, rank, every_group=True, experts=True)
+    torch.manual_seed(1234)
+    rm = build_rank_model(model_cfg, par, rank, groups)
+    seen, norm = [], MixedPrecisionAdamW._squared_norm
+    MixedPrecisionAdamW._squared_norm = staticmethod(lambda *args: seen.append(norm(*args)) or seen[-1])
+    make = synthetic_batch(model_cfg, par, seed=layout.position(rank).dp_rank)
+    batches = [make(mb) for mb in range(par.num_microbatches)]
+    train_step(rm, step_actions(par, layout.position(rank).pp_rank), batches.__getitem__)
+    return sum(float(s) for s in seen)

@@ -155,8 +155,10 @@ pipeline_parallel_microbatch_size = 1""")
     f = import_torchtitan(text, world_size=256).fields
     assert (f["pp"], f["virtual_stages"], f["schedule"], f["zero_stage"]) == (4, 2, "interleaved-1f1b", 2)
     assert f["account_for_embedding_in_pipeline_split"] and f["account_for_loss_in_pipeline_split"]
-    with pytest.raises(ConfigError, match="activation_checkpoint.*selective_ac_option op"):
-        import_torchtitan(TORCHTITAN.replace('mode = "full"', 'mode = "selective"\nselective_ac_option = "op"'), 256)
+    op = import_torchtitan(TORCHTITAN.replace('mode = "full"', 'mode = "selective"\nselective_ac_option = "op"'), 256)
+    assert op.fields["recompute"] == "op"
+    with pytest.raises(ConfigError, match="activation_checkpoint.*selective_ac_option 2"):
+        import_torchtitan(TORCHTITAN.replace('mode = "full"', 'mode = "selective"\nselective_ac_option = "2"'), 256)
     with pytest.raises(ConfigError, match="rowwise_with_gw_hp"):
         import_torchtitan(TORCHTITAN.replace("[float8]", '[float8]\nrecipe_name = "rowwise_with_gw_hp"'), 256)
     with pytest.raises(ConfigError, match="parallelism.pipeline_paralel_degree"):

@@ -15,6 +15,8 @@ from trainsim.trace.recorder import ExecutionRecorder
 from trainsim.workloads.launch import run_real_step
 from trainsim.workloads.train_step import layout_of
 
+SMALL_LLAMA = ["model=llama3-8b", "model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=8",
+               "model.num_kv_heads=4", "model.ffn_hidden_size=256", "model.seq_length=64", "model.vocab_size=512"]
 COMM = ["collective", "group_ranks", "message_bytes", "comm_dtype", "peer"]
 
 
@@ -91,6 +93,11 @@ def _op_rows(events: pd.DataFrame) -> list[tuple]:
                   "model.hidden_size=128", "model.num_attention_heads=8", "model.num_kv_heads=4",
                   "model.ffn_hidden_size=256", "model.seq_length=64", "model.vocab_size=512"],
                  id="cp2-tp2-sp-zero1-llama"),
+    pytest.param(["framework=torchtitan", "parallelism=tp2", "parallelism.sequence_parallel=true",
+                  "parallelism.recompute=op", *SMALL_LLAMA], id="torchtitan-tp2-sp-op-checkpoint"),
+    pytest.param(["framework=torchtitan", "parallelism=dp2", "parallelism.zero_stage=3", "parallelism.precision=fp8",
+                  "parallelism.fp8_recipe=current", "parallelism.recompute=op", *SMALL_LLAMA],
+                 id="torchtitan-fsdp2-fp8-op-checkpoint"),
     pytest.param(["parallelism=dp2", "parallelism.zero_stage=3", "parallelism.precision=bf16"], id="fsdp2-zero3"),
     pytest.param(["parallelism=dp2", "parallelism.zero_stage=2", "parallelism.recompute=full"],
                  id="fsdp2-zero2-full-recompute"),

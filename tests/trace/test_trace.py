@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import torch.distributed as dist
@@ -258,3 +260,40 @@ def test_a_rank_that_cannot_be_built_or_stepped_is_named():
     broken = replace(run.model, family="llama", hidden_size=60)
     with pytest.raises(TraceError, match=r"rank 0 .*gpt-tiny"):
         trace_layout(broken, run.parallelism)
+
+
+def test_op_checkpointing_recomputes_every_second_matmul_and_keeps_the_attention():
+    """torchtitan's op-level selective checkpointing (recompute=op) on its separate projections: per block the
+    backward recomputes wk, wo and w3 (every second of wq, wk, wv, wo, w1, w3, w2) and the elementwise ops, not
+    the attention; it keeps less than no recomputation and more than full recomputation."""
+    common = ("framework=torchtitan", "model=llama3-8b", "model.num_layers=2", "model.seq_length=128",
+              "parallelism=single")
+    graphs, kept = {}, {}
+    for mode in ("none", "op", "full"):
+        result = _trace(*common, f"parallelism.recompute={mode}")[1]
+        graph = result.graph.to_pandas()
+        graphs[mode] = graph[~graph["no_kernel"]]
+        kept[mode] = result.memory.to_pandas()["activation_bytes_per_microbatch"].iloc[0]
+
+    def ops(mode: str, phase: str, op: str) -> pd.DataFrame:
+        graph = graphs[mode]
+        return graph[(graph["phase"] == phase) & (graph["op"] == op)]
+
+    assert len(ops("none", "forward", "aten::mm")) == 2 * 7 + 1  # seven linears a block, and the output layer
+    def layouts(mode: str, phase: str) -> list[tuple[str, str]]:
+        return list(ops(mode, phase, "aten::mm")[["input_shapes", "input_strides"]].itertuples(index=False))
+
+    forward = set(layouts("op", "forward"))  # a backward GEMM with a forward GEMM's shapes and strides recomputes it
+    recomputed = sorted(json.loads(shapes)[1][1] for shapes, strides in layouts("op", "backward")
+                        if (shapes, strides) in forward)  # the weight's width
+    assert not [layout for layout in layouts("none", "backward") if layout in set(layouts("none", "forward"))]
+    h, kv, ffn = 4096, 8 * 128, 14336
+    assert recomputed == sorted([kv, h, ffn] * 2)
+    attention = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert ops("op", "backward", attention).empty and len(ops("full", "backward", attention)) == 2
+    def elementwise(mode: str) -> int:  # backward kernels other than GEMMs and attention
+        graph = graphs[mode]
+        return int(((graph["phase"] == "backward") & ~graph["op"].str.contains("mm|scaled_dot_product")).sum())
+
+    assert elementwise("op") == elementwise("full") > elementwise("none")  # norms, rotary, SwiGLU all recomputed
+    assert kept["full"] < kept["op"] < kept["none"]

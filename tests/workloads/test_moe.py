@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import squared_gradient_norms
 
 from trainsim.config import compose_run
 from trainsim.errors import ConfigError
@@ -17,9 +18,8 @@ from trainsim.parallel.schedules import pipeline_actions, step_actions
 from trainsim.trace import trace_layout
 from trainsim.trace.expand import expand_step, rename_for_rank
 from trainsim.trace.recorder import ExecutionRecorder
-from trainsim.workloads.launch import run_real_step, spawn_ranks, synthetic_batch
+from trainsim.workloads.launch import run_real_step, spawn_ranks
 from trainsim.workloads.moe import ExpertParallel, MoE
-from trainsim.workloads.optimizer import MixedPrecisionAdamW
 from trainsim.workloads.routing import (
     RouterCounts,
     RoutingHistogram,
@@ -31,7 +31,7 @@ from trainsim.workloads.routing import (
     split_by_shares,
     token_counts,
 )
-from trainsim.workloads.train_step import build_rank_model, create_groups, layout_of, train_step
+from trainsim.workloads.train_step import create_groups, layout_of
 
 MOE = ["model=gpt-tiny", "model.num_experts=4", "model.moe_top_k=2"]
 
@@ -366,19 +366,6 @@ def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(ep,
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _squared_gradient_norms(rank, layout, model_cfg, par):
-    """One step of a rank; the squared gradient norms its optimizer computed (the clipping's)."""
-    groups = create_groups(layout, rank, every_group=True, experts=True)
-    torch.manual_seed(1234)
-    rm = build_rank_model(model_cfg, par, rank, groups)
-    seen, norm = [], MixedPrecisionAdamW._squared_norm
-    MixedPrecisionAdamW._squared_norm = staticmethod(lambda *args: seen.append(norm(*args)) or seen[-1])
-    make = synthetic_batch(model_cfg, par, seed=layout.position(rank).dp_rank)
-    batches = [make(mb) for mb in range(par.num_microbatches)]
-    train_step(rm, step_actions(par, layout.position(rank).pp_rank), batches.__getitem__)
-    return sum(float(s) for s in seen)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", [["parallelism.schedule=1f1b"],
                                       ["parallelism.schedule=interleaved-1f1b", "parallelism.virtual_stages=2"]])
@@ -394,7 +381,7 @@ def test_combined_passes_give_the_gradients_of_separate_ones(schedule):
                            f"parallelism.moe_a2a_overlap={str(overlap).lower()}", "parallelism.precision=fp32",
                            *schedule])
         assert any(a.paired for a in step_actions(run.parallelism, 0)) == overlap
-        norms[overlap] = spawn_ranks(_squared_gradient_norms, run.parallelism, run.model, run.parallelism)
+        norms[overlap] = spawn_ranks(squared_gradient_norms, run.parallelism, run.model, run.parallelism)
     assert norms[True] == pytest.approx(norms[False], rel=1e-6)
 
 
@@ -409,7 +396,7 @@ def test_fsdp_with_experts_gives_the_gradients_of_the_replicated_run():
                            "parallelism.clip_grad=1.0",
                            f"parallelism.zero_stage={zero}", "parallelism.global_batch_size=8",
                            "parallelism.precision=fp32", "hardware.devices_per_node=4"])
-        norms[zero] = spawn_ranks(_squared_gradient_norms, run.parallelism, run.model, run.parallelism)
+        norms[zero] = spawn_ranks(squared_gradient_norms, run.parallelism, run.model, run.parallelism)
     assert norms[3] == pytest.approx(norms[0], rel=1e-5)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 # parallelism
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Built-in pipeline schedules (parallel/schedules.py); timeline.register_schedule adds more."""
-RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_MODES = ("none", "full", "selective", "op")
+"""Activation recomputation (parallelism.recompute): none; every block ('full'); Megatron's core attention
+('selective'); torchtitan's op-level policy ('op': workloads/op_checkpoint.py)."""
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
 """Training precisions (parallelism.precision); 'fp4' is NVFP4 (workloads/block_scaling.py)."""
 PRECISION_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "fp4": 2}

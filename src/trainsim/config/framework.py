@@ -110,6 +110,8 @@ def apply_framework(fw: FrameworkConfig, hw: HardwareConfig, model: ModelConfig,
         model = dataclasses.replace(model, attention=fw.attention)
     if decides("model.fused_elementwise", fw.fused_elementwise):
         model = dataclasses.replace(model, fused_elementwise=fw.fused_elementwise)
+    if decides("model.separate_projections", fw.separate_projections):
+        model = dataclasses.replace(model, separate_projections=fw.separate_projections)
     if decides("hardware.host_dispatch_s", fw.host_dispatch_s):
         hw = dataclasses.replace(hw, host_dispatch_s=fw.host_dispatch_s)
     if fw.flash_attention:

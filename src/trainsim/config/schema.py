@@ -425,6 +425,10 @@ class ModelConfig:
     """Whether RMSNorm, rotary embedding and SwiGLU run as one fused kernel each way (Transformer Engine's kernels,
     torch.compile's fusions) or, false, as eager PyTorch's separate ops and autograd's backward kernels, each a
     pass over the activations (torchtitan and plain PyTorch without torch.compile; workloads/fused.py)."""
+    separate_projections: bool = False
+    """Whether the query, key and value projections (and SwiGLU's gate and up projections) are separate linears,
+    one GEMM each over the same input (torchtitan's wq, wk, wv and w1, w3), rather than one fused GEMM each
+    (Megatron's linear_qkv and linear_fc1)."""
     attention_dropout: float = 0.0
     """Dropout probability on the attention probabilities (Megatron's --attention-dropout)."""
     norm_eps: float = 1e-5
@@ -614,7 +618,9 @@ class ParallelismConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved-1f1b'."""
     recompute: str = "none"
-    """Activation recomputation: 'none', 'full' (every block) or 'selective' (core attention only)."""
+    """Activation recomputation: 'none', 'full' (every block), 'selective' (core attention only, Megatron) or 'op'
+    (torchtitan's op-level selective checkpointing: all but the matmuls, every second matmul and the fused
+    attention)."""
     dp_bucket_size_bytes: int = 25 * 1024 * 1024
     """Gradient bucket size of the data-parallel all-reduce (PyTorch DDP default 25 MiB). Each bucket is
     all-reduced as soon as its gradients are ready, during the last backward; a size above the stage's
@@ -748,6 +754,8 @@ class FrameworkConfig:
     """Its default for model.fused_elementwise: fused norm, rotary and SwiGLU kernels (Transformer Engine: true),
     or eager PyTorch ops (torchtitan, whose training.compile is off unless set: false; set it true for a run
     with torch.compile)."""
+    separate_projections: bool | None = None
+    """Its default for model.separate_projections (torchtitan: true; Megatron: false, fused GEMMs)."""
     tp_comm_overlap: bool = True
     """Whether the stack can overlap tensor-parallel communication with GEMMs (Transformer Engine's userbuffers,
     torchtitan's async TP); False refuses parallelism.tp_comm_overlap=true."""

@@ -279,6 +279,8 @@ def _recompute_fields(get, where: str) -> dict[str, object]:
         return {"recompute": mode}
     if mode == "selective" and option == "1":
         return {"recompute": "full"}  # every layer checkpointed
+    if mode == "selective" and option == "op":
+        return {"recompute": "op"}
     raise refuse("activation_checkpoint", f"mode {mode}, selective_ac_option {option}",
-                 "mode none or full, or selective with selective_ac_option '1' (trainsim recomputes every layer "
-                 "or none; torchtitan's default is selective every 2nd layer, 'op' saves chosen matmul outputs)")
+                 "mode none or full, or selective with selective_ac_option 'op' or '1' (trainsim recomputes every "
+                 "layer, none, or with torchtitan's op-level policy; not every n-th layer)")

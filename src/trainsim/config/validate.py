@@ -53,6 +53,11 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
         raise ConfigError(f"parallelism.tp_comm_overlap=true overlaps the sequence-parallel collectives: it needs "
                           f"parallelism.sequence_parallel=true and tp > 1 (got sequence_parallel="
                           f"{par.sequence_parallel}, tp={par.tp})")
+    if par.recompute == "op" and par.tp_comm_overlap:
+        raise ConfigError("parallelism.recompute='op' with parallelism.tp_comm_overlap=true: torchtitan's op-level "
+                          "checkpointing chooses among the projections' GEMMs before torch.compile fuses them into "
+                          "the overlap rings, which are built as one GEMM per ring step; not built. Set "
+                          "tp_comm_overlap=false, or recompute to 'full' or 'none'")
     one_of("parallelism", "zero_stage", par.zero_stage, ZERO_STAGES)
     one_of("parallelism", "cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
     if par.cp > 1:
@@ -253,8 +258,8 @@ def a2a_overlap_refusal(par: ParallelismConfig) -> str | None:
              ("schedule", par.schedule in ("1f1b", "interleaved-1f1b"),
               f"schedule='{par.schedule}': combined passes pair the steady-state forwards and backwards of "
               "'1f1b' (pp = 1 included) and 'interleaved-1f1b'; use one of them"),
-             ("recompute", par.recompute != "full",
-              "recompute='full': a block recomputed as a whole cannot be split at its all-to-alls; use "
+             ("recompute", par.recompute not in ("full", "op"),
+              f"recompute='{par.recompute}': a block checkpointed as a whole cannot be split at its all-to-alls; use "
               "'selective' or 'none' (as Megatron-Core requires)"),
              ("zero_stage", par.zero_stage < 2, f"zero_stage={par.zero_stage}: FSDP with overlapped all-to-alls "
               "is not built; use zero_stage 0 or 1")]

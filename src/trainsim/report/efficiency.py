@@ -108,9 +108,11 @@ def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
 def hardware_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
     """What the GPUs compute: the model FLOPs plus the forward work recomputed in the backward pass, all
     of the layers' with full recomputation (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh), Korthikanti et al.
-    2022), their core attention with selective recomputation; the output layer is never recomputed."""
+    2022), their core attention with selective recomputation, about half their matmuls with torchtitan's op-level
+    policy (every second one); the output layer is never recomputed."""
     forward = forward_flops_per_token(model)
-    recomputed = {"full": forward["layers"], "selective": forward["core_attention"]}.get(par.get("recompute"), 0.0)
+    recomputed = {"full": forward["layers"], "selective": forward["core_attention"],
+                  "op": (forward["layers"] - forward["core_attention"]) / 2}.get(par.get("recompute"), 0.0)
     return model_flops_per_step(model, par) + recomputed * tokens_per_step(model, par)
 
 

@@ -297,6 +297,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self._last_writer.pop(key, None)
         self._saved_storages.discard(key)
 
+    def kept_for_backward(self, tensor) -> None:
+        self._on_save(tensor)
+
     def _on_save(self, t: torch.Tensor) -> torch.Tensor:
         """Count each storage kept for backward once (micro-batch 0 stands for all); parameters and views of them
         (a linear's transposed weight) excluded: they are model states, counted once."""

@@ -231,12 +231,13 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
 
 
 TORCHTITAN_RECOMPUTE = {
-    "selective": "selective", "selective layer": "selective", "selective op": "selective", "per op SAC": "selective",
+    "selective": "op", "selective layer": "selective", "selective op": "op", "per op SAC": "op",
     "full": "full", "no": "none",
 }
-"""torchtitan's activation_checkpoint.mode (and its option) -> parallelism.recompute. 'selective layer' (every
-n-th block fully recomputed) and op-level SAC differ from Megatron's selective recompute of core attention:
-the note says so."""
+"""torchtitan's activation_checkpoint.mode (and its option) -> parallelism.recompute. A plain 'selective' is the
+op-level policy of torchtitan's Llama configs (llama3_8b.toml: selective_ac_option = 'op'). 'selective layer'
+(every n-th block fully recomputed) differs from Megatron's selective recompute of core attention it is composed
+as: the note says so."""
 
 
 def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
@@ -264,11 +265,15 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
         return Recipe(**base, overrides=(), refusal=f"{missing} {row[missing if missing == 'model' else 'gpu']!r}: "
                                                      "no config")
     mode = str(row["activation_checkpointing"]).strip()
-    recompute = TORCHTITAN_RECOMPUTE.get(mode, "selective" if "default" in mode else None)
+    recompute = TORCHTITAN_RECOMPUTE.get(mode, "op" if "default" in mode else None)
     if recompute is None:
         return Recipe(**base, overrides=(), refusal=f"activation_checkpointing={mode!r}: not one of "
                                                      f"{', '.join(TORCHTITAN_RECOMPUTE)}")
-    if mode != recompute:
+    asynchronous_tp = tp > 1 and "async" in techniques.lower()
+    if recompute == "op" and asynchronous_tp:  # validate refuses recompute=op with the overlap rings
+        recompute = "selective"
+        notes.append("op-level checkpointing with async TP not built: composed as Megatron's selective recompute")
+    elif mode != recompute:
         notes.append(f"activation checkpointing {mode!r} composed as recompute={recompute}")
     overrides = [f"hardware={SYSTEMS[row['gpu']]}", "framework=torchtitan", f"model={MODELS[row['model']]}",
                  "parallelism=single", *(["framework.fused_elementwise=true"] if compiled else []),
@@ -288,7 +293,7 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
         overrides.append("parallelism.precision=bf16")
     if tp > 1:
         overrides.append("parallelism.sequence_parallel=true")
-        if "async" in lowered:
+        if asynchronous_tp:
             overrides.append("parallelism.tp_comm_overlap=true")
     if cp > 1:
         overrides.append("parallelism.cp_comm_type=all_gather")

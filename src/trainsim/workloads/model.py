@@ -22,9 +22,11 @@ from trainsim.workloads.fused import RMSNorm, gated_silu, rotate
 from trainsim.workloads.latent_attention import LatentAttention
 from trainsim.workloads.mamba import MambaMixer
 from trainsim.workloads.moe import ExpertParallel, MoE
+from trainsim.workloads.op_checkpoint import op_checkpoint_contexts
 from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SeparateColumnLinears,
     VocabParallelEmbedding,
     scatter_to_sp,
     vocab_parallel_cross_entropy,
@@ -62,6 +64,17 @@ def _rotary_tables(cfg: ModelConfig, dtype: torch.dtype, positions: torch.Tensor
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def _column_linear(cfg: ModelConfig, widths: list[int], tp: int, tp_group, dtype, bias: bool, sequence_parallel: bool,
+                   comm_overlap: bool, fp8: Fp8Region | None) -> ColumnParallelLinear | SeparateColumnLinears:
+    """The column-parallel projections of `widths` over one input: one fused GEMM, or one GEMM each where the model
+    keeps them separate (model.separate_projections; not yet with the tensor-parallel overlap rings)."""
+    overlapped = comm_overlap and sequence_parallel and tp > 1
+    if cfg.separate_projections and len(widths) > 1 and not overlapped:
+        return SeparateColumnLinears(cfg.hidden_size, widths, tp, tp_group, dtype, bias, sequence_parallel, fp8)
+    return ColumnParallelLinear(cfg.hidden_size, sum(widths), tp, tp_group, dtype, bias, sequence_parallel,
+                                comm_overlap, fp8_region=fp8)
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention of layer `layer` (its window: model.window_of)."""
 
@@ -76,9 +89,8 @@ class Attention(nn.Module):
         self.selective_recompute, self.fused = selective_recompute, cfg.fused_elementwise
         self.core = layer_core_attention(cfg, layer, self.heads, self.kv_heads, self.head_dim, dtype, cp)
         bias = cfg.family == "gpt"
-        full_heads = cfg.num_attention_heads + 2 * (cfg.num_kv_heads or cfg.num_attention_heads)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, full_heads * self.head_dim, tp, tp_group, dtype, bias,
-                                        sequence_parallel, comm_overlap, fp8_region=fp8)
+        self.qkv = _column_linear(cfg, [self.heads * tp * self.head_dim, *[self.kv_heads * tp * self.head_dim] * 2],
+                                  tp, tp_group, dtype, bias, sequence_parallel, comm_overlap, fp8)
         self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, tp_group,
                                       dtype, bias, num_layers=cfg.num_layers, sequence_parallel=sequence_parallel,
                                       comm_overlap=comm_overlap, fp8_region=fp8)
@@ -115,8 +127,8 @@ class MLP(nn.Module):
         self.swiglu, self.fused = cfg.family == "llama", cfg.fused_elementwise
         bias = not self.swiglu
         up_width = 2 * ffn if self.swiglu else ffn  # SwiGLU fuses gate and up projections
-        self.up = ColumnParallelLinear(cfg.hidden_size, up_width, tp, tp_group, dtype, bias, sequence_parallel,
-                                       comm_overlap, fp8_region=fp8)
+        self.up = _column_linear(cfg, [ffn, ffn] if self.swiglu else [up_width], tp, tp_group, dtype, bias,
+                                 sequence_parallel, comm_overlap, fp8)
         self.down = RowParallelLinear(ffn, cfg.hidden_size, tp, tp_group, dtype, bias, num_layers=cfg.num_layers,
                                       sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8_region=fp8)
 
@@ -155,12 +167,12 @@ class Block(nn.Module):
             self.norm2 = _norm(cfg, dtype, sequence_parallel)
             self.mlp = experts or MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
         if fp8 is not None:  # Megatron-Core's TE spec: the norms run inside linear_qkv, in_proj and linear_fc1
-            if self.attn is not None:
-                self.attn.first_linear.fp8.input_from_norm = True
-            if self.mamba is not None:
-                self.mamba.in_proj.fp8.input_from_norm = True
-            if isinstance(self.mlp, MLP):
-                self.mlp.up.fp8.input_from_norm = True
+            firsts = [self.attn.first_linear if self.attn is not None else None,
+                      self.mamba.in_proj if self.mamba is not None else None,
+                      self.mlp.up if isinstance(self.mlp, MLP) else None]
+            for first in firsts:
+                for linear in (first.linears if isinstance(first, SeparateColumnLinears) else [first] if first else []):
+                    linear.fp8.input_from_norm = True
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.dropout) if self.dropout else x
@@ -218,7 +230,7 @@ class TransformerChunk(nn.Module):
                  ep: ExpertParallel | None = None):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
-        self.tp, self.tp_group, self.recompute_full = tp, tp_group, recompute == "full"
+        self.tp, self.tp_group, self.recompute = tp, tp_group, recompute
         self.sequence_parallel = sequence_parallel and tp > 1
         self.loss_scale = loss_scale  # 1 / num_microbatches: gradients accumulate to the batch mean
         self.fp8 = Fp8Region(fp8) if fp8 is not None else None
@@ -269,8 +281,10 @@ class TransformerChunk(nn.Module):
         rotary = self._rotary()
         with self.fp8.autocast() if self.fp8 is not None else contextlib.nullcontext():
             for block in self.layers:
-                if self.recompute_full:
+                if self.recompute == "full":
                     x = checkpoint(block, x, rotary, use_reentrant=False)
+                elif self.recompute == "op":
+                    x = checkpoint(block, x, rotary, use_reentrant=False, context_fn=op_checkpoint_contexts)
                 else:
                     x = block(x, rotary)
         return self._loss(x, targets) if self.last else x

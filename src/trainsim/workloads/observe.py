@@ -53,6 +53,10 @@ class StepObserver:
     def kernel_notes_for_backward(self, output, **notes: float) -> None:
         """kernel_notes for the kernels autograd runs to differentiate `output` (its grad_fn)."""
 
+    def kept_for_backward(self, tensor) -> None:
+        """The step keeps `tensor` for its backward outside autograd's saved tensors (an op output selective
+        checkpointing keeps: workloads/op_checkpoint.py)."""
+
 
 class StepTimer(StepObserver):
     """Wall time per phase, and the part of it spent in communication calls (ground truth on CPU)."""

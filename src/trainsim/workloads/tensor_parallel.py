@@ -115,12 +115,16 @@ def all_gather_tokens(x: torch.Tensor, group, tp: int, group_kind: str | None = 
 
 
 def reduce_scatter_tokens(x: torch.Tensor, group, tp: int, group_kind: str | None = None) -> torch.Tensor:
-    """Partial sums over all tokens ([..., h], tokens flattened) -> this rank's [tokens / tp, h] of the sum."""
+    """Partial sums over all tokens ([..., h], tokens flattened) -> this rank's [tokens / tp, h] of the sum.
+
+    The sum is returned through an alias (no kernel): torchtitan's op-level checkpointing keeps a reduce-scatter's
+    result instead of running it again, and where it does (workloads/op_checkpoint.py) the recompute gets the kept
+    result from the alias, the in-place collective's new buffer staying unfilled."""
     x = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty((x.shape[0] // tp, x.shape[1]), dtype=x.dtype, device=x.device)
     with observer().communication(group_kind=group_kind):
         reduce_scatter_flat(out, x, group=group)
-    return out
+    return torch.ops.aten.alias(out)
 
 
 def _startall_gather_tokens(x: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
@@ -283,15 +287,22 @@ class ColumnParallelLinear(nn.Module):
     output is then [t, out / tp], tokens flattened)."""
 
     def __init__(self, in_features: int, out_features: int, tp: int, group, dtype, bias: bool = True,
-                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8_region=None):
+                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8_region=None,
+                 input_ready: bool = False):
         super().__init__()
         self.tp, self.group, self.sequence_parallel = tp, group, sequence_parallel and tp > 1
         self.comm_overlap = comm_overlap and self.sequence_parallel
+        self.input_ready = input_ready
+        """The input arrives gathered (or copied into the tensor-parallel region) by the caller, once for several
+        linears (SeparateColumnLinears): only the GEMM runs here."""
         self.weight = _init_weight(out_features // tp, in_features, dtype, std=0.02)
         self.bias = nn.Parameter(torch.zeros(out_features // tp, dtype=dtype)) if bias else None
         self.fp8 = fp8.Fp8Linear(fp8_region, group) if fp8_region is not None else None  # FP8 GEMMs (fp8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_ready:
+            return fp8.fp8_linear(x, self.weight, self.bias, self.fp8) if self.fp8 \
+                else nn.functional.linear(x, self.weight, self.bias)
         if self.comm_overlap:
             x = x.reshape(-1, x.shape[-1])
             y = (fp8.fp8_overlapped_column_linear(x, self.weight, self.fp8, self.group, self.tp) if self.fp8
@@ -304,6 +315,28 @@ class ColumnParallelLinear(nn.Module):
         if self.fp8:
             return fp8.fp8_linear(x, self.weight, self.bias, self.fp8)
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+class SeparateColumnLinears(nn.Module):
+    """Column-parallel projections a framework keeps as separate linears over one input (torchtitan's wq, wk, wv and
+    w1, w3): the input is gathered from the sequence-parallel shards (or copied into the tensor-parallel region)
+    once, as torchtitan's PrepareModuleInput does, then each projection runs its own GEMM. The outputs are returned
+    side by side, as one fused linear's output would be; the concatenation is noted fused (the framework reads each
+    projection's output where its GEMM wrote it)."""
+
+    def __init__(self, in_features: int, widths: list[int], tp: int, group, dtype, bias: bool = True,
+                 sequence_parallel: bool = False, fp8_region=None):
+        super().__init__()
+        self.tp, self.group, self.sequence_parallel = tp, group, sequence_parallel and tp > 1
+        self.linears = nn.ModuleList(ColumnParallelLinear(in_features, width, tp, group, dtype, bias,
+                                                          fp8_region=fp8_region, input_ready=True)
+                                     for width in widths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sp(x, self.group, self.tp) if self.sequence_parallel else copy_to_tp(x, self.group, self.tp)
+        outputs = [linear(x) for linear in self.linears]
+        with observer().kernel_notes(fused=1):
+            return torch.cat(outputs, -1)
 
 
 class RowParallelLinear(nn.Module):
