@@ -82,6 +82,9 @@ def test_hardware_flops_count_recomputation_as_megatron_does():
     assert hardware_flops_per_step(model, {**par, "recompute": "full"}) == pytest.approx(full, rel=1e-12)
     selective = model_flops_per_step(model, par) + b * s * layers * 4 * s * h  # scores and values once more
     assert hardware_flops_per_step(model, {**par, "recompute": "selective"}) == pytest.approx(selective, rel=1e-12)
+    # torchtitan's op-level policy: every second linear, its GPT block's output projection and fc2 (h x h, 4h x h)
+    op = model_flops_per_step(model, par) + b * s * layers * 2 * (h * h + 4 * h * h)
+    assert hardware_flops_per_step(model, {**par, "recompute": "op"}) == pytest.approx(op, rel=1e-12)
     figures = efficiency(10.0, hw, model, {**par, "recompute": "full"})
     assert figures["hfu_pct"] / figures["mfu_pct"] == pytest.approx(full / model_flops_per_step(model, par))
     world = par["dp"] * par["tp"] * par["pp"]

@@ -428,7 +428,7 @@ class ModelConfig:
     separate_projections: bool = False
     """Whether the query, key and value projections (and SwiGLU's gate and up projections) are separate linears,
     one GEMM each over the same input (torchtitan's wq, wk, wv and w1, w3), rather than one fused GEMM each
-    (Megatron's linear_qkv and linear_fc1)."""
+    (Megatron's linear_qkv and linear_fc1). With parallelism.tp_comm_overlap the rings run them as one GEMM."""
     attention_dropout: float = 0.0
     """Dropout probability on the attention probabilities (Megatron's --attention-dropout)."""
     norm_eps: float = 1e-5

@@ -95,6 +95,24 @@ def mamba_flops_per_token(model: dict[str, Any]) -> float:
             + 2 * chunk * groups * state + 2 * chunk * inner + 4 * inner * state)
 
 
+def op_recomputed_flops_per_token(model: dict[str, Any], forward: dict[str, float]) -> float:
+    """Forward FLOPs per token torchtitan's op-level checkpointing recomputes: every second linear of a dense block
+    in the order it runs them (wq, wk, wv, wo, w1, w3, w2 with separate projections: wk, wo, w3), over the layers;
+    other blocks (MoE, latent attention, hybrids) half their matmuls."""
+    if model.get("num_experts") or model.get("kv_lora_rank") or model.get("hybrid_layer_pattern"):
+        return (forward["layers"] - forward["core_attention"]) / 2
+    h, heads = model["hidden_size"], model["num_attention_heads"]
+    d = model.get("head_dim") or h // heads
+    kv, ffn = model.get("num_kv_heads") or heads, model.get("ffn_hidden_size") or 4 * h
+    swiglu = model.get("family") == "llama"
+    if model.get("separate_projections"):
+        widths = [heads * d, kv * d, kv * d, h] + ([ffn, ffn] if swiglu else [ffn]) + [h]
+        inputs = [h, h, h, heads * d] + [h] * (2 if swiglu else 1) + [ffn]
+    else:
+        widths, inputs = [(heads + 2 * kv) * d, h, (2 if swiglu else 1) * ffn, h], [h, heads * d, h, ffn]
+    return model["num_layers"] * sum(2 * n * k for n, k in list(zip(widths, inputs))[1::2])
+
+
 def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
     """Training FLOPs of one step: 3x the forward pass (backward = 2x forward).
 
@@ -112,7 +130,7 @@ def hardware_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float
     policy (every second one); the output layer is never recomputed."""
     forward = forward_flops_per_token(model)
     recomputed = {"full": forward["layers"], "selective": forward["core_attention"],
-                  "op": (forward["layers"] - forward["core_attention"]) / 2}.get(par.get("recompute"), 0.0)
+                  "op": op_recomputed_flops_per_token(model, forward)}.get(par.get("recompute"), 0.0)
     return model_flops_per_step(model, par) + recomputed * tokens_per_step(model, par)
 
 
