@@ -170,8 +170,8 @@ class Block(nn.Module):
             firsts = [self.attn.first_linear if self.attn is not None else None,
                       self.mamba.in_proj if self.mamba is not None else None,
                       self.mlp.up if isinstance(self.mlp, MLP) else None]
-            for first in firsts:
-                for linear in (first.linears if isinstance(first, SeparateColumnLinears) else [first] if first else []):
+            for first in filter(None, firsts):
+                for linear in getattr(first, "linears", [first]):  # SeparateColumnLinears: each projection
                     linear.fp8.input_from_norm = True
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,8 @@ def _policy(counts: dict[str, int], ctx, func, *args, **kwargs) -> CheckpointPol
         keep = counts[mode] % 2 == 1
     else:
         keep = func in KEPT or _is_reduce_scatter(func)
-    if keep and not ctx.is_recompute:
-        for t in tree_flatten(ctx.op_output)[0]:
+    if keep and not ctx.is_recompute:  # (op_output: torch >= 2.7; before, kept outputs go uncounted)
+        for t in tree_flatten(getattr(ctx, "op_output", None))[0]:
             if isinstance(t, torch.Tensor):
                 observer().kept_for_backward(t)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
