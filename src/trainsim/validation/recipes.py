@@ -269,7 +269,8 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
     if recompute is None:
         return Recipe(**base, overrides=(), refusal=f"activation_checkpointing={mode!r}: not one of "
                                                      f"{', '.join(TORCHTITAN_RECOMPUTE)}")
-    asynchronous_tp = tp > 1 and "async" in techniques.lower()
+    lowered = techniques.lower()
+    asynchronous_tp = tp > 1 and "async" in lowered
     if recompute == "op" and asynchronous_tp:  # validate refuses recompute=op with the overlap rings
         recompute = "selective"
         notes.append("op-level checkpointing with async TP not built: composed as Megatron's selective recompute")
@@ -281,7 +282,6 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
                  f"parallelism.cp={cp}", f"parallelism.micro_batch_size={local}",
                  f"parallelism.global_batch_size={gbs}", "parallelism.zero_stage=3",
                  "parallelism.grad_reduce_in_fp32=false", f"parallelism.recompute={recompute}"]
-    lowered = techniques.lower()
     if "rowwise" in lowered:
         overrides += ["parallelism.precision=fp8", "parallelism.fp8_recipe=rowwise"]
     elif "float8" in lowered:

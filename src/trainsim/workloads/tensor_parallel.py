@@ -294,15 +294,12 @@ class ColumnParallelLinear(nn.Module):
         self.comm_overlap = comm_overlap and self.sequence_parallel
         self.input_ready = input_ready
         """The input arrives gathered (or copied into the tensor-parallel region) by the caller, once for several
-        linears (SeparateColumnLinears): only the GEMM runs here."""
+        linears (SeparateColumnLinears): only the GEMM runs here (built without sequence_parallel or comm_overlap)."""
         self.weight = _init_weight(out_features // tp, in_features, dtype, std=0.02)
         self.bias = nn.Parameter(torch.zeros(out_features // tp, dtype=dtype)) if bias else None
         self.fp8 = fp8.Fp8Linear(fp8_region, group) if fp8_region is not None else None  # FP8 GEMMs (fp8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_ready:
-            return fp8.fp8_linear(x, self.weight, self.bias, self.fp8) if self.fp8 \
-                else nn.functional.linear(x, self.weight, self.bias)
         if self.comm_overlap:
             x = x.reshape(-1, x.shape[-1])
             y = (fp8.fp8_overlapped_column_linear(x, self.weight, self.fp8, self.group, self.tp) if self.fp8
@@ -311,7 +308,8 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel and not self.fp8:
             return _SequenceParallelColumnLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
                                                        self.group, self.tp)
-        x = gather_from_sp(x, self.group, self.tp) if self.sequence_parallel else copy_to_tp(x, self.group, self.tp)
+        if not self.input_ready:
+            x = gather_from_sp(x, self.group, self.tp) if self.sequence_parallel else copy_to_tp(x, self.group, self.tp)
         if self.fp8:
             return fp8.fp8_linear(x, self.weight, self.bias, self.fp8)
         return nn.functional.linear(x, self.weight, self.bias)
