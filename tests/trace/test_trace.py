@@ -141,6 +141,20 @@ def test_collectives_depend_on_their_producers():
         assert len(consumers) > 0, f"nothing reads the result of collective {event_id}"
 
 
+def test_a_ring_step_waits_for_the_block_it_multiplies_and_no_other():
+    """c10d's recv_ declares no write: the GEMM on a received block must still depend on that recv, or an
+    overlap ring hides its communication whatever it costs. Dependencies are by byte range: the GEMM on the block
+    a rank holds does not wait for the block arriving in another slice of the same buffer."""
+    _, result = _trace("parallelism=tp2", "parallelism.sequence_parallel=true", "parallelism.tp_comm_overlap=true",
+                       "model.num_layers=1")
+    graph = result.graph.to_pandas()
+    forward = graph[graph["phase"] == "forward"].reset_index(drop=True)
+    recv = forward.index[forward["collective"] == "recv"][0]  # the first ring's only hop (tp 2)
+    gemms = forward.index[(forward["op"] == "aten::mm.out") & (forward.index > recv)][:2]
+    held, received = forward.loc[gemms, "deps"]
+    recv_id = forward.loc[recv, "id"]
+    assert recv_id not in held and recv_id in received
+
 def test_a_freed_storage_leaves_no_writer_to_one_allocated_where_it_was():
     """Storages are keyed by address, which a later one may reuse: a constant or an empty buffer there was
     written by nobody. (Before, such ops inherited the freed storage's writer, so traces depended on the

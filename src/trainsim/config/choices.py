@@ -31,6 +31,8 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 # model
 FAMILIES = ("gpt", "llama")
 ATTENTION_KERNELS = ("fused", "unfused")
+TP_OVERLAP_BACKWARDS = ("bulk", "none")
+"""model.tp_overlap_backward: Transformer Engine's bulk overlap, or none (torch's micro-pipelined async TP)."""
 HYBRID_LAYER_KINDS = {"M": "Mamba-2 mixer", "*": "self-attention", "-": "MLP", "E": "MoE"}
 """Characters of model.hybrid_layer_pattern (Megatron-Core's --hybrid-override-pattern) and the layer each is."""
 WINDOW_KINDS = ("sliding", "chunked")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainsim.config.choices import PRECISION_WEIGHT_BYTES
+from trainsim.config.choices import PRECISION_WEIGHT_BYTES, TP_OVERLAP_BACKWARDS
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.devices import gpu_generation
 from trainsim.config.schema import FrameworkConfig, HardwareConfig, ModelConfig, ParallelismConfig
@@ -39,6 +39,9 @@ def validate_framework(fw: FrameworkConfig) -> None:
     if fw.attention not in ATTENTION_KERNELS:
         raise ConfigError(f"{where}: framework.attention={fw.attention!r}; accepted: "
                           f"{', '.join(map(repr, ATTENTION_KERNELS))}")
+    if fw.tp_overlap_backward not in ("", *TP_OVERLAP_BACKWARDS):
+        raise ConfigError(f"{where}: framework.tp_overlap_backward={fw.tp_overlap_backward!r}; accepted: '' or "
+                          f"{', '.join(map(repr, TP_OVERLAP_BACKWARDS))}")
     if fw.flash_attention and fw.flash_attention not in flash_attention_kernels():
         kernels = ", ".join(map(repr, flash_attention_kernels()))
         raise ConfigError(f"{where}: framework.flash_attention={fw.flash_attention!r}; accepted: '' or {kernels} "
@@ -112,6 +115,8 @@ def apply_framework(fw: FrameworkConfig, hw: HardwareConfig, model: ModelConfig,
         model = dataclasses.replace(model, fused_elementwise=fw.fused_elementwise)
     if decides("model.separate_projections", fw.separate_projections):
         model = dataclasses.replace(model, separate_projections=fw.separate_projections)
+    if decides("model.tp_overlap_backward", fw.tp_overlap_backward):
+        model = dataclasses.replace(model, tp_overlap_backward=fw.tp_overlap_backward)
     if decides("hardware.host_dispatch_s", fw.host_dispatch_s):
         hw = dataclasses.replace(hw, host_dispatch_s=fw.host_dispatch_s)
     if fw.flash_attention:

@@ -429,6 +429,13 @@ class ModelConfig:
     """Whether the query, key and value projections (and SwiGLU's gate and up projections) are separate linears,
     one GEMM each over the same input (torchtitan's wq, wk, wv and w1, w3), rather than one fused GEMM each
     (Megatron's linear_qkv and linear_fc1). With parallelism.tp_comm_overlap the rings run them as one GEMM."""
+    tp_overlap_backward: str = "bulk"
+    """What parallelism.tp_comm_overlap overlaps in a column-parallel linear's backward: 'bulk' (Transformer Engine's
+    defaults: the input all-gathered behind the input-gradient GEMM, the input gradient reduce-scattered behind the
+    weight-gradient GEMM) or 'none' (torch's micro-pipelined async TP, torchtitan: it fuses an all-gather into the
+    matmuls that read it and one matmul into the reduce-scatter of its output, and the input gradient of q, k, v or
+    of the gate and up projections is a sum of several matmuls, so it is reduce-scattered after them, exposed; the
+    gathered input is kept from forward, no all-gather in backward)."""
     attention_dropout: float = 0.0
     """Dropout probability on the attention probabilities (Megatron's --attention-dropout)."""
     norm_eps: float = 1e-5
@@ -756,6 +763,9 @@ class FrameworkConfig:
     with torch.compile)."""
     separate_projections: bool | None = None
     """Its default for model.separate_projections (torchtitan: true; Megatron: false, fused GEMMs)."""
+    tp_overlap_backward: str = ""
+    """Its default for model.tp_overlap_backward ('bulk': Transformer Engine; 'none': torch's micro-pipelined async
+    TP); '' = the model's."""
     tp_comm_overlap: bool = True
     """Whether the stack can overlap tensor-parallel communication with GEMMs (Transformer Engine's userbuffers,
     torchtitan's async TP); False refuses parallelism.tp_comm_overlap=true."""

@@ -14,6 +14,7 @@ from trainsim.config.choices import (
     HYBRID_LAYER_KINDS,
     MOE_ROUTERS,
     MOE_ROUTINGS,
+    TP_OVERLAP_BACKWARDS,
     WINDOW_KINDS,
 )
 from trainsim.config.schema import ModelConfig
@@ -64,6 +65,9 @@ def validate_model(model: ModelConfig) -> None:
             raise ConfigError(f"model.{name}={getattr(model, name)} must be in [0, 1)")
     if model.attention not in ATTENTION_KERNELS:
         raise ConfigError(f"model.attention={model.attention!r} is not supported; use one of {ATTENTION_KERNELS}")
+    if model.tp_overlap_backward not in TP_OVERLAP_BACKWARDS:
+        raise ConfigError(f"model.tp_overlap_backward={model.tp_overlap_backward!r} is not supported; use one of "
+                          f"{TP_OVERLAP_BACKWARDS}")
     _validate_latent_attention(model)
     _validate_window(model)
     if not isinstance(model.approximations, (list, tuple)) or not all(isinstance(a, str) and a.strip()

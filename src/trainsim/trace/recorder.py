@@ -70,6 +70,16 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of its storage that `t` spans (an empty tensor: one byte at its offset, so it still
+    orders against the storage's writers)."""
+    start = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return start, start + 1
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return start, start + span * t.element_size()
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -189,7 +199,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         # kernel profile (benchmarks/compute_accuracy.py); meaningless while tracing
         self.time_ops = time_ops
         self.events: list[dict[str, Any]] = []
-        self._last_writer: dict[int, int] = {}
+        # storage key -> [(first byte, end byte, event id)]: the writes whose bytes no later write has covered
+        self._last_writer: dict[int, list[tuple[int, int, int]]] = {}
         self._phase, self._chunk, self._microbatch = "setup", 0, 0
         self._once_per_step = False
         self._in_communication = False
@@ -349,7 +360,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         name = func.name()
         is_view = func.is_view or name.split(".")[0] in NO_KERNEL_OPS
         event_id = len(self.events)
-        deps = sorted({self._last_writer[k] for k in map(_storage_key, tensors) if k in self._last_writer})
+        deps = sorted(self._writers_of(tensors))
         shapes = [list(t.shape) for t in tensors]
         strides = [list(t.stride()) for t in tensors]
         dtypes = [dtype_name(t.dtype) for t in tensors]
@@ -409,8 +420,30 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
             for i, arg_schema in enumerate(func._schema.arguments):
                 if arg_schema.alias_info is not None and arg_schema.alias_info.is_write and i < len(args):
                     written += [t for t in tree_flatten(args[i])[0] if isinstance(t, torch.Tensor)]
+            if func.namespace == "c10d" and name != "c10d::send":
+                # c10d's schemas declare no writes: every op but send fills its first argument (recv_ and
+                # alltoall_base_ return only a Work), and what reads that argument must wait for it
+                written += [t for t in tree_flatten(args[0])[0] if isinstance(t, torch.Tensor)]
             for t in written:
-                self._last_writer[self._watch(t)] = event_id
+                self._wrote(t, event_id)
+
+    def _writers_of(self, tensors: list[torch.Tensor]) -> set[int]:
+        """The events that wrote the bytes `tensors` read: by byte range, so a ring step's GEMM on the block it
+        holds does not wait for the block arriving in another slice of the same buffer."""
+        writers = set()
+        for t in tensors:
+            entries = self._last_writer.get(_storage_key(t))
+            if entries:
+                start, end = byte_extent(t)
+                writers.update(event for first, last, event in entries if first < end and start < last)
+        return writers
+
+    def _wrote(self, t: torch.Tensor, event_id: int) -> None:
+        key = self._watch(t)
+        start, end = byte_extent(t)
+        kept = [w for w in self._last_writer.get(key, ()) if not (start <= w[0] and w[1] <= end)]
+        kept.append((start, end, event_id))
+        self._last_writer[key] = kept
 
     def _fill_communication(self, event: dict, func, args, tensors: list[torch.Tensor]) -> None:
         op_name = func._overloadpacket.__name__

@@ -107,14 +107,15 @@ def _gather_matmul(x: torch.Tensor, weight: tuple, group, tp: int, role: str, fp
 class BlockOverlappedColumnLinear(torch.autograd.Function):
     """fp8._Fp8OverlappedColumnLinear with block scales: the quantised shard (both copies) around the ring, a
     GEMM per arriving block; backward: dgrad whole, reduce-scattered behind wgrad on the gathered column-wise
-    copy."""
+    copy (without `bulk_backward`, before it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, fp8, group, tp):
+    def forward(ctx, x, weight, fp8, group, tp, bulk_backward=True):
         w = fp8.block_weight(weight)
         out, gathered_t = _gather_matmul(x.contiguous(), w.rowwise, group, tp, "activation", fp8)
         ctx.save_for_backward(*gathered_t)
         ctx.fp8, ctx.weight_q, ctx.group, ctx.tp = fp8, fp8.kept_for_backward(weight, w), group, tp
+        ctx.bulk_backward = bulk_backward
         return out
 
     @staticmethod
@@ -122,10 +123,10 @@ class BlockOverlappedColumnLinear(torch.autograd.Function):
         x_t = ctx.saved_tensors
         gq = ctx.fp8.region.quantize_blocks(grad.contiguous(), "gradient")
         grad_input = ctx.fp8.region.backward_gemm(gq.rowwise, ctx.fp8.block_for_backward(ctx.weight_q).columnwise)
-        grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp)
+        grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp, ctx.bulk_backward)
         wgrad = ctx.fp8.region.backward_gemm(gq.columnwise, x_t)
         wait_all(scattering)
-        return grad_x, wgrad, None, None, None
+        return grad_x, wgrad, None, None, None, None
 
 
 class BlockOverlappedRowLinear(torch.autograd.Function):

@@ -432,17 +432,18 @@ def fp8_experts(x: torch.Tensor, weight: torch.Tensor, counts: list[int], fp8: F
 class _Fp8OverlappedColumnLinear(torch.autograd.Function):
     """FP8 twin of tensor_parallel._OverlappedColumnLinear: the token shard is cast to FP8 and the ring
     carries FP8 blocks (TE userbuffers' all-gather overlap); backward casts the output gradient once, runs
-    dgrad whole and reduce-scatters it (bf16) in bulk behind wgrad on the gathered FP8 input."""
+    dgrad whole and reduce-scatters it (bf16) in bulk behind wgrad on the gathered FP8 input (without
+    `bulk_backward`, before it: model.tp_overlap_backward 'none')."""
 
     @staticmethod
-    def forward(ctx, x, weight, fp8: Fp8Linear, group, tp):
+    def forward(ctx, x, weight, fp8: Fp8Linear, group, tp, bulk_backward=True):
         x_fp8, x_inv = fp8.quantize_input(x.contiguous(), gathered=True)
         w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
         out, gathered = ring_all_gather_matmul(
             x_fp8, w_fp8, group, tp, out_dtype=x.dtype,
             mm=lambda block, out: _gemm(block, w_fp8, x_inv, w_inv, x.dtype, out=out))
         ctx.save_for_backward(gathered.t().contiguous(), x_inv)
-        ctx.fp8, ctx.group, ctx.tp = fp8, group, tp
+        ctx.fp8, ctx.group, ctx.tp, ctx.bulk_backward = fp8, group, tp, bulk_backward
         ctx.weights = fp8.kept_for_backward(weight, (w_fp8, w_t_fp8, w_inv))
         ctx.reduce_backward = fp8.region.claim_first()
         return out
@@ -453,12 +454,12 @@ class _Fp8OverlappedColumnLinear(torch.autograd.Function):
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
         _, weight_t, weight_inv = ctx.fp8.for_backward(ctx.weights)
         grad_input = _gemm(g_fp8, weight_t, g_inv, weight_inv, grad.dtype)
-        grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp)
+        grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp, ctx.bulk_backward)
         wgrad = _gemm(g_fp8.t().contiguous(), gathered_t, g_inv, x_inv, grad.dtype)
         wait_all(scattering)
         if ctx.reduce_backward:
             ctx.fp8.region.reduce_and_update(forward=False)
-        return grad_x, wgrad, None, None, None
+        return grad_x, wgrad, None, None, None, None
 
 
 class _Fp8OverlappedRowLinear(torch.autograd.Function):
@@ -491,10 +492,11 @@ class _Fp8OverlappedRowLinear(torch.autograd.Function):
         return grad_x, wgrad, None, None, None
 
 
-def fp8_overlapped_column_linear(x, weight, fp8: Fp8Linear, group, tp: int) -> torch.Tensor:
+def fp8_overlapped_column_linear(x, weight, fp8: Fp8Linear, group, tp: int, bulk_backward: bool = True
+                                 ) -> torch.Tensor:
     if fp8.region.block is not None:
-        return BlockOverlappedColumnLinear.apply(x, weight, fp8, group, tp)
-    return _Fp8OverlappedColumnLinear.apply(x, weight, fp8, group, tp)
+        return BlockOverlappedColumnLinear.apply(x, weight, fp8, group, tp, bulk_backward)
+    return _Fp8OverlappedColumnLinear.apply(x, weight, fp8, group, tp, bulk_backward)
 
 
 def fp8_overlapped_row_linear(x, weight, fp8: Fp8Linear, group, tp: int) -> torch.Tensor:

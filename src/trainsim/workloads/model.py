@@ -72,7 +72,7 @@ def _column_linear(cfg: ModelConfig, widths: list[int], tp: int, tp_group, dtype
     if cfg.separate_projections and len(widths) > 1 and not overlapped:
         return SeparateColumnLinears(cfg.hidden_size, widths, tp, tp_group, dtype, bias, sequence_parallel, fp8)
     return ColumnParallelLinear(cfg.hidden_size, sum(widths), tp, tp_group, dtype, bias, sequence_parallel,
-                                comm_overlap, fp8_region=fp8)
+                                comm_overlap, fp8_region=fp8, bulk_backward=cfg.tp_overlap_backward == "bulk")
 
 
 class Attention(nn.Module):

@@ -92,8 +92,10 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
     return product
 
 
-def start_reduce_scatter_tokens(grad_input: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
-    """Start reduce-scattering partial sums [tp t, h] into this rank's [t, h]; the caller waits."""
+def start_reduce_scatter_tokens(grad_input: torch.Tensor, group, tp: int, behind_next_gemm: bool = True
+                                ) -> tuple[torch.Tensor, list]:
+    """Start reduce-scattering partial sums [tp t, h] into this rank's [t, h]; the caller waits. Without
+    `behind_next_gemm` (model.tp_overlap_backward 'none') the step waits for it before its next kernel."""
     grad_x = grad_input.new_empty((grad_input.shape[0] // tp, *grad_input.shape[1:]))
-    with observer().communication(async_op=True):
+    with observer().communication(async_op=behind_next_gemm):
         return grad_x, [reduce_scatter_flat(grad_x, grad_input, group=group, async_op=True)]

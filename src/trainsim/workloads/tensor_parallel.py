@@ -175,22 +175,31 @@ class _OverlappedColumnLinear(torch.autograd.Function):
     """Sequence-parallel column-parallel linear with its communication overlapped as Transformer Engine's
     defaults do (Megatron-Core --tp-comm-overlap): forward all-gather + GEMM by ring exchange (qkv_fprop,
     fc1_fprop: "ring_exchange", tp blocks); backward in bulk (qkv_dgrad, fc1_dgrad: "bulk", whole GEMMs,
-    `column_linear_backward`). Only the token shard is kept for backward."""
+    `column_linear_backward`). Only the token shard is kept for backward.
+
+    Without `bulk_backward` (torch's micro-pipelined async TP, model.tp_overlap_backward 'none') the gathered input
+    is kept from the ring instead, and the input gradient is reduce-scattered with nothing to hide it."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, tp):
+    def forward(ctx, x, weight, group, tp, bulk_backward=True):
         x = x.contiguous()
-        out, _ = ring_all_gather_matmul(x, weight, group, tp)
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.tp = group, tp
+        out, gathered = ring_all_gather_matmul(x, weight, group, tp)
+        ctx.save_for_backward(x if bulk_backward else gathered, weight)
+        ctx.group, ctx.tp, ctx.bulk_backward = group, tp, bulk_backward
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_x, grad_weight, scattering = column_linear_backward(x, weight, grad.contiguous(), ctx.group, ctx.tp)
+        grad = grad.contiguous()
+        if ctx.bulk_backward:
+            grad_x, grad_weight, scattering = column_linear_backward(x, weight, grad, ctx.group, ctx.tp)
+        else:
+            grad_x, scattering = start_reduce_scatter_tokens(grad.mm(weight), ctx.group, ctx.tp,
+                                                             behind_next_gemm=False)
+            grad_weight = grad.t().mm(x)
         wait_all(scattering)
-        return grad_x, grad_weight, None, None
+        return grad_x, grad_weight, None, None, None
 
 
 class _OverlappedRowLinear(torch.autograd.Function):
@@ -288,10 +297,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp: int, group, dtype, bias: bool = True,
                  sequence_parallel: bool = False, comm_overlap: bool = False, fp8_region=None,
-                 input_ready: bool = False):
+                 input_ready: bool = False, bulk_backward: bool = True):
         super().__init__()
         self.tp, self.group, self.sequence_parallel = tp, group, sequence_parallel and tp > 1
         self.comm_overlap = comm_overlap and self.sequence_parallel
+        self.bulk_backward = bulk_backward
+        """With comm_overlap: the backward's communication in bulk behind its GEMMs (model.tp_overlap_backward)."""
         self.input_ready = input_ready
         """The input arrives gathered (or copied into the tensor-parallel region) by the caller, once for several
         linears (SeparateColumnLinears): only the GEMM runs here (built without sequence_parallel or comm_overlap)."""
@@ -302,8 +313,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
             x = x.reshape(-1, x.shape[-1])
-            y = (fp8.fp8_overlapped_column_linear(x, self.weight, self.fp8, self.group, self.tp) if self.fp8
-                 else _OverlappedColumnLinear.apply(x, self.weight, self.group, self.tp))
+            y = (fp8.fp8_overlapped_column_linear(x, self.weight, self.fp8, self.group, self.tp, self.bulk_backward)
+                 if self.fp8 else _OverlappedColumnLinear.apply(x, self.weight, self.group, self.tp, self.bulk_backward))
             return y + self.bias if self.bias is not None else y
         if self.sequence_parallel and not self.fp8:
             return _SequenceParallelColumnLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
