@@ -55,6 +55,18 @@ def test_tp_collectives_follow_megatron():
     assert set(comm["group_kind"]) == {"tp"}
 
 
+def test_sequence_parallel_embeddings_reduce_scatter_unless_positions_are_added_after_the_lookup():
+    """Megatron-Core's reduce_scatter_embeddings (torchtitan's Shard(1) embedding output): a Llama embedding's
+    partial sums go straight to the token shards; GPT adds learned positions to the whole sequence first."""
+    for model, first in (("llama3-8b", "reduce_scatter"), ("gpt-small", "all_reduce")):
+        _, result = _trace(f"model={model}", "model.num_layers=1", "model.hidden_size=128",
+                           "model.num_attention_heads=8", "model.num_kv_heads=4", "model.ffn_hidden_size=256",
+                           "model.seq_length=64", "model.vocab_size=512", "parallelism=tp2",
+                           "parallelism.sequence_parallel=true")
+        comm = _comm(result.graph.to_pandas())
+        assert comm[comm["phase"] == "forward"]["collective"].iloc[0] == first
+
+
 def test_overlapped_tensor_parallel_reduce_scatters_note_their_communication_kernels():
     import json
 

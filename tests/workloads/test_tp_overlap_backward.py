@@ -47,12 +47,31 @@ def test_torchtitan_runs_the_micro_pipeline_and_a_bad_value_is_named():
 
 
 @pytest.mark.slow
-def test_both_backwards_give_the_same_gradients_over_gloo():
+@pytest.mark.parametrize("precision", [["parallelism.precision=fp32"],
+                                       ["parallelism.precision=fp8", "parallelism.fp8_recipe=current"]],
+                         ids=["fp32", "fp8"])
+def test_both_backwards_give_the_same_gradients_over_gloo(precision):
+    """The bulk backward gathers the kept shard again (FP8: its bytes), the micro-pipeline keeps the gathered input:
+    the same gradients either way."""
     norms = {}
     for backward in ("bulk", "none"):
         run = compose_run(["model=llama3-8b", "model.num_layers=2", "model.hidden_size=128",
                            "model.num_attention_heads=8", "model.num_kv_heads=4", "model.ffn_hidden_size=256",
-                           "model.seq_length=64", "model.vocab_size=512", *OVERLAP, "parallelism.precision=fp32",
+                           "model.seq_length=64", "model.vocab_size=512", *OVERLAP, *precision,
                            "parallelism.clip_grad=1.0", f"model.tp_overlap_backward={backward}"])
         norms[backward] = spawn_ranks(squared_gradient_norms, run.parallelism, run.model, run.parallelism)
     assert norms["none"] == pytest.approx(norms["bulk"], rel=1e-6)
+
+
+def test_transformer_engines_bulk_backward_keeps_the_fp8_shard_not_the_gathered_input():
+    def activation_bytes(backward):
+        run = compose_run([*OVERLAP, "parallelism.precision=fp8", "parallelism.fp8_recipe=current",
+                           f"model.tp_overlap_backward={backward}"], check="layout")
+        memory = trace_layout(run.model, run.parallelism).memory.to_pandas()
+        return run, int(memory["activation_bytes_per_microbatch"].iloc[0])
+
+    run, bulk = activation_bytes("bulk")
+    _, none = activation_bytes("none")
+    tokens = run.parallelism.micro_batch_size * run.model.seq_length
+    # qkv and fc1 per layer: the gathered FP8 input (1 byte per token and hidden element) in place of its shard
+    assert none - bulk == 2 * run.model.num_layers * tokens * run.model.hidden_size * (1 - 1 / 2)

@@ -60,6 +60,7 @@ from trainsim.workloads.observe import observer
 from trainsim.workloads.rings import (
     ring_all_gather_matmul,
     ring_matmul_reduce_scatter,
+    start_all_gather_tokens,
     start_reduce_scatter_tokens,
     wait_all,
 )
@@ -432,8 +433,10 @@ def fp8_experts(x: torch.Tensor, weight: torch.Tensor, counts: list[int], fp8: F
 class _Fp8OverlappedColumnLinear(torch.autograd.Function):
     """FP8 twin of tensor_parallel._OverlappedColumnLinear: the token shard is cast to FP8 and the ring
     carries FP8 blocks (TE userbuffers' all-gather overlap); backward casts the output gradient once, runs
-    dgrad whole and reduce-scatters it (bf16) in bulk behind wgrad on the gathered FP8 input (without
-    `bulk_backward`, before it: model.tp_overlap_backward 'none')."""
+    dgrad whole while the FP8 shard kept from forward is all-gathered again (TE's bulk dgrad overlap: it keeps the
+    shard, not the gathered input), then reduce-scatters dgrad (bf16) in bulk behind wgrad on the gathered input.
+    Without `bulk_backward` (model.tp_overlap_backward 'none': torch's micro-pipelined async TP) the gathered
+    input is kept from the ring and dgrad is reduce-scattered before wgrad runs."""
 
     @staticmethod
     def forward(ctx, x, weight, fp8: Fp8Linear, group, tp, bulk_backward=True):
@@ -442,7 +445,7 @@ class _Fp8OverlappedColumnLinear(torch.autograd.Function):
         out, gathered = ring_all_gather_matmul(
             x_fp8, w_fp8, group, tp, out_dtype=x.dtype,
             mm=lambda block, out: _gemm(block, w_fp8, x_inv, w_inv, x.dtype, out=out))
-        ctx.save_for_backward(gathered.t().contiguous(), x_inv)
+        ctx.save_for_backward(x_fp8 if bulk_backward else gathered.t().contiguous(), x_inv)
         ctx.fp8, ctx.group, ctx.tp, ctx.bulk_backward = fp8, group, tp, bulk_backward
         ctx.weights = fp8.kept_for_backward(weight, (w_fp8, w_t_fp8, w_inv))
         ctx.reduce_backward = fp8.region.claim_first()
@@ -450,12 +453,17 @@ class _Fp8OverlappedColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        gathered_t, x_inv = ctx.saved_tensors
+        kept, x_inv = ctx.saved_tensors
+        if ctx.bulk_backward:
+            gathered, gathering = start_all_gather_tokens(kept, ctx.group, ctx.tp)
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous())
         _, weight_t, weight_inv = ctx.fp8.for_backward(ctx.weights)
         grad_input = _gemm(g_fp8, weight_t, g_inv, weight_inv, grad.dtype)
+        if ctx.bulk_backward:
+            wait_all(gathering)
+            kept = gathered.t().contiguous()  # K-major for wgrad
         grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp, ctx.bulk_backward)
-        wgrad = _gemm(g_fp8.t().contiguous(), gathered_t, g_inv, x_inv, grad.dtype)
+        wgrad = _gemm(g_fp8.t().contiguous(), kept, g_inv, x_inv, grad.dtype)
         wait_all(scattering)
         if ctx.reduce_backward:
             ctx.fp8.region.reduce_and_update(forward=False)

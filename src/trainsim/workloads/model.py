@@ -303,10 +303,11 @@ class TransformerChunk(nn.Module):
         return out
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.cfg.family != "gpt":  # nothing added after the lookup: its partial sums go straight to the shards
+            return self.embed(ids, scatter_tokens=self.sequence_parallel)
         x = self.embed(ids)
-        if self.cfg.family == "gpt":
-            x = x + (self.positions if self.position_ids is None
-                     else nn.functional.embedding(self.position_ids, self.positions))
+        x = x + (self.positions if self.position_ids is None
+                 else nn.functional.embedding(self.position_ids, self.positions))
         if self.sequence_parallel:
             x = scatter_to_sp(x, self.tp_group, self.tp)
         return x

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainsim.workloads.collectives import reduce_scatter_flat
+from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
 from trainsim.workloads.observe import observer
 
 
@@ -90,6 +90,14 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
             received = torch.empty_like(product)
             incoming = received, ring_exchange(product, received, group, tp)
     return product
+
+
+def start_all_gather_tokens(x: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
+    """Start all-gathering token shards [t, h] -> [tp t, h] (FP8 shards as their bytes); the caller waits where it
+    needs them."""
+    out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    with observer().communication(async_op=True):
+        return out, [all_gather_flat(as_bytes(out), as_bytes(x), group=group, async_op=True)]
 
 
 def start_reduce_scatter_tokens(grad_input: torch.Tensor, group, tp: int, behind_next_gemm: bool = True

@@ -25,6 +25,7 @@ from trainsim.workloads.observe import observer
 from trainsim.workloads.rings import (
     ring_all_gather_matmul,
     ring_matmul_reduce_scatter,
+    start_all_gather_tokens,
     start_reduce_scatter_tokens,
     wait_all,
 )
@@ -127,13 +128,6 @@ def reduce_scatter_tokens(x: torch.Tensor, group, tp: int, group_kind: str | Non
     return torch.ops.aten.alias(out)
 
 
-def _startall_gather_tokens(x: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
-    """Start all-gathering token shards [t, h] -> [tp t, h]; the caller waits where it needs them."""
-    out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    with observer().communication(async_op=True):
-        return out, [all_gather_flat(out, x, group=group, async_op=True)]
-
-
 class _SequenceParallelColumnLinear(torch.autograd.Function):
     """Sequence-parallel column-parallel linear as Megatron-LM's LinearWithGradAccumulationAndAsync-
     Communication runs it: forward all-gathers the token shards and multiplies, keeping only the shard for
@@ -164,7 +158,7 @@ def column_linear_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Te
     all-gathered behind the whole input-gradient GEMM, the input gradient reduce-scattered behind the weight-
     gradient GEMM (Megatron-LM's async path; Transformer Engine's "bulk" overlap of qkv_dgrad / fc1_dgrad).
     Returns (grad_x, grad_weight, the reduce-scatter's works: the caller waits)."""
-    gathered, gathering = _startall_gather_tokens(x, group, tp)
+    gathered, gathering = start_all_gather_tokens(x, group, tp)
     grad_input = grad.mm(weight)
     wait_all(gathering)
     grad_x, scattering = start_reduce_scatter_tokens(grad_input, group, tp)
@@ -379,7 +373,10 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; out-of-shard tokens read zeros, then all-reduce."""
+    """Embedding table split by vocabulary rows; out-of-shard tokens read zeros, then all-reduce (or, with
+    `scatter_tokens`, reduce-scatter into this rank's sequence-parallel token shard: Megatron-Core's
+    reduce_scatter_embeddings where no position embedding is added after the lookup, torchtitan's RowwiseParallel
+    embedding with Shard(1) output)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: int, tp_rank: int, group, dtype):
         super().__init__()
@@ -388,13 +385,15 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp_rank * self.shard_size
         self.weight = _init_weight(self.shard_size, hidden_size, dtype, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, scatter_tokens: bool = False) -> torch.Tensor:
         if self.tp == 1:
             return nn.functional.embedding(tokens, self.weight)
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
         local = local.masked_fill(outside, 0)
         out = nn.functional.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if scatter_tokens:
+            return reduce_scatter_to_sp(out, self.group, self.tp)
         return reduce_from_tp(out, self.group, self.tp)
 
 
