@@ -307,8 +307,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
             x = x.reshape(-1, x.shape[-1])
-            y = (fp8.fp8_overlapped_column_linear(x, self.weight, self.fp8, self.group, self.tp, self.bulk_backward)
-                 if self.fp8 else _OverlappedColumnLinear.apply(x, self.weight, self.group, self.tp, self.bulk_backward))
+            if self.fp8:
+                y = fp8.fp8_overlapped_column_linear(x, self.weight, self.fp8, self.group, self.tp, self.bulk_backward)
+            else:
+                y = _OverlappedColumnLinear.apply(x, self.weight, self.group, self.tp, self.bulk_backward)
             return y + self.bias if self.bias is not None else y
         if self.sequence_parallel and not self.fp8:
             return _SequenceParallelColumnLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
