@@ -77,3 +77,10 @@ def test_a_value_an_option_file_states_wins_over_the_framework():
     assert "parallelism.gradient_accumulation_fusion" in run.explicit_fields
     plain = compose_run(["parallelism=dp2", "framework=torchtitan"], check="layout")
     assert "parallelism.gradient_accumulation_fusion" not in plain.explicit_fields
+
+
+def test_torchtitan_reduces_gradients_in_fp32_and_megatron_bridge_in_the_weights_dtype():
+    """torchtitan's training.mixed_precision_reduce is float32; Bridge's performance recipes reduce in bf16."""
+    titan = compose_run([*H100, "framework=torchtitan", "parallelism.zero_stage=3"])
+    bridge = compose_run([*H100, "framework=megatron-bridge", "parallelism.zero_stage=3"])
+    assert titan.parallelism.grad_reduce_in_fp32 and not bridge.parallelism.grad_reduce_in_fp32

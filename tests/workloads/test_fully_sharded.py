@@ -30,9 +30,9 @@ def _dp_comm(graph: pd.DataFrame) -> pd.DataFrame:
     return comm[comm["group_kind"] == "dp"]
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_each_block_gathers_its_weights_and_scatters_its_gradients_every_micro_batch(zero_stage):
-    run, graph, _ = _trace(f"parallelism.zero_stage={zero_stage}")
+@pytest.mark.parametrize("zero_stage, in_fp32", [(2, True), (3, True), (3, False)])
+def test_each_block_gathers_its_weights_and_scatters_its_gradients_every_micro_batch(zero_stage, in_fp32):
+    run, graph, _ = _trace(f"parallelism.zero_stage={zero_stage}", f"parallelism.grad_reduce_in_fp32={in_fp32}")
     comm = _dp_comm(graph)
     units = run.model.num_layers + 1  # every block and the root (embedding, final norm, output layer)
     gathers = comm[comm["collective"] == "all_gather"]
@@ -42,10 +42,11 @@ def test_each_block_gathers_its_weights_and_scatters_its_gradients_every_micro_b
     assert (gathers["phase"] == "backward").sum() == (units if zero_stage == 3 else 0)
     assert len(scatters) == units and (scatters["phase"] == "backward").all()
     assert comm[comm["phase"] != "optimizer"]["per_microbatch"].all() and comm["async_op"].any()
-    assert set(gathers["comm_dtype"]) == {"bf16"} and set(scatters["comm_dtype"]) == {"fp32"}
-    # a block's gradients (fp32) are twice its gathered weights (bf16)
+    # gradients reduce in fp32 (torchtitan's mixed_precision_reduce) or in the weights' dtype (FSDP2's default,
+    # Megatron-FSDP's bf16 main gradients)
+    assert set(gathers["comm_dtype"]) == {"bf16"} and set(scatters["comm_dtype"]) == {"fp32" if in_fp32 else "bf16"}
     block = gathers["message_bytes"].mode().iloc[0]
-    assert (scatters["message_bytes"] == 2 * block).sum() == run.model.num_layers
+    assert (scatters["message_bytes"] == (2 if in_fp32 else 1) * block).sum() == run.model.num_layers
     # prefetch: the next block's gather is issued before this block's first GEMM
     forward = graph[graph["phase"] == "forward"].reset_index(drop=True)
     first_gemm = forward.index[forward["op"].isin(["aten::mm", "aten::addmm"])][0]

@@ -105,6 +105,8 @@ def apply_framework(fw: FrameworkConfig, hw: HardwareConfig, model: ModelConfig,
     def decides(field: str, value) -> bool:
         return value not in (None, "") and field not in explicit
 
+    if decides("parallelism.grad_reduce_in_fp32", fw.grad_reduce_in_fp32):  # first: the bucket rule counts its bytes
+        par = dataclasses.replace(par, grad_reduce_in_fp32=fw.grad_reduce_in_fp32)
     if decides("parallelism.dp_bucket_size_bytes", fw.dp_bucket):
         par = dataclasses.replace(par, dp_bucket_size_bytes=dp_bucket_bytes(fw.dp_bucket, par))
     if decides("parallelism.gradient_accumulation_fusion", fw.gradient_accumulation_fusion):

@@ -661,7 +661,9 @@ class ParallelismConfig:
     fp32, as Megatron-LM does for bf16 (`--accumulate-allreduce-grads-in-fp32`, forced on for bf16) and NeMo's
     bf16-mixed; the optimizer reads them as its master gradients. False (default): gradients kept and reduced in
     the weights' dtype, copied to fp32 for the optimizer; the published H100 runs fit it (docs/validation.md,
-    "Gradient dtype"). FSDP (zero_stage 2, 3) reduce-scatters in fp32 either way."""
+    "Gradient dtype"). FSDP (zero_stage 2, 3) reduce-scatters in fp32 with it (torchtitan's
+    training.mixed_precision_reduce 'float32') and in the weights' dtype without it (FSDP2's own default
+    reduce_dtype; Megatron-FSDP's main gradients in the weights' dtype, as Megatron-Bridge's performance recipes run)."""
     gradient_accumulation_fusion: bool = False
     """Megatron's --gradient-accumulation-fusion (Megatron-Core's and NeMo's default; Transformer Engine's
     fuse_wgrad_accumulation): the weight-gradient GEMM of each tensor-parallel linear accumulates into the
@@ -749,6 +751,9 @@ class FrameworkConfig:
     parallelism.dp_bucket_size_bytes."""
     gradient_accumulation_fusion: bool | None = None
     """Its default for parallelism.gradient_accumulation_fusion (Megatron-Core on, plain PyTorch off)."""
+    grad_reduce_in_fp32: bool | None = None
+    """Its default for parallelism.grad_reduce_in_fp32 (torchtitan: true, FSDP2 reduces in fp32; Megatron-Bridge's
+    performance recipes: false)."""
     attention: str = ""
     """Its core attention kernel for model.attention: 'unfused' (Megatron-LM before flash attention), 'fused'."""
     flash_attention: str = ""

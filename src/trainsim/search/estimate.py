@@ -13,8 +13,8 @@ With the distributed optimizer (zero_stage 1) the buckets are reduce-scattered, 
 of the stage and its states take 1/dp of the memory, and the updated weights are all-gathered bucket by
 bucket after it (or, with overlap_param_gather, under the next step's forward: not on the step's path).
 With FSDP (zero_stage 2, 3) every layer's weights are all-gathered in its forward (and again in its backward
-for 3) and its gradients reduce-scattered in fp32 after its backward, every micro-batch, each beside the
-neighbouring layer's compute (prefetch): a layer takes the longer of its compute and its communication, and
+for 3) and its gradients reduce-scattered (in fp32 with grad_reduce_in_fp32, else in the weights' dtype) after
+its backward, every micro-batch, each beside the neighbouring layer's compute (prefetch): a layer takes the longer of its compute and its communication, and
 only the last reduce-scatter is exposed. States are 16 bytes per parameter over the replicas (fp32 weights,
 gradients, Adam moments); the gathered bf16 weights of two layers (3: the one running and the prefetched
 one) or of the whole stage (2: kept from forward to backward) and one layer's gradients are transient.
@@ -232,10 +232,12 @@ def _stage_memory(costs: SliceCosts, parts: dict, s: int, v: int, par: Paralleli
 
 def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_nodes: int,
                   edp_nodes: int, replicate_nodes: int = 1, fp8_gather: bool = False) -> tuple[float, float]:
-    """(all-gather of a part's weights in the compute dtype, reduce-scatter of its gradients in fp32): the dense
+    """(all-gather of a part's weights in the compute dtype, reduce-scatter of its gradients in their reduce dtype:
+    fp32 with parallelism.grad_reduce_in_fp32, else the weights'): the dense
     weights over their shard group (HSDP: then the scattered shard all-reduced over the replicas), the experts'
     over their replicas. fp8_gather: the dense weights travel in FP8 (a block with parallelism.fp8_param_gather)."""
     gather_s = scatter_s = 0.0
+    reduce_bytes = 4 if par.grad_reduce_in_fp32 else PRECISION_WEIGHT_BYTES.get(par.precision, 2)
     for dense, parameter_bytes, replicas, nodes in ((True, part.parameter_bytes - part.expert_parameter_bytes,
                                                      par.shard_ranks, dp_nodes),
                                                     (False, part.expert_parameter_bytes, expert_replicas(par),
@@ -246,9 +248,9 @@ def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_no
         if replicas > 1:
             gathered = parameters if dense and fp8_gather else parameter_bytes
             gather_s += comm.collective_seconds("all_gather", gathered, replicas, nodes)
-            scatter_s += comm.collective_seconds("reduce_scatter", 4 * parameters, replicas, nodes)
+            scatter_s += comm.collective_seconds("reduce_scatter", reduce_bytes * parameters, replicas, nodes)
         if dense and par.shard_replicas > 1:
-            scatter_s += comm.collective_seconds("all_reduce", 4 * parameters // replicas, par.shard_replicas,
+            scatter_s += comm.collective_seconds("all_reduce", reduce_bytes * parameters // replicas, par.shard_replicas,
                                                  replicate_nodes)
     return gather_s, scatter_s
 

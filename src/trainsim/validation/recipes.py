@@ -281,7 +281,7 @@ def torchtitan_recipe(table: str, index: int, row: pd.Series) -> Recipe:
                  f"model.seq_length={seq}", f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
                  f"parallelism.cp={cp}", f"parallelism.micro_batch_size={local}",
                  f"parallelism.global_batch_size={gbs}", "parallelism.zero_stage=3",
-                 "parallelism.grad_reduce_in_fp32=false", f"parallelism.recompute={recompute}"]
+                 "parallelism.grad_reduce_in_fp32=true", f"parallelism.recompute={recompute}"]
     if "rowwise" in lowered:
         overrides += ["parallelism.precision=fp8", "parallelism.fp8_recipe=rowwise"]
     elif "float8" in lowered:

@@ -170,7 +170,8 @@ def _all_reduce_over(group):
 
 
 def shard_chunk(chunk: nn.Module, group, zero_stage: int, dtype: torch.dtype, expert_group=None,
-                replicas: int = 1, replicate_group=None, fp8_scales: Fp8GatherScales | None = None) -> None:
+                replicas: int = 1, replicate_group=None, fp8_scales: Fp8GatherScales | None = None,
+                reduce_dtype: torch.dtype = torch.float32) -> None:
     """Apply fully_shard to each block (`chunk.layers`) and then to the chunk (the root unit), in place; a block's
     MoE experts first, as a unit of their own over `expert_group`, the ranks holding the same experts (torchtitan's
     FSDP with expert parallelism), their gradients averaged over all `replicas` of the batch like the others'.
@@ -182,7 +183,7 @@ def shard_chunk(chunk: nn.Module, group, zero_stage: int, dtype: torch.dtype, ex
     if dtype != torch.float32:
         for p in chunk.parameters():
             p.data = p.data.float()
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
     reshard = zero_stage >= 3
     blocks = list(chunk.layers)
     experts = {block: _experts_of(block) for block in blocks}

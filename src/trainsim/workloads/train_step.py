@@ -136,7 +136,8 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
             tagged = [(name, tag) for name, p in chunk.named_parameters() for tag in ("sequence_parallel", "expert")
                       if getattr(p, tag, False)]
             shard_chunk(chunk, shard_group, par.zero_stage, dtype, groups.get("edp"), par.weight_replicas,
-                        groups["dp_replicate"] if hsdp else None, scales)
+                        groups["dp_replicate"] if hsdp else None, scales,
+                        reduce_dtype=torch.float32 if par.grad_reduce_in_fp32 else dtype)
             for name, tag in tagged:  # fully_shard replaces the parameters: tag the new ones
                 setattr(chunk.get_parameter(name), tag, True)
         params = [p for chunk in chunks for p in chunk.parameters()]
