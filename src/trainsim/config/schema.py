@@ -663,7 +663,7 @@ class ParallelismConfig:
     the weights' dtype, copied to fp32 for the optimizer; the published H100 runs fit it (docs/validation.md,
     "Gradient dtype"). FSDP (zero_stage 2, 3) reduce-scatters in fp32 with it (torchtitan's
     training.mixed_precision_reduce 'float32') and in the weights' dtype without it (FSDP2's own default
-    reduce_dtype; Megatron-FSDP's main gradients in the weights' dtype, as Megatron-Bridge's performance recipes run)."""
+    reduce_dtype; Megatron-FSDP's main gradients as Megatron-Bridge's performance recipes run them)."""
     gradient_accumulation_fusion: bool = False
     """Megatron's --gradient-accumulation-fusion (Megatron-Core's and NeMo's default; Transformer Engine's
     fuse_wgrad_accumulation): the weight-gradient GEMM of each tensor-parallel linear accumulates into the

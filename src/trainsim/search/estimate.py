@@ -14,8 +14,8 @@ of the stage and its states take 1/dp of the memory, and the updated weights are
 bucket after it (or, with overlap_param_gather, under the next step's forward: not on the step's path).
 With FSDP (zero_stage 2, 3) every layer's weights are all-gathered in its forward (and again in its backward
 for 3) and its gradients reduce-scattered (in fp32 with grad_reduce_in_fp32, else in the weights' dtype) after
-its backward, every micro-batch, each beside the neighbouring layer's compute (prefetch): a layer takes the longer of its compute and its communication, and
-only the last reduce-scatter is exposed. States are 16 bytes per parameter over the replicas (fp32 weights,
+its backward, every micro-batch, each beside the neighbouring layer's compute (prefetch): a layer takes the
+longer of its compute and its communication, and only the last reduce-scatter is exposed. States are 16 bytes per parameter over the replicas (fp32 weights,
 gradients, Adam moments); the gathered bf16 weights of two layers (3: the one running and the prefetched
 one) or of the whole stage (2: kept from forward to backward) and one layer's gradients are transient.
 Memory: model states plus activations of the forwards in flight, as the trace stage computes them.
@@ -250,8 +250,8 @@ def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_no
             gather_s += comm.collective_seconds("all_gather", gathered, replicas, nodes)
             scatter_s += comm.collective_seconds("reduce_scatter", reduce_bytes * parameters, replicas, nodes)
         if dense and par.shard_replicas > 1:
-            scatter_s += comm.collective_seconds("all_reduce", reduce_bytes * parameters // replicas, par.shard_replicas,
-                                                 replicate_nodes)
+            scatter_s += comm.collective_seconds("all_reduce", reduce_bytes * parameters // replicas,
+                                                 par.shard_replicas, replicate_nodes)
     return gather_s, scatter_s
 
 
