@@ -15,9 +15,10 @@ bucket after it (or, with overlap_param_gather, under the next step's forward: n
 With FSDP (zero_stage 2, 3) every layer's weights are all-gathered in its forward (and again in its backward
 for 3) and its gradients reduce-scattered (in fp32 with grad_reduce_in_fp32, else in the weights' dtype) after
 its backward, every micro-batch, each beside the neighbouring layer's compute (prefetch): a layer takes the
-longer of its compute and its communication, and only the last reduce-scatter is exposed. States are 16 bytes per parameter over the replicas (fp32 weights,
-gradients, Adam moments); the gathered bf16 weights of two layers (3: the one running and the prefetched
-one) or of the whole stage (2: kept from forward to backward) and one layer's gradients are transient.
+longer of its compute and its communication, and only the last reduce-scatter is exposed. States are 16 bytes
+per parameter over the replicas (fp32 weights, gradients, Adam moments); the gathered bf16 weights of two
+layers (3: the one running and the prefetched one) or of the whole stage (2: kept from forward to backward) and
+one layer's gradients are transient.
 Memory: model states plus activations of the forwards in flight, as the trace stage computes them.
 
 Mixtures of experts: a layer also waits for its token dispatch and combine over the expert-parallel group
