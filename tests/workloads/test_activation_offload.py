@@ -97,3 +97,12 @@ def test_the_breakdown_names_the_wait_for_copies(tmp_path):
     parts = [c for c in result.breakdown.columns if c.endswith("_s") and c not in
              ("optimizer_step_s", "contention_added_s", "end_s")]
     assert float(pd.to_numeric(row[parts]).sum()) == pytest.approx(result.step_time_s, rel=1e-6)
+
+
+def test_a_copy_on_the_critical_path_is_named_as_one(tmp_path):
+    import trainsim
+
+    result = trainsim.predict(*SMALL, "hardware.num_nodes=1", "parallelism.cpu_offload_layers=2",
+                              output=tmp_path / "point")
+    categories = result.summary["critical_path"]["by_category"]
+    assert categories.get("host_copy", 0.0) > 0 and not any(c == "comm.None" for c in categories)

@@ -163,8 +163,9 @@ def critical_path(t: StepTimeline, max_segments: int = 200) -> dict:
     kind = _node_kind(t)[nodes]
     group_kind = np.asarray(t.info.group_kind, dtype=object)[t.graph.tnode[nodes]]
     comm_part = np.where(kind == BLOCK, np.minimum(t.fixed_s[nodes], contribution), 0.0)
+    comm_category = np.asarray([f"comm.{g}" for g in group_kind], dtype=object)
     category = np.where((kind == COMPUTE) | (kind == BLOCK), "compute",
-                        np.asarray([f"comm.{g}" for g in group_kind], dtype=object))
+                        np.where(kind == MEMCPY, "host_copy", comm_category))
     by_category: dict[str, float] = {"host": float(host_s.sum())} if host_s.sum() > 0 else {}
     for cat, value, inner, g in zip(category, contribution, comm_part, group_kind):
         by_category[cat] = by_category.get(cat, 0.0) + float(value - inner)
