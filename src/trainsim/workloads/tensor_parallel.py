@@ -411,13 +411,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits_max = logits.max(dim=-1).values
         _all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
-
-        shard = logits.shape[-1]
-        local = targets - vocab_start
-        outside = (local < 0) | (local >= shard)
-        local = local.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        _all_reduce(target_logit, group)
+        target_logit, local, outside = _target_logits(shifted, targets, vocab_start, group)
 
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -432,8 +426,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local, outside = ctx.saved_tensors
         grad = softmax  # in place, as Megatron: the softmax is not needed after this
-        rows = grad.view(-1, grad.shape[-1])
-        rows[torch.arange(rows.shape[0], device=rows.device), local.flatten()] -= (~outside).flatten().to(grad.dtype)
+        _subtract_targets(grad, local, outside)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None
 
@@ -452,20 +445,13 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             logits_max = grad.max(dim=-1).values
             _all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
             grad.sub_(logits_max.unsqueeze(-1))
-            shard = grad.shape[-1]
-            local = targets - vocab_start
-            outside = (local < 0) | (local >= shard)
-            local = local.masked_fill(outside, 0)
-            target_logit = grad.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-            _all_reduce(target_logit, group)
+            target_logit, local, outside = _target_logits(grad, targets, vocab_start, group)
             grad.exp_()
             sum_exp = grad.sum(dim=-1)
             _all_reduce(sum_exp, group)
             loss = sum_exp.log() - target_logit
             grad.div_(sum_exp.unsqueeze(-1))
-            rows = grad.view(-1, shard)
-            target = (~outside).flatten().to(grad.dtype)
-            rows[torch.arange(rows.shape[0], device=rows.device), local.flatten()] -= target
+            _subtract_targets(grad, local, outside)
         ctx.save_for_backward(grad)
         return loss
 
@@ -474,6 +460,23 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None
+
+
+def _target_logits(shifted, targets, vocab_start: int, group):
+    """(each token's target logit, summed over the vocabulary shards; its index in this shard; whether it lies
+    outside this shard)."""
+    local = targets - vocab_start
+    outside = (local < 0) | (local >= shifted.shape[-1])
+    local = local.masked_fill(outside, 0)
+    target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    _all_reduce(target_logit, group)
+    return target_logit, local, outside
+
+
+def _subtract_targets(softmax, local, outside) -> None:
+    """softmax minus the targets' one-hot, in place: the loss's gradient before its scale."""
+    rows = softmax.view(-1, softmax.shape[-1])
+    rows[torch.arange(rows.shape[0], device=rows.device), local.flatten()] -= (~outside).flatten().to(softmax.dtype)
 
 
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
