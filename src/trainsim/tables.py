@@ -123,9 +123,11 @@ def breakdown_rows(step_time_s: float, classes: list[dict]) -> Rows:
     kinds = [k for k in dict.fromkeys(k for row in classes for k in row["exposed_comm_s"])
              if any(row["exposed_comm_s"].get(k, 0.0) > 0 for row in classes)]
     contention = any(row.get("contention_added_s", 0.0) > 0 for row in classes)
+    copies = any(row.get("exposed_host_copy_s", 0.0) > 0 for row in classes)
     fields = [Field("class", key="rank_class"), Field("ranks", key="ranks"), Field("stage", key="pp_rank"),
               Field("compute", "s", "compute_s"), Field("slowdown", "s", "slowdown_added_s"),
               *(Field(f"exposed {k}", "s", f"exposed_{k}_s") for k in kinds),
+              *([Field("host copies", "s", "exposed_host_copy_s")] if copies else []),
               Field("bubble", "s", "pipeline_bubble_s"), Field("idle", "s", "idle_s"),
               Field("of which optimizer", "s", "optimizer_step_s"),
               *([Field("NIC contention", "s", "contention_added_s")] if contention else []),
@@ -133,7 +135,8 @@ def breakdown_rows(step_time_s: float, classes: list[dict]) -> Rows:
     cells, values = [], []
     for row in classes:
         seconds = [row["compute_s"], row["slowdown_added_s"], *(row["exposed_comm_s"].get(k, 0.0) for k in kinds),
-                   row["pipeline_bubble_s"], row["idle_s"], row["optimizer_step_s"],
+                   *([row.get("exposed_host_copy_s", 0.0)] if copies else []), row["pipeline_bubble_s"], row["idle_s"],
+                   row["optimizer_step_s"],
                    *([row.get("contention_added_s", 0.0)] if contention else [])]
         head = [row["rank_class"], row["ranks"], row["pp_rank"]]
         cells.append([*map(str, head), *(SECONDS_FORMAT.format(s) for s in seconds),

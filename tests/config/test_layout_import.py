@@ -220,3 +220,10 @@ enable_fsdp_float8_all_gather = true
         import_torchtitan(legacy.replace("[experimental]\n", "[experimental]\npipeline_parallel_degree = 2\n"
                                          "pipeline_parallel_microbatches = 4\n"
                                          "pipeline_parallel_split_points = ['layers.40']\n"), 512)
+
+
+def test_cpu_activation_offloading_is_read_and_written_as_megatron_spells_it():
+    fields = import_megatron("--bf16 --micro-batch-size 2 --cpu-offloading --cpu-offloading-num-layers 40", 64).fields
+    assert fields["cpu_offload_layers"] == 40
+    assert import_megatron("--bf16 --micro-batch-size 2 --cpu-offloading-num-layers 40", 64).fields[
+        "cpu_offload_layers"] == 0  # the count alone does not turn it on

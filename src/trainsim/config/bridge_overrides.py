@@ -36,6 +36,7 @@ BRIDGE_ARGUMENTS = {
     "ddp.bucket_size": "--ddp-bucket-size", "ddp.use_megatron_fsdp": "--use-megatron-fsdp",
     "ddp.data_parallel_sharding_strategy": "--data-parallel-sharding-strategy",
     "ddp.fp8_param_gather": "--fp8-param-gather", "optimizer.clip_grad": "--clip-grad",
+    "model.cpu_offloading": "--cpu-offloading", "model.cpu_offloading_num_layers": "--cpu-offloading-num-layers",
     "model.num_layers": "--num-layers", "model.hidden_size": "--hidden-size", "model.seq_length": "--seq-length",
     "model.ffn_hidden_size": "--ffn-hidden-size", "model.num_attention_heads": "--num-attention-heads",
     "model.num_query_groups": "--num-query-groups", "model.num_moe_experts": "--num-experts",

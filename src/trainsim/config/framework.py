@@ -115,6 +115,8 @@ def apply_framework(fw: FrameworkConfig, hw: HardwareConfig, model: ModelConfig,
         model = dataclasses.replace(model, attention=fw.attention)
     if decides("model.fused_elementwise", fw.fused_elementwise):
         model = dataclasses.replace(model, fused_elementwise=fw.fused_elementwise)
+    if decides("model.fused_cross_entropy", fw.fused_cross_entropy):
+        model = dataclasses.replace(model, fused_cross_entropy=fw.fused_cross_entropy)
     if decides("model.separate_projections", fw.separate_projections):
         model = dataclasses.replace(model, separate_projections=fw.separate_projections)
     if decides("model.tp_overlap_backward", fw.tp_overlap_backward):

@@ -46,7 +46,7 @@ LAYOUT_ARGUMENTS = {
     "--accumulate-allreduce-grads-in-fp32": FLAG, "--grad-reduce-in-bf16": FLAG,
     "--gradient-accumulation-fusion": FLAG, "--no-gradient-accumulation-fusion": FLAG, "--ddp-bucket-size": INT,
     "--use-megatron-fsdp": FLAG, "--data-parallel-sharding-strategy": TEXT, "--use-torch-fsdp2": FLAG,
-    "--torch-fsdp2-no-reshard-after-forward": FLAG,
+    "--torch-fsdp2-no-reshard-after-forward": FLAG, "--cpu-offloading": FLAG, "--cpu-offloading-num-layers": INT,
 }
 """The arguments import_megatron turns into layout fields, with the kind of value each takes."""
 
@@ -185,6 +185,7 @@ def _megatron_fields(args: dict[str, object], world_size: int) -> dict[str, obje
     f.update(micro_batch_size=micro, global_batch_size=global_batch)
     f["sequence_parallel"] = bool(args.get("--sequence-parallel")) and tp > 1  # Megatron drops it at tp 1
     f["tp_comm_overlap"] = bool(args.get("--tp-comm-overlap"))
+    f["cpu_offload_layers"] = args.get("--cpu-offloading-num-layers", 0) if args.get("--cpu-offloading") else 0
     if f["tp_comm_overlap"] and not f["sequence_parallel"]:
         raise ConfigError("--tp-comm-overlap needs --sequence-parallel with --tensor-model-parallel-size > 1 "
                           "(Megatron asserts it)")
@@ -412,6 +413,8 @@ def megatron_arguments(par: ParallelismConfig) -> list[str]:
             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
                      "1"]}[par.recompute]
     out += _data_parallel_arguments(par, get("dp_shard_size", 0))
+    if get("cpu_offload_layers", 0):
+        out += ["--cpu-offloading", "--cpu-offloading-num-layers", str(par.cpu_offload_layers)]
     out += ["--moe-token-dispatcher-type", par.moe_token_dispatcher, "--clip-grad", repr(float(par.clip_grad))]
     out += _flags((par.moe_grouped_gemm, "--moe-grouped-gemm"),
                   (par.moe_a2a_overlap, "--overlap-moe-expert-parallel-comm"),

@@ -339,6 +339,9 @@ class HardwareConfig:
     partly filled last wave costs a full one (profile/analytical.py); 0 = not modelled (CPUs)."""
     memory_capacity_bytes: float = 0.0
     """Device memory usable for training; 0 = detect (host RAM divided among the devices)."""
+    host_link_bandwidth_bytes_per_s: float = 0.0
+    """Per-device, per-direction bandwidth between a GPU and its host's memory (PCIe, NVLink-C2C): what CPU
+    activation offloading (parallelism.cpu_offload_layers) copies over; 0 = not stated (offloading refused)."""
     devices_per_node: int = 0
     """Devices (GPUs, or CPU cores used as devices) per node; 0 = detect (cores of this machine)."""
     num_nodes: int = 1
@@ -425,6 +428,10 @@ class ModelConfig:
     """Whether RMSNorm, rotary embedding and SwiGLU run as one fused kernel each way (Transformer Engine's kernels,
     torch.compile's fusions) or, false, as eager PyTorch's separate ops and autograd's backward kernels, each a
     pass over the activations (torchtitan and plain PyTorch without torch.compile; workloads/fused.py)."""
+    fused_cross_entropy: bool = False
+    """Megatron-Core's cross-entropy loss fusion (--cross-entropy-loss-fusion; Megatron-Bridge's default, with
+    Transformer Engine's kernel): one kernel writes the loss and the fp32 gradient of the logits, which backward
+    scales in place, instead of the fp32 max / exp / sum path's temporaries (workloads/tensor_parallel.py)."""
     separate_projections: bool = False
     """Whether the query, key and value projections (and SwiGLU's gate and up projections) are separate linears,
     one GEMM each over the same input (torchtitan's wq, wk, wv and w1, w3), rather than one fused GEMM each
@@ -670,6 +677,12 @@ class ParallelismConfig:
     gradient buffer itself (beta = 1), so a micro-batch's weight gradient is never written apart and added.
     False (plain PyTorch): autograd adds it into the buffer, one extra read and write per weight and
     micro-batch. Norms, biases, embeddings and experts accumulate as before; FSDP (zero_stage 2, 3) ignores it."""
+    cpu_offload_layers: int = 0
+    """Megatron-Core's CPU activation offloading (--cpu-offloading-num-layers with activations only: Transformer
+    Engine's CPU offload): the tensors the model's first N transformer layers save for backward are copied to host
+    memory in forward and back in backward, over hardware.host_link_bandwidth_bytes_per_s on copy streams beside
+    the compute, so their device memory is free meanwhile (workloads/activation_offload.py). Megatron refuses it
+    with pipeline parallelism and with recomputation; 0 = off."""
     overlap_param_gather: bool = False
     """With zero_stage 1: all-gather the updated weights during the next step's first forward, each layer
     waiting only for its own bucket (Megatron-Core --overlap-param-gather), instead of after the optimizer."""
@@ -768,6 +781,8 @@ class FrameworkConfig:
     with torch.compile)."""
     separate_projections: bool | None = None
     """Its default for model.separate_projections (torchtitan: true; Megatron: false, fused GEMMs)."""
+    fused_cross_entropy: bool | None = None
+    """Its default for model.fused_cross_entropy (Megatron-Bridge: true)."""
     tp_overlap_backward: str = ""
     """Its default for model.tp_overlap_backward ('bulk': Transformer Engine; 'none': torch's micro-pipelined async
     TP); '' = the model's."""

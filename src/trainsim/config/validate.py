@@ -60,6 +60,7 @@ def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
                           "tp_comm_overlap=false, or recompute to 'full' or 'none'")
     one_of("parallelism", "zero_stage", par.zero_stage, ZERO_STAGES)
     one_of("parallelism", "cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
+    _validate_cpu_offload(model, par)
     if par.cp > 1:
         if model.seq_length % (2 * par.cp):
             raise ConfigError(f"parallelism.cp={par.cp} cuts each sequence into 2 * cp = {2 * par.cp} chunks "
@@ -325,7 +326,8 @@ def _validate_rates(hw: HardwareConfig) -> None:
             raise ConfigError(f"hardware.kernel_model.{name}={getattr(hw.kernel_model, name)} must be >= 0 (0 = none)")
     if hw.sm_count < 0:
         raise ConfigError(f"hardware.sm_count={hw.sm_count} must be >= 0 (0 = no wave quantisation)")
-    for name in ("memory_bandwidth_bytes_per_s", "memory_capacity_bytes", "price_per_device_hour"):
+    for name in ("memory_bandwidth_bytes_per_s", "memory_capacity_bytes", "host_link_bandwidth_bytes_per_s",
+                 "price_per_device_hour"):
         if getattr(hw, name) < 0:
             raise ConfigError(f"hardware.{name}={getattr(hw, name)} must be >= 0 (0 = unknown)")
 
@@ -340,12 +342,32 @@ def _validate_fp8_hardware(hw: HardwareConfig, par: ParallelismConfig) -> None:
                           "(H100, H800, GB200) or parallelism.precision=bf16")
 
 
+def _validate_cpu_offload(model: ModelConfig, par: ParallelismConfig) -> None:
+    """Megatron-Core's own rules for --cpu-offloading-num-layers (TransformerConfig.__post_init__)."""
+    n = par.cpu_offload_layers
+    if n == 0:
+        return
+    if not 0 < n < model.num_layers:
+        raise ConfigError(f"parallelism.cpu_offload_layers={n}: offloads the activations of the first N layers, "
+                          f"0 <= N < model.num_layers={model.num_layers} (Megatron-Core's bound)")
+    for field, value, accepted in (("pp", par.pp, 1), ("recompute", par.recompute, "none"),
+                                   ("moe_a2a_overlap", par.moe_a2a_overlap, False)):
+        if value != accepted:
+            raise ConfigError(f"parallelism.cpu_offload_layers={n} with parallelism.{field}={value!r}: Megatron-Core "
+                              f"offloads activations only without pipeline parallelism, recomputation or combined "
+                              f"passes; set parallelism.{field}={accepted!r} or cpu_offload_layers=0")
+
+
 def validate_run(hw: HardwareConfig, model: ModelConfig, par: ParallelismConfig) -> None:
     """All rules of a full simulation point."""
     validate_hardware(hw)
     validate_layout(model, par)
     validate_precision_hardware(hw, par)  # (first: names the GPU a block recipe needs, not only its FP8 peak)
     _validate_fp8_hardware(hw, par)
+    if par.cpu_offload_layers and hw.device_kind == "cuda" and hw.host_link_bandwidth_bytes_per_s <= 0:
+        raise ConfigError(f"parallelism.cpu_offload_layers={par.cpu_offload_layers} copies activations to host memory: "
+                          f"hardware '{hw.name}' states no hardware.host_link_bandwidth_bytes_per_s (the GPU's "
+                          "per-direction link to its host: PCIe Gen5 x16 64e9, NVLink-C2C ...); set it")
     devices = hw.num_nodes * hw.devices_per_node
     if par.world_size > devices:
         raise ConfigError(

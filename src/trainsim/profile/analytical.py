@@ -226,7 +226,7 @@ def _shape_efficiency(rows: pd.DataFrame, kinds: np.ndarray, dtypes, sm_count: i
 
 
 KERNEL_NOTES = ("comm_sms", "comm_kernel", "dropout_p", "fused", "causal_mask", "window_keys", "window_chunked",
-                "value_width")
+                "value_width", "to_host", "from_host")
 
 
 def kernel_notes(args: str) -> dict[str, float]:
@@ -244,6 +244,8 @@ def kernel_notes(args: str) -> dict[str, float]:
     window_keys a query attends to this many keys (0 = all before it); window_chunked: 1 when the window is a fixed
                 chunk (Llama 4) rather than sliding. Flash attention skips the blocks outside the window.
     value_width the values' head width where the CPU kernel ran them padded to the queries' (MLA).
+    to_host, from_host  the op copies a tensor between device and host memory (activation offloading): its bytes
+                cross the host link (hardware.host_link_bandwidth_bytes_per_s) once.
     {} for an op without notes."""
     if not args or not any(f'"{k}"' in args for k in KERNEL_NOTES):
         return {}
@@ -305,6 +307,8 @@ class RooflineRates:
     """Floor of a grouped GEMM; 0 = launch_overhead_s."""
     grouped_memory_bytes_per_s: float = 0.0
     """Bandwidth of a grouped GEMM; 0 = memory_bytes_per_s."""
+    host_link_bytes_per_s: float = 0.0
+    """Per-direction bandwidth of the device's link to host memory (copies noted to_host / from_host)."""
 
 
 def matmul_efficiency(km, dtype: str) -> float:
@@ -345,6 +349,7 @@ def rates_for(hw: HardwareConfig, dtype: str) -> RooflineRates:
         sm_count=hw.sm_count,
         grouped_setup_s=km.grouped_gemm_setup_s,
         grouped_memory_bytes_per_s=hw.memory_bandwidth_bytes_per_s * km.grouped_gemm_memory_efficiency,
+        host_link_bytes_per_s=hw.host_link_bandwidth_bytes_per_s,
     )
 
 
@@ -454,6 +459,9 @@ def predict_ops(rates: RooflineRates, rows: pd.DataFrame, dtype: str = "bf16") -
     bytes_moved = rows["bytes_moved"].to_numpy(dtype=float) - attention.mask_bytes
     time = predict(rates, rows["flops"], bytes_moved, kinds, shape, attention, grouped)
     time[[bool(n.get("comm_kernel") or n.get("fused")) for n in notes]] = 0.0
+    host = np.array([bool(n.get("to_host") or n.get("from_host")) for n in notes], dtype=bool)
+    if host.any() and rates.host_link_bytes_per_s > 0:  # a copy's bytes moved count its read and its write
+        time[host] = rates.launch_overhead_s + bytes_moved[host] / 2 / rates.host_link_bytes_per_s
     return time
 
 

@@ -53,8 +53,8 @@ class ProfileSummary:
 
 
 def distinct_ops(graph: pd.DataFrame) -> pd.DataFrame:
-    """One row per distinct compute-op signature that launches a kernel."""
-    compute = graph[(graph["kind"] == "compute") & ~graph["no_kernel"]]
+    """One row per distinct signature of a compute op or copy (memcpy) that launches a kernel."""
+    compute = graph[graph["kind"].isin(("compute", "memcpy")) & ~graph["no_kernel"]]
     return compute.drop_duplicates("signature")[OP_COLUMNS].reset_index(drop=True)
 
 

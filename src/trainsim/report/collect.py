@@ -82,7 +82,8 @@ def breakdown(compose_summary: dict[str, Any]) -> pd.DataFrame:
         row = {"rank_class": cls["rank_class"], "ranks": cls["ranks"], "pp_rank": cls["pp_rank"],
                "compute_s": cls["compute_s"], "slowdown_added_s": cls["slowdown_added_s"]}
         row.update({f"exposed_{group}_s": value for group, value in cls["exposed_comm_s"].items()})
-        row.update({"pipeline_bubble_s": cls["pipeline_bubble_s"], "idle_s": cls["idle_s"],
+        row.update({"exposed_host_copy_s": cls.get("exposed_host_copy_s", 0.0),
+                    "pipeline_bubble_s": cls["pipeline_bubble_s"], "idle_s": cls["idle_s"],
                     "optimizer_step_s": cls.get("optimizer_step_s", 0.0),
                     "contention_added_s": cls.get("contention_added_s", 0.0), "end_s": cls["end_s"]})
         rows.append(row)

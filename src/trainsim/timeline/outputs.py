@@ -5,6 +5,8 @@ Breakdown of the step time T for each rank class (the parts add up to T exactly)
   slowdown_added_s   extra time of those kernels from overlapping communication (Echo's t - t0)
   exposed_comm_s     per group kind (tp, dp, pp, ...): time the compute stream is idle, or blocked inside
                      a collapsed run, while that kind of communication runs (split evenly where kinds overlap)
+  exposed_host_copy_s compute idle with no communication running while activations are copied between host
+                     and device memory (parallelism.cpu_offload_layers)
   pipeline_bubble_s  compute idle with no communication running, until the pipeline flushes (the last
                      backward of any class ends); waiting for a neighbour stage, a straggler, or the host
                      to issue kernels (hardware.host_dispatch_s)
@@ -29,7 +31,7 @@ from trainsim.parallel.layout import EXPERT_GROUP_KINDS, GROUP_KINDS
 from trainsim.timeline.compose import StepTimeline
 from trainsim.timeline.engine import HOST
 from trainsim.timeline.overlap import covered, is_comm_kind, merged
-from trainsim.timeline.program import BLOCK, COMPUTE, KIND_NAMES
+from trainsim.timeline.program import BLOCK, COMPUTE, KIND_NAMES, MEMCPY
 
 COMM_KINDS = (*GROUP_KINDS, *EXPERT_GROUP_KINDS, "world", "other")
 """Group kinds communication time is reported under (the trace's group_kind values)."""
@@ -62,6 +64,7 @@ CLASS_FIELDS = {
     "compute_s": "solo kernel time on the compute stream",
     "slowdown_added_s": "extra kernel time from overlap with communication",
     "exposed_comm_s": "communication not hidden behind compute, per group kind",
+    "exposed_host_copy_s": "idle without communication while activations are copied to or from host memory",
     "pipeline_bubble_s": "idle without communication until the pipeline flush",
     "idle_s": "idle without communication after the flush",
     "optimizer_step_s": "part of the step after the class's last backward kernel: gradient reduction tail, "
@@ -116,6 +119,10 @@ def breakdown(t: StepTimeline) -> pd.DataFrame:
         for k in COMM_KINDS:
             exposed[k] += uncovered[k] * scale
         u0, u1 = merged(np.concatenate([b0, a]), np.concatenate([b1, b]))
+        # host copies (activation offloading) beside neither compute nor communication: the step waited for them
+        c0, c1 = merged(start[kind == MEMCPY], end[kind == MEMCPY])
+        exposed_copy = float((c1 - c0).sum() - (covered(u0, u1, c1) - covered(u0, u1, c0)).sum())
+        u0, u1 = merged(np.concatenate([u0, c0]), np.concatenate([u1, c1]))
         in_flush = float(covered(u0, u1, np.asarray([flush]))[0])
         compute_s = float(t.solo_compute_s[mine][busy].sum())
         backward = busy & backward_all[mine]
@@ -126,6 +133,7 @@ def breakdown(t: StepTimeline) -> pd.DataFrame:
             "compute_s": compute_s,
             "slowdown_added_s": max(busy_len - compute_s - float(fixed[busy].sum()), 0.0),
             **{f"exposed_{k}_s": v for k, v in exposed.items()},
+            "exposed_host_copy_s": exposed_copy,
             "pipeline_bubble_s": max(flush - in_flush, 0.0),
             "idle_s": max((step - flush) - (float((u1 - u0).sum()) - in_flush), 0.0),
             "optimizer_step_s": max(class_end - last_backward, 0.0) if len(mine) else 0.0,
@@ -155,8 +163,9 @@ def critical_path(t: StepTimeline, max_segments: int = 200) -> dict:
     kind = _node_kind(t)[nodes]
     group_kind = np.asarray(t.info.group_kind, dtype=object)[t.graph.tnode[nodes]]
     comm_part = np.where(kind == BLOCK, np.minimum(t.fixed_s[nodes], contribution), 0.0)
+    comm_category = np.asarray([f"comm.{g}" for g in group_kind], dtype=object)
     category = np.where((kind == COMPUTE) | (kind == BLOCK), "compute",
-                        np.asarray([f"comm.{g}" for g in group_kind], dtype=object))
+                        np.where(kind == MEMCPY, "host_copy", comm_category))
     by_category: dict[str, float] = {"host": float(host_s.sum())} if host_s.sum() > 0 else {}
     for cat, value, inner, g in zip(category, contribution, comm_part, group_kind):
         by_category[cat] = by_category.get(cat, 0.0) + float(value - inner)

@@ -334,10 +334,11 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         elapsed = time.perf_counter() - start
         recorded = func.namespace not in SKIPPED_NAMESPACES and (func.namespace == "c10d"
                                                                  or not self._in_communication)
-        self.allocations.note([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)],
-                              lambda: {_storage_key(t) for t in tree_flatten((args, kwargs))[0]
-                                       if isinstance(t, torch.Tensor)},
-                              len(self.events) if recorded else None)
+        if "to_host" not in self._kernel_notes:  # a copy to host memory takes no device memory
+            self.allocations.note([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)],
+                                  lambda: {_storage_key(t) for t in tree_flatten((args, kwargs))[0]
+                                           if isinstance(t, torch.Tensor)},
+                                  len(self.events) if recorded else None)
         if recorded:
             if func.namespace == "c10d" and self._stands_for is not None:
                 args = (*self._stands_for, *args[2:])
@@ -413,6 +414,9 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
                 event["flops"] = sum(t.numel() for t in outputs)
             if name in ("aten::_to_copy", "aten::copy_") and len({t.device for t in tensors + outputs}) > 1:
                 event["kind"], event["stream"] = "memcpy", "memcpy"
+            for note, stream in (("to_host", "memcpy.d2h"), ("from_host", "memcpy.h2d")):
+                if note in self._kernel_notes:  # activation offloading's copies (workloads/activation_offload.py)
+                    event["kind"], event["stream"] = "memcpy", stream
         self.events.append(event)
 
         if not is_view:

@@ -220,6 +220,11 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
     if fsdp:
         overrides.append("parallelism.zero_stage=3")
         notes.append(f"FSDP over the {dp * cp} data-parallel ranks (Megatron-FSDP, the table's FSDP={fsdp})")
+        offloaded = CPU_OFFLOADED_LAYERS.get((MODELS[model_name], system, precision, mbs), 0)
+        if offloaded:
+            overrides.append(f"parallelism.cpu_offload_layers={offloaded}")
+            notes.append(f"activations of {offloaded} layers offloaded to the host (Megatron-Bridge's recipe for "
+                         "this model, system and precision)")
     else:
         overrides += ["parallelism.zero_stage=1", "parallelism.overlap_param_gather=true"]
         notes.append("distributed optimizer with overlapped gradient reduce and parameter gather (Megatron-Core)")
@@ -229,6 +234,16 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
         notes.append(MODEL_NOTES[model_name])
     return Recipe(**base, overrides=tuple(overrides), notes=tuple(notes))
 
+
+CPU_OFFLOADED_LAYERS = {
+    ("llama3-70b", "DGX-GB200", "fp8", 2): 40, ("llama3-70b", "DGX-GB300", "fp8", 2): 20,
+    ("llama3-70b", "DGX-B200", "fp8", 1): 5, ("llama3-70b", "DGX-GB200", "bf16", 1): 20,
+    ("llama3-70b", "DGX-GB300", "bf16", 2): 30,
+}
+"""(model, system, precision, micro-batch) -> layers whose activations Megatron-Bridge's performance recipes for Llama 3
+70B with Megatron-FSDP offload to the host (src/megatron/bridge/perf_recipes/llama/<gpu>/llama3.py @ 067f987d:
+cpu_offloading_num_layers, activations only); an FSDP row of that model, system, precision and micro-batch composes
+them (parallelism.cpu_offload_layers)."""
 
 TORCHTITAN_RECOMPUTE = {
     "selective": "op", "selective layer": "selective", "selective op": "op", "per op SAC": "op",

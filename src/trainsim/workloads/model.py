@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainsim.config.schema import ModelConfig
+from trainsim.workloads.activation_offload import ActivationOffload
 from trainsim.workloads.combined_passes import Step
 from trainsim.workloads.context_parallel import ContextParallel
 from trainsim.workloads.core_attention import dropout, layer_core_attention
@@ -22,6 +23,7 @@ from trainsim.workloads.fused import RMSNorm, gated_silu, rotate
 from trainsim.workloads.latent_attention import LatentAttention
 from trainsim.workloads.mamba import MambaMixer
 from trainsim.workloads.moe import ExpertParallel, MoE
+from trainsim.workloads.observe import observer
 from trainsim.workloads.op_checkpoint import op_checkpoint_contexts
 from trainsim.workloads.tensor_parallel import (
     ColumnParallelLinear,
@@ -112,6 +114,12 @@ class Attention(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = rotate(q, *rotary, self.fused), rotate(k, *rotary, self.fused)  # [b, hl, s, d]
+            # q and k are rotated copies, so the values become a tensor of their own and attention does not keep the
+            # projection's whole output for backward: Transformer Engine copies a strided v contiguous (its qkv
+            # layout check); separate projections (torchtitan's wv) wrote it apart, so that copy is noted fused
+            separate = isinstance(self.qkv, SeparateColumnLinears)
+            with observer().kernel_notes(fused=1) if separate else contextlib.nullcontext():
+                v = v.contiguous()
         if self.selective_recompute:  # Korthikanti et al. 2022: recompute only the core attention
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
@@ -227,9 +235,10 @@ class TransformerChunk(nn.Module):
     def __init__(self, cfg: ModelConfig, *, layers: range, first: bool, last: bool, tp: int, tp_rank: int,
                  tp_group, dtype: torch.dtype, recompute: str, loss_scale: float, sequence_parallel: bool = False,
                  tp_comm_overlap: bool = False, fp8: Fp8Settings | None = None, cp: ContextParallel | None = None,
-                 ep: ExpertParallel | None = None):
+                 ep: ExpertParallel | None = None, offload_layers: int = 0):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
+        self.offload_layers = offload_layers  # this chunk's first blocks whose activations go to the host
         self.tp, self.tp_group, self.recompute = tp, tp_group, recompute
         self.sequence_parallel = sequence_parallel and tp > 1
         self.loss_scale = loss_scale  # 1 / num_microbatches: gradients accumulate to the batch mean
@@ -279,14 +288,20 @@ class TransformerChunk(nn.Module):
         if self.first:
             x = self._embed(x)
         rotary = self._rotary()
+        offload = ActivationOffload() if self.offload_layers else None
         with self.fp8.autocast() if self.fp8 is not None else contextlib.nullcontext():
-            for block in self.layers:
+            for index, block in enumerate(self.layers):
                 if self.recompute == "full":
                     x = checkpoint(block, x, rotary, use_reentrant=False)
                 elif self.recompute == "op":
                     x = checkpoint(block, x, rotary, use_reentrant=False, context_fn=op_checkpoint_contexts)
+                elif index < self.offload_layers:
+                    with offload.layer(index):
+                        x = block(x, rotary)
                 else:
                     x = block(x, rotary)
+                if offload is not None and 0 < index <= self.offload_layers:
+                    offload.reload_when_differentiated(index - 1, x)
         return self._loss(x, targets) if self.last else x
 
     def steps(self, targets: torch.Tensor | None = None) -> list[Step]:
@@ -318,5 +333,6 @@ class TransformerChunk(nn.Module):
     def _loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.final_norm(x))  # [b, s, vocab / tp] ([b s, vocab / tp] sequence-parallel)
         logits = logits.view(*targets.shape, logits.shape[-1])
-        loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_group, self.tp)
+        loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp_group, self.tp,
+                                            fused=self.cfg.fused_cross_entropy)
         return loss.mean() * self.loss_scale

@@ -47,7 +47,8 @@ class StepObserver:
         comm-GEMM overlap); `comm_kernel`, the op is that communication kernel's own work (a reduction it does on
         its SMs); `dropout_p`, the fused attention drops probabilities inside the kernel (a CPU's kernel cannot);
         `fused`, the op's work is done inside the kernel that produced its input (Transformer Engine's FP8 cast
-        also records the amax and writes the transpose)."""
+        also records the amax and writes the transpose); `to_host` / `from_host`, the op copies a tensor to host
+        memory or back (activation offloading: a copy stream, the host link's bandwidth)."""
         yield
 
     def kernel_notes_for_backward(self, output, **notes: float) -> None:

@@ -411,13 +411,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits_max = logits.max(dim=-1).values
         _all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
-
-        shard = logits.shape[-1]
-        local = targets - vocab_start
-        outside = (local < 0) | (local >= shard)
-        local = local.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        _all_reduce(target_logit, group)
+        target_logit, local, outside = _target_logits(shifted, targets, vocab_start, group)
 
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -432,10 +426,57 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local, outside = ctx.saved_tensors
         grad = softmax  # in place, as Megatron: the softmax is not needed after this
-        rows = grad.view(-1, grad.shape[-1])
-        rows[torch.arange(rows.shape[0], device=rows.device), local.flatten()] -= (~outside).flatten().to(grad.dtype)
+        _subtract_targets(grad, local, outside)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None
+
+
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron-Core's cross-entropy loss fusion as Megatron-Bridge runs it (cross_entropy_fusion_impl 'te',
+    Transformer Engine's Triton kernel): one kernel reads the logits and writes the loss and the fp32 gradient
+    (softmax minus the target's one-hot), which backward scales in place. Here the same math runs in place on that
+    one fp32 buffer: the cast that fills it stands for the kernel's pass over the logits and the in-place steps are
+    noted fused, so the step holds the logits and that buffer, not the unfused path's fp32 temporaries."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        grad = logits.float()
+        with observer().kernel_notes(fused=1):
+            logits_max = grad.max(dim=-1).values
+            _all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+            grad.sub_(logits_max.unsqueeze(-1))
+            target_logit, local, outside = _target_logits(grad, targets, vocab_start, group)
+            grad.exp_()
+            sum_exp = grad.sum(dim=-1)
+            _all_reduce(sum_exp, group)
+            loss = sum_exp.log() - target_logit
+            grad.div_(sum_exp.unsqueeze(-1))
+            _subtract_targets(grad, local, outside)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def _target_logits(shifted, targets, vocab_start: int, group):
+    """(each token's target logit, summed over the vocabulary shards; its index in this shard; whether it lies
+    outside this shard)."""
+    local = targets - vocab_start
+    outside = (local < 0) | (local >= shifted.shape[-1])
+    local = local.masked_fill(outside, 0)
+    target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    _all_reduce(target_logit, group)
+    return target_logit, local, outside
+
+
+def _subtract_targets(softmax, local, outside) -> None:
+    """softmax minus the targets' one-hot, in place: the loss's gradient before its scale."""
+    rows = softmax.view(-1, softmax.shape[-1])
+    rows[torch.arange(rows.shape[0], device=rows.device), local.flatten()] -= (~outside).flatten().to(softmax.dtype)
 
 
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
@@ -445,7 +486,9 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group, tp: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group, tp: int,
+                                 fused: bool = False) -> torch.Tensor:
     """Per-token loss with Megatron's kernels, also when the vocabulary is not sharded (Megatron runs the
-    same fp32 max / exp / sum path at tp = 1, without the all-reduces)."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group if tp > 1 else None)
+    same fp32 max / exp / sum path at tp = 1, without the all-reduces); `fused`: its cross-entropy loss fusion."""
+    function = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
+    return function.apply(logits, targets, vocab_start, group if tp > 1 else None)
