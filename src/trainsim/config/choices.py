@@ -18,6 +18,12 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
 PRECISION_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "fp4": 2}
 """Bytes per weight (and gradient) element a precision trains with: FP8 and FP4 training keep bf16 weights and
 cast them for their GEMMs (workloads/fp8.py)."""
+
+
+def gradient_reduce_bytes(precision: str, in_fp32: bool) -> int:
+    """Bytes per gradient element a data-parallel reduction moves: fp32 with parallelism.grad_reduce_in_fp32, else
+    the weights' dtype."""
+    return 4 if in_fp32 else PRECISION_WEIGHT_BYTES.get(precision, 2)
 FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise", "rowwise")
 """FP8 recipes: Transformer Engine's per-tensor 'delayed' and 'current' (workloads/fp8.py), block-scaled 'mxfp8'
 and 'blockwise', and torchao's 'rowwise' (a scale per row along each GEMM's reduction: workloads/block_scaling.py)."""

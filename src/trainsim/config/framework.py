@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainsim.config.choices import PRECISION_WEIGHT_BYTES, TP_OVERLAP_BACKWARDS
+from trainsim.config.choices import TP_OVERLAP_BACKWARDS, gradient_reduce_bytes
 from trainsim.config.data_path import DATA_DIR
 from trainsim.config.devices import gpu_generation
 from trainsim.config.schema import FrameworkConfig, HardwareConfig, ModelConfig, ParallelismConfig
@@ -92,7 +92,7 @@ def dp_bucket_bytes(rule: str, par: ParallelismConfig) -> int:
     """The gradient bucket a framework's data-parallel reduction uses for `par`."""
     if rule == "pytorch-ddp":
         return PYTORCH_DDP_BUCKET_BYTES
-    grad_bytes = 4 if par.grad_reduce_in_fp32 else PRECISION_WEIGHT_BYTES.get(par.precision, 2)
+    grad_bytes = gradient_reduce_bytes(par.precision, par.grad_reduce_in_fp32)
     return megatron_core_bucket_bytes(par.weight_replicas, grad_bytes)
 
 

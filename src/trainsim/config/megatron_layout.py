@@ -19,7 +19,7 @@ import shlex
 from collections.abc import Sequence
 
 from trainsim.config.bridge_overrides import bridge_to_megatron
-from trainsim.config.choices import PRECISION_WEIGHT_BYTES
+from trainsim.config.choices import gradient_reduce_bytes
 from trainsim.config.framework import megatron_core_bucket_bytes
 from trainsim.config.imported_layout import ONE_BUCKET_BYTES, ImportedLayout, layout_fields, refuse
 from trainsim.config.launch_line import launch_tokens
@@ -366,7 +366,7 @@ def _data_parallel_fields(args: dict[str, object], replicas: int, f: dict[str, o
         raise ConfigError("--fp8-param-gather needs --use-distributed-optimizer or FSDP (Megatron asserts it)")
     if instances > 1 and zero == 0:
         raise ConfigError("--num-distributed-optimizer-instances needs --use-distributed-optimizer or FSDP")
-    grad_bytes = 4 if f["grad_reduce_in_fp32"] else PRECISION_WEIGHT_BYTES.get(f["precision"], 2)
+    grad_bytes = gradient_reduce_bytes(f["precision"], f["grad_reduce_in_fp32"])
     overlap = bool(args.get("--overlap-grad-reduce"))
     bucket_params = args.get("--ddp-bucket-size")
     if not overlap:
@@ -449,7 +449,7 @@ def _data_parallel_arguments(par: ParallelismConfig, dp_shard_size: int) -> list
     if dp_shard_size:
         out += ["--num-distributed-optimizer-instances", str(par.weight_replicas // dp_shard_size)]
     if par.dp_bucket_size_bytes < ONE_BUCKET_BYTES:
-        grad_bytes = 4 if par.grad_reduce_in_fp32 else PRECISION_WEIGHT_BYTES.get(par.precision, 2)
+        grad_bytes = gradient_reduce_bytes(par.precision, par.grad_reduce_in_fp32)
         params, rest = divmod(par.dp_bucket_size_bytes, grad_bytes)
         if rest:
             raise ConfigError(f"parallelism.dp_bucket_size_bytes={par.dp_bucket_size_bytes} is not a whole number of "

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from trainsim.comm.model import CommModel
 from trainsim.comm.placement import job_placement
-from trainsim.config.choices import PRECISION_WEIGHT_BYTES
+from trainsim.config.choices import PRECISION_WEIGHT_BYTES, gradient_reduce_bytes
 from trainsim.config.schema import HardwareConfig, ModelConfig, ParallelismConfig
 from trainsim.parallel.layout import layout_of
 from trainsim.parallel.pipeline_split import split_of
@@ -238,7 +238,7 @@ def _fsdp_seconds(part: PartCost, par: ParallelismConfig, comm: CommModel, dp_no
     weights over their shard group (HSDP: then the scattered shard all-reduced over the replicas), the experts'
     over their replicas. fp8_gather: the dense weights travel in FP8 (a block with parallelism.fp8_param_gather)."""
     gather_s = scatter_s = 0.0
-    reduce_bytes = 4 if par.grad_reduce_in_fp32 else PRECISION_WEIGHT_BYTES.get(par.precision, 2)
+    reduce_bytes = gradient_reduce_bytes(par.precision, par.grad_reduce_in_fp32)
     for dense, parameter_bytes, replicas, nodes in ((True, part.parameter_bytes - part.expert_parameter_bytes,
                                                      par.shard_ranks, dp_nodes),
                                                     (False, part.expert_parameter_bytes, expert_replicas(par),

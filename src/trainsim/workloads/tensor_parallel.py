@@ -440,7 +440,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
-        grad = logits.float()
+        grad = logits.to(torch.float32, copy=True)  # its own buffer also for fp32 logits (the kernel's output)
         with observer().kernel_notes(fused=1):
             logits_max = grad.max(dim=-1).values
             _all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
