@@ -9,7 +9,7 @@ import pytest
 
 from trainsim.config import compose_run
 from trainsim.config.imported_layout import ONE_BUCKET_BYTES, read_parallelism_file
-from trainsim.config.megatron_layout import import_megatron, megatron_round_trip_mismatches
+from trainsim.config.megatron_layout import import_megatron, megatron_arguments, megatron_round_trip_mismatches
 from trainsim.config.torchtitan_layout import import_torchtitan
 from trainsim.errors import ConfigError
 
@@ -65,6 +65,16 @@ def test_megatron_layouts_of_the_shared_contract_are_emitted_by_name():
     assert import_megatron(f"{block} --recompute-num-layers 10 --num-layers 80", 8).fields["recompute"] == "full"
     with pytest.raises(ConfigError, match="--recompute-method"):  # block 9 of a 10-layer stage: not every layer
         import_megatron(f"{block} --recompute-num-layers 9 --num-layers 80", 8)
+
+
+def test_megatron_recompute_modules_import_and_round_trip():
+    fields = import_megatron("--recompute-granularity selective --recompute-modules mla_up_proj mlp "
+                             "--micro-batch-size 1", 8).fields
+    assert (fields["recompute"], fields["recompute_modules"]) == ("selective", ["mla_up_proj", "mlp"])
+    par = compose_run(["parallelism=dp2", "parallelism.recompute=selective",
+                       "parallelism.recompute_modules=[core_attn,shared_experts]"], check="layout").parallelism
+    assert megatron_arguments(par).count("--recompute-modules") == 1
+    assert not megatron_round_trip_mismatches(par)
 
 
 @pytest.mark.parametrize("arguments, named", [

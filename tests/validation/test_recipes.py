@@ -55,6 +55,18 @@ def test_deepseek_v3_composes_with_megatron_bridges_pipeline_layout():
     assert composed.run.parallelism.pipeline_layout == "Et|(tt|)*30L"
 
 
+def test_deepseek_v3_mxfp8_composes_its_releases_recompute_modules_and_mxfp8_weights():
+    """26.04's recipes (Megatron-Bridge v0.4.0): GB300 recomputes the latent attention's up projections, GB200 the
+    dense MLPs; MXFP8 keeps the weights in MXFP8 alone (bf16_with_mxfp8_mixed)."""
+    recipes = {r.label.split()[1]: r for r in read_recipes("megatron-bridge_26.04_pretrain.csv")
+               if r.label.startswith("DeepSeekV3")}
+    for system, modules in (("DGX-GB300", ["mla_up_proj"]), ("DGX-GB200", ["mlp"])):
+        par = compose_recipe(recipes[system]).run.parallelism
+        assert (par.recompute, list(par.recompute_modules), par.fp8_param_gather) == ("selective", modules, True)
+    llama = next(r for r in read_recipes("megatron-bridge_26.04_pretrain.csv") if r.label.startswith("LLAMA3_70B"))
+    assert compose_recipe(llama).run.parallelism.recompute == "none"
+
+
 def test_a_layout_megatron_core_refuses_is_counted_apart_with_megatrons_reason():
     row = pd.Series({"System": "DGX-GB200", "Model": "DeepSeekV3 (tokendrop)", "#-GPUs": "256", "GBS": "2048",
                      "MBS": "1", "Sequence Length": "4096", "TP": "1", "PP": "4 (8)", "CP": "1", "VP": "4 (2)",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trainsim.config import compose_run
+from trainsim.errors import ConfigError
 from trainsim.profile.analytical import gemm_dims, op_dtype, predict_rows, rates_for
 from trainsim.profile.replay import build_call
 from trainsim.trace import trace_layout
@@ -261,3 +262,22 @@ def test_rowwise_fp8_under_async_tp_trains_as_without_the_overlap():
     for rank in range(2):
         for name, value in got[False][rank].items():
             assert _relative_error(got[True][rank][name], value) < 1e-2, name
+
+
+def test_mxfp8_parameters_under_the_distributed_optimizer_hold_no_bf16_weight():
+    """Megatron's --fp8-param-gather with MXFP8 (reuse_grad_buf_for_mxfp8_param_ag): the linears' weights live in
+    MXFP8 alone, so the rank's parameter bytes drop by exactly the bf16 bytes the cached copies were cast from; the
+    traced step (casts, all-gathers) is unchanged. Per-tensor FP8 weights under the distributed optimizer are
+    refused, naming the field."""
+    base = ["model=gpt-tiny", "parallelism=dp2", "parallelism.zero_stage=1", *RECIPES["mxfp8"]]
+    runs = {gather: compose_run([*base, f"parallelism.fp8_param_gather={str(gather).lower()}"], check="layout")
+            for gather in (False, True)}
+    traces = {gather: trace_layout(run.model, run.parallelism) for gather, run in runs.items()}
+    memory = {gather: trace.memory.to_pandas().iloc[0] for gather, trace in traces.items()}
+    model = compose_run(base, check="layout").model
+    linear_weights = 2 * 12 * model.hidden_size ** 2 * model.num_layers  # bf16 qkv 3h^2, proj h^2, MLP 2 x 4h^2
+    assert memory[False]["parameter_bytes"] - memory[True]["parameter_bytes"] == linear_weights
+    graphs = [trace.graph.to_pandas()[["op", "flops", "bytes_moved"]] for trace in traces.values()]
+    pd.testing.assert_frame_equal(graphs[0], graphs[1])
+    with pytest.raises(ConfigError, match="fp8_param_gather=true with parallelism.zero_stage=1 and fp8_recipe"):
+        compose_run([*base, "parallelism.fp8_recipe=current", "parallelism.fp8_param_gather=true"], check="layout")

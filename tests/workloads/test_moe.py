@@ -167,6 +167,40 @@ def test_moe_layer_computes_each_token_with_its_experts(router):
     torch.testing.assert_close(layer(x), _reference(layer, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family, fused", [("gpt", True), ("llama", True), ("llama", False)])
+def test_probabilities_in_the_experts_give_the_combine_weighted_layer_and_gradients(family, fused):
+    """Megatron-Core 0.13+ weights each copy inside the experts' activation (fused.weighted_swiglu for SwiGLU);
+    the older combine weights the expert's output: the same layer, the same gradients."""
+    results = []
+    for in_experts in (False, True):
+        run = compose_run([*MOE, "model.moe_router=sigmoid", f"model.family={family}",
+                           f"model.fused_elementwise={str(fused).lower()}",
+                           f"model.moe_probs_in_experts={str(in_experts).lower()}"], check="layout")
+        torch.manual_seed(0)
+        layer = MoE(run.model, 0, ExpertParallel(1, 0, None, RouterCounts(4, None, 0)), torch.float64, 1.0, False,
+                    None)
+        x = torch.randn(2, 8, 64, dtype=torch.float64, requires_grad=True)
+        out = layer(x)
+        out.square().sum().backward()
+        results.append([out.detach(), x.grad, layer.router.grad, layer.w1.grad, layer.w2.grad])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def test_probabilities_in_the_experts_keep_no_weighted_copy_for_backward():
+    """Weighted in the combine, the expert outputs [copies, h] are kept for the probabilities' gradient; weighted in
+    the activation only its input is kept, which it keeps anyway (and the combine's sum keeps nothing)."""
+    saved = {}
+    for in_experts in (False, True):
+        run = compose_run([*MOE, "model.family=llama",
+                           f"model.moe_probs_in_experts={str(in_experts).lower()}"])
+        saved[in_experts] = trace_layout(run.model, run.parallelism).memory.to_pandas()[
+            "activation_bytes_per_microbatch"].iloc[0]
+    tokens = run.parallelism.micro_batch_size * run.model.seq_length
+    copies_bytes = tokens * run.model.moe_top_k * run.model.hidden_size * 2  # bf16
+    assert saved[False] - saved[True] >= copies_bytes
+
+
 def test_capacity_factor_drops_the_late_tokens_of_full_experts():
     layer = _moe_layer(capacity_factor=0.5, top_k=1)
     x = torch.randn(1, 16, 64)
@@ -355,12 +389,14 @@ def _expert_parallel_vs_all_experts(rank, layout, model_cfg, tokens_per_rank, di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep, etp, dispatcher", [(2, 1, "alltoall"), (2, 1, "allgather"), (1, 2, "alltoall"),
-                                                 (2, 2, "alltoall"), (2, 2, "allgather")])
-def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(ep, etp, dispatcher):
+@pytest.mark.parametrize("ep, etp, dispatcher, in_experts", [
+    (2, 1, "alltoall", False), (2, 1, "allgather", False), (1, 2, "alltoall", False), (2, 2, "alltoall", False),
+    (2, 2, "allgather", False), (2, 2, "alltoall", True), (2, 2, "allgather", True)])
+def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(ep, etp, dispatcher, in_experts):
     run = compose_run([*MOE, "parallelism=dp2", f"parallelism.dp={ep * etp}", f"parallelism.ep={ep}",
                        f"parallelism.etp={etp}", f"parallelism.global_batch_size={2 * ep * etp}",
-                       f"hardware.devices_per_node={ep * etp}", "model.moe_top_k=2"], check="layout")
+                       f"hardware.devices_per_node={ep * etp}", "model.moe_top_k=2",
+                       f"model.moe_probs_in_experts={str(in_experts).lower()}"], check="layout")
     for got, expected in spawn_ranks(_expert_parallel_vs_all_experts, run.parallelism, run.model, 24, dispatcher):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -368,7 +404,8 @@ def test_expert_parallel_layer_computes_what_one_rank_with_every_expert_does(ep,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", [["parallelism.schedule=1f1b"],
-                                      ["parallelism.schedule=interleaved-1f1b", "parallelism.virtual_stages=2"]])
+                                      ["parallelism.schedule=interleaved-1f1b", "parallelism.virtual_stages=2"],
+                                      ["parallelism.schedule=1f1b", "model.moe_probs_in_experts=true"]])
 def test_combined_passes_give_the_gradients_of_separate_ones(schedule):
     """With the all-to-alls overlapped each steady-state forward runs interleaved with an earlier backward, step by
     step on detached pieces: the step's gradients are the plain schedule's (same ops, same accumulation order).

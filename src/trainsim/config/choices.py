@@ -11,8 +11,11 @@ from __future__ import annotations
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Built-in pipeline schedules (parallel/schedules.py); timeline.register_schedule adds more."""
 RECOMPUTE_MODES = ("none", "full", "selective", "op")
-"""Activation recomputation (parallelism.recompute): none; every block ('full'); Megatron's core attention
+"""Activation recomputation (parallelism.recompute): none; every block ('full'); Megatron's recompute modules
 ('selective'); torchtitan's op-level policy ('op': workloads/op_checkpoint.py)."""
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "shared_experts", "moe_act", "layernorm", "moe")
+"""Megatron-Core's recompute_modules (TransformerConfig) of current models (workloads/module_recompute.py)."""
+BUILT_RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "shared_experts")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")
 """Training precisions (parallelism.precision); 'fp4' is NVFP4 (workloads/block_scaling.py)."""
 PRECISION_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "fp4": 2}
@@ -24,6 +27,15 @@ def gradient_reduce_bytes(precision: str, in_fp32: bool) -> int:
     """Bytes per gradient element a data-parallel reduction moves: fp32 with parallelism.grad_reduce_in_fp32, else
     the weights' dtype."""
     return 4 if in_fp32 else PRECISION_WEIGHT_BYTES.get(precision, 2)
+
+
+def fp8_weights_only(par) -> bool:
+    """The FP8 linears' weights are held in MXFP8 alone: parallelism.fp8_param_gather with the distributed optimizer
+    and the MXFP8 recipe (Megatron-Bridge's bf16_with_mxfp8_mixed: --fp8-param-gather with
+    reuse_grad_buf_for_mxfp8_param_ag)."""
+    return par.fp8_param_gather and par.zero_stage == 1 and par.precision == "fp8" and par.fp8_recipe == "mxfp8"
+
+
 FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise", "rowwise")
 """FP8 recipes: Transformer Engine's per-tensor 'delayed' and 'current' (workloads/fp8.py), block-scaled 'mxfp8'
 and 'blockwise', and torchao's 'rowwise' (a scale per row along each GEMM's reduction: workloads/block_scaling.py)."""

@@ -117,6 +117,8 @@ def apply_framework(fw: FrameworkConfig, hw: HardwareConfig, model: ModelConfig,
         model = dataclasses.replace(model, fused_elementwise=fw.fused_elementwise)
     if decides("model.fused_cross_entropy", fw.fused_cross_entropy):
         model = dataclasses.replace(model, fused_cross_entropy=fw.fused_cross_entropy)
+    if decides("model.moe_probs_in_experts", fw.moe_probs_in_experts):
+        model = dataclasses.replace(model, moe_probs_in_experts=fw.moe_probs_in_experts)
     if decides("model.separate_projections", fw.separate_projections):
         model = dataclasses.replace(model, separate_projections=fw.separate_projections)
     if decides("model.tp_overlap_backward", fw.tp_overlap_backward):

@@ -19,7 +19,7 @@ import shlex
 from collections.abc import Sequence
 
 from trainsim.config.bridge_overrides import bridge_to_megatron
-from trainsim.config.choices import gradient_reduce_bytes
+from trainsim.config.choices import BUILT_RECOMPUTE_MODULES, gradient_reduce_bytes
 from trainsim.config.framework import megatron_core_bucket_bytes
 from trainsim.config.imported_layout import ONE_BUCKET_BYTES, ImportedLayout, layout_fields, refuse
 from trainsim.config.launch_line import launch_tokens
@@ -321,10 +321,10 @@ def _recompute_fields(args: dict[str, object], chunks: int, outer_chunk_layers: 
         if method or count is not None:
             raise ConfigError("--recompute-method / --recompute-num-layers with --recompute-granularity selective: "
                               "Megatron accepts them only with full")
-        if set(modules) != {"core_attn"}:
-            raise refuse("--recompute-modules", " ".join(modules),
-                         "core_attn (trainsim's selective recomputation recomputes the core attention only)")
-        return {"recompute": "selective"}
+        unbuilt = [m for m in modules if m not in BUILT_RECOMPUTE_MODULES]
+        if unbuilt:
+            raise refuse("--recompute-modules", " ".join(unbuilt), ", ".join(BUILT_RECOMPUTE_MODULES))
+        return {"recompute": "selective", "recompute_modules": list(modules)}
     if granularity != "full":
         raise refuse("--recompute-granularity", granularity, "full, selective")
     if method is None or count is None:
@@ -412,6 +412,8 @@ def megatron_arguments(par: ParallelismConfig) -> list[str]:
     out += {"none": [], "selective": ["--recompute-granularity", "selective"],
             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
                      "1"]}[par.recompute]
+    if par.recompute == "selective" and list(par.recompute_modules) != ["core_attn"]:
+        out += ["--recompute-modules", *par.recompute_modules]
     out += _data_parallel_arguments(par, get("dp_shard_size", 0))
     if get("cpu_offload_layers", 0):
         out += ["--cpu-offloading", "--cpu-offloading-num-layers", str(par.cpu_offload_layers)]

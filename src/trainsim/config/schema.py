@@ -432,6 +432,11 @@ class ModelConfig:
     """Megatron-Core's cross-entropy loss fusion (--cross-entropy-loss-fusion; Megatron-Bridge's default, with
     Transformer Engine's kernel): one kernel writes the loss and the fp32 gradient of the logits, which backward
     scales in place, instead of the fp32 max / exp / sum path's temporaries (workloads/tensor_parallel.py)."""
+    moe_probs_in_experts: bool = False
+    """Where each token copy's router probability weights it: false, on the expert's output in the combine
+    (Megatron-Core before 0.13, torchtitan; the product's input is kept for the probability's gradient); true,
+    inside the experts' activation, the probabilities travelling with the tokens through the all-to-all
+    (Megatron-Core 0.13+: weighted_bias_swiglu keeps the activation's input, which it keeps anyway)."""
     separate_projections: bool = False
     """Whether the query, key and value projections (and SwiGLU's gate and up projections) are separate linears,
     one GEMM each over the same input (torchtitan's wq, wk, wv and w1, w3), rather than one fused GEMM each
@@ -632,9 +637,15 @@ class ParallelismConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved-1f1b'."""
     recompute: str = "none"
-    """Activation recomputation: 'none', 'full' (every block), 'selective' (core attention only, Megatron) or 'op'
-    (torchtitan's op-level selective checkpointing: all but the matmuls, every second matmul and the fused
+    """Activation recomputation: 'none', 'full' (every block), 'selective' (Megatron's: the recompute_modules) or
+    'op' (torchtitan's op-level selective checkpointing: all but the matmuls, every second matmul and the fused
     attention)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """With recompute 'selective': the modules recomputed, as Megatron-Core's --recompute-modules (its default
+    core_attn): 'core_attn', 'mla_up_proj' (multi-head latent attention's up projections and rotary embedding:
+    their outputs are freed once the core attention has kept them, and made again before its backward), 'mlp'
+    (dense MLPs; not MoE layers, as Megatron), 'shared_experts'; [] recomputes nothing
+    (workloads/module_recompute.py)."""
     dp_bucket_size_bytes: int = 25 * 1024 * 1024
     """Gradient bucket size of the data-parallel all-reduce (PyTorch DDP default 25 MiB). Each bucket is
     all-reduced as soon as its gradients are ready, during the last backward; a size above the stage's
@@ -783,6 +794,8 @@ class FrameworkConfig:
     """Its default for model.separate_projections (torchtitan: true; Megatron: false, fused GEMMs)."""
     fused_cross_entropy: bool | None = None
     """Its default for model.fused_cross_entropy (Megatron-Bridge: true)."""
+    moe_probs_in_experts: bool | None = None
+    """Its default for model.moe_probs_in_experts (Megatron-Bridge: true)."""
     tp_overlap_backward: str = ""
     """Its default for model.tp_overlap_backward ('bulk': Transformer Engine; 'none': torch's micro-pipelined async
     TP); '' = the model's."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainsim.config.choices import (
+    BUILT_RECOMPUTE_MODULES,
     COMM_BACKENDS,
     CP_COMM_TYPES,
     DEVICE_KINDS,
@@ -18,10 +19,12 @@ from trainsim.config.choices import (
     PRECISIONS,
     PROFILE_BACKENDS,
     RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
     SCHEDULES,
     SLOWDOWN_SOURCES,
     SLOWDOWN_USES,
     ZERO_STAGES,
+    fp8_weights_only,
 )
 from trainsim.config.schema import RANGE_SETTINGS, HardwareConfig, ModelConfig, ParallelismConfig, WhatIfConfig
 from trainsim.config.validate_model import divisors, one_of, positive, validate_model
@@ -31,12 +34,32 @@ from trainsim.errors import ConfigError
 from trainsim.parallel.pipeline_split import PipelineSplitError, split_of
 
 
+def validate_recompute_modules(model: ModelConfig, par: ParallelismConfig) -> None:
+    """Megatron-Core's recompute_modules: known, built, and where Megatron requires it, applicable."""
+    modules = list(par.recompute_modules)
+    if par.recompute != "selective":
+        if modules != ["core_attn"]:
+            raise ConfigError(f"parallelism.recompute_modules={modules} applies with parallelism.recompute="
+                              f"'selective' (got '{par.recompute}'); set recompute=selective, or leave "
+                              "recompute_modules at its default [core_attn]")
+        return
+    for module in modules:
+        one_of("parallelism", "recompute_modules", module, RECOMPUTE_MODULES)
+        if module not in BUILT_RECOMPUTE_MODULES:
+            raise ConfigError(f"parallelism.recompute_modules: '{module}' is not built (built: "
+                              f"{', '.join(BUILT_RECOMPUTE_MODULES)}); leave it out")
+    if "mla_up_proj" in modules and not model.latent_attention:
+        raise ConfigError(f"parallelism.recompute_modules: 'mla_up_proj' needs multi-head latent attention "
+                          f"(model.latent_attention is false for {model.name}), as Megatron-Core requires")
+
+
 def validate_layout(model: ModelConfig, par: ParallelismConfig) -> None:
     """Rules tying the parallel layout to the model (enough to trace; no hardware needed)."""
     validate_model(model)
     positive("parallelism", par, "dp", "cp", "tp", "pp", "virtual_stages", "micro_batch_size", "global_batch_size")
     one_of("parallelism", "schedule", par.schedule, SCHEDULES)
     one_of("parallelism", "recompute", par.recompute, RECOMPUTE_MODES)
+    validate_recompute_modules(model, par)
     one_of("parallelism", "precision", par.precision, PRECISIONS)
     if par.precision == "fp8":
         one_of("parallelism", "fp8_recipe", par.fp8_recipe, FP8_RECIPES)
@@ -193,11 +216,13 @@ def _validate_sharding(model: ModelConfig, par: ParallelismConfig) -> None:
         if par.precision != "fp8":
             raise ConfigError(f"parallelism.fp8_param_gather=true all-gathers FP8 weights: it needs "
                               f"parallelism.precision='fp8' (got {par.precision!r})")
-        if par.zero_stage < 2:
-            raise ConfigError(f"parallelism.fp8_param_gather=true with parallelism.zero_stage={par.zero_stage}: "
-                              "FP8 weight all-gathers are built for FSDP (zero_stage 2 or 3, torchtitan's "
-                              "enable_fsdp_float8_all_gather); with the distributed optimizer (zero_stage 1, "
-                              "Megatron's --fp8-param-gather) they are not built yet; set zero_stage 2 or 3, or "
+        if par.zero_stage < 2 and not fp8_weights_only(par):
+            raise ConfigError(f"parallelism.fp8_param_gather=true with parallelism.zero_stage={par.zero_stage} and "
+                              f"fp8_recipe={par.fp8_recipe!r}: FP8 weights are built for FSDP (zero_stage 2 or 3, "
+                              "torchtitan's enable_fsdp_float8_all_gather) and, with the distributed optimizer "
+                              "(zero_stage 1), for MXFP8 (Megatron's --fp8-param-gather with "
+                              "reuse_grad_buf_for_mxfp8_param_ag); the per-tensor recipes' FP8 all-gather under the "
+                              "distributed optimizer is not built yet; set zero_stage 2 or 3, fp8_recipe=mxfp8, or "
                               "fp8_param_gather=false")
 
 

@@ -42,10 +42,10 @@ def validate_block_scaling(model: ModelConfig, par: ParallelismConfig) -> None:
     if par.zero_stage >= 2 and model.num_experts:
         raise ConfigError(f"parallelism.zero_stage={par.zero_stage} (FSDP) with {what} and experts "
                           f"(model.num_experts={model.num_experts}) is not modelled: use zero_stage 0 or 1")
-    if par.fp8_param_gather:
-        raise ConfigError(f"parallelism.fp8_param_gather=true with {what}: FP8 all-gathers of block-scaled weights "
-                          "are not built (they gather per-tensor-scaled E4M3); set fp8_param_gather=false (the "
-                          "weights are gathered in bf16 and cast at each use)")
+    if par.fp8_param_gather and par.zero_stage >= 2:
+        raise ConfigError(f"parallelism.fp8_param_gather=true with {what} and FSDP: FP8 all-gathers of block-scaled "
+                          "weights are not built (they gather per-tensor-scaled E4M3); set fp8_param_gather=false "
+                          "(the weights are gathered in bf16 and cast at each use)")
     if recipe == "fp4" and model.num_experts:
         raise ConfigError(f"{what} with experts (model.num_experts={model.num_experts}) is not modelled (NVFP4 "
                           "grouped GEMMs are not built): use parallelism.precision='fp8'")

@@ -95,6 +95,30 @@ def mamba_flops_per_token(model: dict[str, Any]) -> float:
             + 2 * chunk * groups * state + 2 * chunk * inner + 4 * inner * state)
 
 
+def selective_recomputed_flops_per_token(model: dict[str, Any], forward: dict[str, float], modules: list[str]) -> float:
+    """Forward FLOPs per token Megatron's selective recomputation runs again: the core attention ('core_attn'), the
+    latent attention's up projections ('mla_up_proj'), the dense layers' MLPs ('mlp') and the MoE layers' shared
+    experts ('shared_experts'); a hybrid model counts its core attention only."""
+    flops = forward["core_attention"] if "core_attn" in modules else 0.0
+    if model.get("hybrid_layer_pattern"):
+        return flops
+    h, layers, heads = model["hidden_size"], model["num_layers"], model["num_attention_heads"]
+    d = model.get("head_dim") or h // heads
+    matrices = 3 if model.get("family") == "llama" else 2
+    experts, first_dense, freq = (model.get("num_experts") or 0, model.get("moe_first_dense_layers") or 0,
+                                  model.get("moe_layer_freq") or 1)
+    moe_layers = sum(1 for layer in range(first_dense, layers) if (layer + 1) % freq == 0) if experts else 0
+    if "mla_up_proj" in modules and model.get("kv_lora_rank"):
+        qk, v = d + (model.get("qk_rope_head_dim") or 0), model.get("v_head_dim") or d
+        q_in = model.get("q_lora_rank") or h
+        flops += layers * 2 * heads * (q_in * qk + model["kv_lora_rank"] * (d + v))
+    if "mlp" in modules:
+        flops += (layers - moe_layers) * 2 * matrices * h * (model.get("ffn_hidden_size") or 4 * h)
+    if "shared_experts" in modules:
+        flops += moe_layers * 2 * matrices * h * (model.get("moe_shared_expert_ffn_hidden_size") or 0)
+    return flops
+
+
 def op_recomputed_flops_per_token(model: dict[str, Any], forward: dict[str, float]) -> float:
     """Forward FLOPs per token torchtitan's op-level checkpointing recomputes: every second linear of a dense block
     in the order it runs them (wq, wk, wv, wo, w1, w3, w2 with separate projections: wk, wo, w3), over the layers;
@@ -126,11 +150,13 @@ def model_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
 def hardware_flops_per_step(model: dict[str, Any], par: dict[str, Any]) -> float:
     """What the GPUs compute: the model FLOPs plus the forward work recomputed in the backward pass, all
     of the layers' with full recomputation (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh), Korthikanti et al.
-    2022), their core attention with selective recomputation, about half their matmuls with torchtitan's op-level
-    policy (every second one); the output layer is never recomputed."""
+    2022), the recompute_modules with selective recomputation (the core attention by default), about half their
+    matmuls with torchtitan's op-level policy (every second one); the output layer is never recomputed."""
     forward = forward_flops_per_token(model)
-    recomputed = {"full": forward["layers"], "selective": forward["core_attention"],
-                  "op": op_recomputed_flops_per_token(model, forward)}.get(par.get("recompute"), 0.0)
+    recompute = par.get("recompute")
+    recomputed = {"full": forward["layers"], "op": op_recomputed_flops_per_token(model, forward)}.get(recompute, 0.0)
+    if recompute == "selective":
+        recomputed = selective_recomputed_flops_per_token(model, forward, par.get("recompute_modules", ["core_attn"]))
     return model_flops_per_step(model, par) + recomputed * tokens_per_step(model, par)
 
 

@@ -168,6 +168,12 @@ class StepAllocations:
         if entry is not None:
             self._log.append((entry[0], -self._bytes[entry[0]]))
 
+    def shrink(self, t: torch.Tensor, nbytes: int) -> None:
+        """`t`'s storage counts `nbytes` (a padded copy the GPU's kernel does not make: observer.padded)."""
+        entry = self._alive.get(t.untyped_storage()._cdata)
+        if entry is not None:
+            self._bytes[entry[0]] = nbytes
+
     def allocation_of(self, t: torch.Tensor) -> int | None:
         """The allocation id of `t`'s storage, if the step made it and it is alive."""
         entry = self._alive.get(t.untyped_storage()._cdata)
@@ -181,10 +187,11 @@ class StepAllocations:
         """Most bytes alive at once of the storages freed within the step; `sizes` (allocation id -> bytes) in
         place of the allocations' own (another rank class's, of the same step structure)."""
         persistent = {entry[0] for entry in self._alive.values()}
+        sizes = self._bytes if sizes is None else sizes
         live = peak = 0
         for allocation, delta in self._log:
             if allocation not in persistent:
-                live += delta if sizes is None else (sizes[allocation] if delta > 0 else -sizes[allocation])
+                live += sizes[allocation] if delta > 0 else -sizes[allocation]
                 peak = max(peak, live)
         return peak
 
@@ -220,7 +227,8 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         # (chunk, allocation id or None if the step did not make it, bytes) of each storage counted there
         self.saved_allocations: list[tuple[int, int | None, int]] = []
         self.allocations = StepAllocations()
-        self._saved_storages: set[int] = set()  # storages of micro-batch 0 counted in saved_activation_bytes
+        self._saved_storages: dict[int, int] = {}  # storages of micro-batch 0 counted: their saved_allocations entry
+        self._real_bytes: dict[int, int] = {}  # padded storages: the bytes the GPU's kernel holds (observer.padded)
         self._storage_refs: dict[int, weakref.ref] = {}  # the storages _last_writer and _saved_storages name
 
     # -- StepObserver -------------------------------------------------------------------------
@@ -248,6 +256,12 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
 
     def released(self, tensor: torch.Tensor) -> None:
         self.allocations.release(tensor)
+        key = tensor.untyped_storage()._cdata
+        if key in self._saved_storages:  # kept for backward, then freed (and made again before it is needed)
+            index = self._saved_storages.pop(key)
+            chunk, allocation, counted = self.saved_allocations[index]
+            self.saved_allocations[index] = (chunk, allocation, 0)
+            self.saved_activation_bytes[chunk] -= counted
 
     @contextlib.contextmanager
     def communication(self, async_op: bool = False, group_kind: str | None = None,
@@ -306,7 +320,18 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
     def _forget_storage(self, key: int) -> None:
         self._storage_refs.pop(key, None)
         self._last_writer.pop(key, None)
-        self._saved_storages.discard(key)
+        self._saved_storages.pop(key, None)
+        self._real_bytes.pop(key, None)
+
+    def padded(self, tensor, real_bytes: int) -> None:
+        self.allocations.shrink(tensor, real_bytes)
+        key = self._watch(tensor)
+        self._real_bytes[key] = real_bytes
+        if key in self._saved_storages:  # kept by the op that made it: counted already
+            index = self._saved_storages[key]
+            chunk, allocation, counted = self.saved_allocations[index]
+            self.saved_allocations[index] = (chunk, allocation, real_bytes)
+            self.saved_activation_bytes[chunk] += real_bytes - counted
 
     def kept_for_backward(self, tensor) -> None:
         self._on_save(tensor)
@@ -318,12 +343,10 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         if self._microbatch == 0 and not isinstance(base, torch.nn.Parameter):
             key = self._watch(t)
             if key not in self._saved_storages:
-                self._saved_storages.add(key)
-                self.saved_allocations.append((self._chunk, self.allocations.allocation_of(t),
-                                               t.untyped_storage().nbytes()))
-                self.saved_activation_bytes[self._chunk] = (
-                    self.saved_activation_bytes.get(self._chunk, 0) + t.untyped_storage().nbytes()
-                )
+                self._saved_storages[key] = len(self.saved_allocations)
+                nbytes = self._real_bytes.get(key, t.untyped_storage().nbytes())
+                self.saved_allocations.append((self._chunk, self.allocations.allocation_of(t), nbytes))
+                self.saved_activation_bytes[self._chunk] = self.saved_activation_bytes.get(self._chunk, 0) + nbytes
         return t
 
     # -- dispatch -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainsim import processes
+from trainsim.config.choices import fp8_weights_only
 from trainsim.config.schema import ModelConfig, ParallelismConfig
 from trainsim.errors import TraceError
 from trainsim.parallel.layout import Layout
@@ -37,7 +38,7 @@ from trainsim.trace.memory import MEMORY_SCHEMA, memory_row
 from trainsim.trace.recorder import ExecutionRecorder, tensor_bytes
 from trainsim.trace.schema import RANK_CLASS_SCHEMA, events_table
 from trainsim.workloads.data_parallel import gradient
-from trainsim.workloads.fp8 import fp8_weight_bytes
+from trainsim.workloads.fp8 import cast_weight_bytes, fp8_weight_bytes
 from trainsim.workloads.fully_sharded import gathered_weight_bytes, local
 from trainsim.workloads.model import DTYPES
 from trainsim.workloads.observe import observing
@@ -149,9 +150,11 @@ def _trace_ranks(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, plan
             traced = _TracedStage(
                 rank=rank,
                 events=recorder.events,
-                # FP8 training keeps an FP8 copy (and its transpose) of each weight for the step
+                # FP8 training keeps an FP8 copy (and its transpose) of each weight for the step; with MXFP8
+                # parameters (fp8_param_gather under the distributed optimizer) the copies are the weights
                 parameter_bytes=sum(tensor_bytes(local(p)) for p in params)
-                + sum(fp8_weight_bytes(chunk) for chunk in rm.chunks),
+                + sum(fp8_weight_bytes(chunk) for chunk in rm.chunks)
+                - (sum(cast_weight_bytes(chunk) for chunk in rm.chunks) if fp8_weights_only(par) else 0),
                 gradient_bytes=sum(tensor_bytes(local(gradient(p))) for p in params if gradient(p) is not None),
                 optimizer_state_bytes=rm.optimizer.state_bytes(),
                 saved_bytes_per_chunk=dict(recorder.saved_activation_bytes),

@@ -157,13 +157,16 @@ def derive(recorder: ExecutionRecorder, change: Substitution) -> Derived | None:
         events.append({**event, **dict(zip(VALUE_FIELDS, values))})
     if seen != change.occurrences:
         return None
-    sizes = recorder.allocations.sizes()
+    traced_sizes = recorder.allocations.sizes()
+    sizes = dict(traced_sizes)
     for allocation, (event, index) in recorder.allocations.origin.items():
         if event in made:
             if index not in made[event]:
                 return None
             sizes[allocation] = made[event][index]
     saved: dict[int, int] = {}
-    for chunk, allocation, nbytes in recorder.saved_allocations:
-        saved[chunk] = saved.get(chunk, 0) + (sizes[allocation] if allocation is not None else nbytes)
+    for chunk, allocation, nbytes in recorder.saved_allocations:  # (nbytes: the share of it kept, 0 if freed)
+        if allocation is not None and traced_sizes[allocation]:
+            nbytes = nbytes * sizes[allocation] // traced_sizes[allocation]
+        saved[chunk] = saved.get(chunk, 0) + nbytes
     return Derived(events, changed_rows, saved, recorder.allocations.peak_transient_bytes(sizes))

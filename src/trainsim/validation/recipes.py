@@ -228,8 +228,20 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
     else:
         overrides += ["parallelism.zero_stage=1", "parallelism.overlap_param_gather=true"]
         notes.append("distributed optimizer with overlapped gradient reduce and parameter gather (Megatron-Core)")
-    overrides.append("parallelism.recompute=none")
-    notes += ["no activation recomputation (not stated)", f"hardware.num_nodes for {gpus} GPUs"]
+        if fp8_recipe == "mxfp8" and framework == "megatron-bridge":
+            overrides.append("parallelism.fp8_param_gather=true")
+            notes.append("weights held in MXFP8 alone (Megatron-Bridge's bf16_with_mxfp8_mixed: fp8_param_gather, "
+                         "reuse_grad_buf_for_mxfp8_param_ag)")
+    release = table.split("_")[1] if table.startswith("megatron-bridge_") else ""
+    modules = RECOMPUTE_MODULES.get((release, MODELS[model_name], system))
+    if modules is None:
+        overrides.append("parallelism.recompute=none")
+        notes.append("no activation recomputation (not stated)")
+    else:
+        overrides += ["parallelism.recompute=selective", f"parallelism.recompute_modules=[{','.join(modules)}]"]
+        notes.append(f"recompute modules {', '.join(modules) or 'none'} (Megatron-Bridge's performance recipe of the "
+                     "release)")
+    notes.append(f"hardware.num_nodes for {gpus} GPUs")
     if model_name in MODEL_NOTES:
         notes.append(MODEL_NOTES[model_name])
     return Recipe(**base, overrides=tuple(overrides), notes=tuple(notes))
@@ -244,6 +256,21 @@ CPU_OFFLOADED_LAYERS = {
 70B with Megatron-FSDP offload to the host (src/megatron/bridge/perf_recipes/llama/<gpu>/llama3.py @ 067f987d:
 cpu_offloading_num_layers, activations only); an FSDP row of that model, system, precision and micro-batch composes
 them (parallelism.cpu_offload_layers)."""
+
+RECOMPUTE_MODULES = {
+    **{("25.09", "deepseek-v3", system): modules for system, modules in (
+        ("DGX-H100", ("mla_up_proj", "mlp")), ("DGX-B200", ("mla_up_proj",)), ("DGX-GB200", ("mla_up_proj",)))},
+    **{("26.02", "deepseek-v3", system): ("mla_up_proj",)
+       for system in ("DGX-GB300", "DGX-GB200", "DGX-B300", "DGX-B200")},
+    **{("26.04", "deepseek-v3", system): ("mla_up_proj",) for system in ("DGX-GB300", "DGX-B300", "DGX-B200")},
+    ("26.04", "deepseek-v3", "DGX-GB200"): ("mlp",),
+    ("26.04", "kimi-k2", "DGX-GB300"): ("mla_up_proj",),
+}
+"""(Megatron-Bridge release, model, system) -> the selective recompute modules of the release's performance recipe
+(Megatron-Bridge v0.1.0rc4 scripts/performance/run_script.py for 25.09, the GB200 row's token-drop case; v0.3.0 and
+v0.4.0 scripts/performance/configs/<model>/*_workload_base_configs.py, the V1/V2 presets of the table's layout, for
+26.02 and 26.04). Rows of models whose recipes recompute modules not built (moe_act, layernorm, moe: Nemotron 3's
+H100 recipe) are not listed: they compose without recomputation."""
 
 TORCHTITAN_RECOMPUTE = {
     "selective": "op", "selective layer": "selective", "selective op": "op", "per op SAC": "op",

@@ -38,13 +38,15 @@ State = dict[str, object]
 
 @dataclass
 class Step:
-    """One piece of a chunk's forward: `run(state) -> state` (compute), or an all-to-all of state['tokens'] with
-    `exchange(state)` giving (rows sent to each rank, rows received from each), over `group` (exchange)."""
+    """One piece of a chunk's forward: `run(state) -> state` (compute), or an all-to-all of the state's `rows`
+    (each a tensor of the same rows: tokens, their probabilities) with `exchange(state)` giving (rows sent to each
+    rank, rows received from each), over `group` (exchange)."""
 
     name: str
     run: Callable[[State], State] | None = None
     exchange: Callable[[State], tuple[list[int], list[int]]] | None = None
     group: object = None
+    rows: tuple[str, ...] = ("tokens",)
     keeps_turn: bool = False
     """The pass goes on after this step without yielding (embedding forward, loss backward: Megatron-Core runs
     them before the first layer pair)."""
@@ -52,21 +54,25 @@ class Step:
     """Runs inside the chunk's FP8 autocast region (the blocks and their exchanges; not embedding and loss)."""
 
 
-def _start_exchange(x: torch.Tensor, send: list[int], receive: list[int], group):
-    """Issue the exchange; (the rows it will bring, what to wait for: the work, and its input kept alive)."""
-    out, work = exchange_rows(x, send, receive, group, async_op=True)
-    return out, (work, x)
+def _start_exchange(state: State, keys: tuple[str, ...], send: list[int], receive: list[int], group):
+    """Issue the exchange of state[key] for each key; (the rows they will bring by key, what to wait for: each
+    work, and its input kept alive)."""
+    brought, pending = {}, []
+    for key in keys:
+        brought[key], work = exchange_rows(state[key], send, receive, group, async_op=True)
+        pending.append((work, state[key]))
+    return brought, pending
 
 
 def _wait(pending, release: bool = False) -> None:
     """Wait for an exchange; with `release`, free the rows it sent: the forward keeps the step output they are
     for its backward, which needs only its autograd history (Megatron-Core frees such outputs too)."""
-    if pending is not None:
+    for work, sent in pending or ():
         with observer().communication():
-            pending[0].wait()
+            work.wait()
         if release:
-            pending[1].untyped_storage().resize_(0)
-            observer().released(pending[1])
+            sent.untyped_storage().resize_(0)
+            observer().released(sent)
 
 
 def _leaves(state: State, wanted: set[str]) -> State:
@@ -113,10 +119,9 @@ class ChunkPass:
                 inside = step.in_region
             if step.exchange is not None:
                 send, receive = step.exchange(state)
-                tokens, pending = _start_exchange(state["tokens"], send, receive, step.group)
-                if state["tokens"].requires_grad:
-                    wanted.add("tokens")
-                state = {**state, "tokens": tokens}
+                brought, pending = _start_exchange(state, step.rows, send, receive, step.group)
+                wanted |= {key for key in step.rows if state[key].requires_grad}
+                state = {**state, **brought}
                 self.done.append(_Done(step, {}, {}, (send, receive)))  # (keeps no tensor: the sent rows may go)
                 yield
                 continue
@@ -138,9 +143,10 @@ class ChunkPass:
         while self.done:
             entry = self.done.pop()  # (what a step kept goes once its backward has run, as the activations do)
             if entry.sizes is not None:
-                send, receive = entry.sizes  # the gradient goes back the way the tokens came
-                tokens, pending = _start_exchange(grads.pop("tokens"), receive, send, entry.step.group)
-                grads["tokens"] = tokens
+                send, receive = entry.sizes  # the gradient goes back the way the rows came
+                keys = tuple(key for key in entry.step.rows if key in grads)
+                brought, pending = _start_exchange(grads, keys, receive, send, entry.step.group)
+                grads.update(brought)
                 yield
                 continue
             _wait(pending)

@@ -10,7 +10,8 @@ path. The variants run the same fused kernel with an explicit additive mask, bui
 * value heads narrower than the query/key heads (multi-head latent attention): v is zero-padded to the query
   width and the output cut back, since torch's CPU flash kernel needs one width.
 The padding copies are work the GPU kernels (FlashAttention-3, cuDNN) do not have: they are noted `fused` (no
-time of their own). The kernel's notes tell the kernel model what a CPU trace's arguments do not show
+time of their own), and the padded v and output the kernel keeps for backward count at their real width
+(observer.padded). The kernel's notes tell the kernel model what a CPU trace's arguments do not show
 (profile/analytical.py): `causal_mask` (the explicit mask is causal: masked blocks are skipped), `window_keys` and
 `window_chunked` (only the window's keys are visited), `value_width` (the second matmul's width).
 """
@@ -67,7 +68,12 @@ class CoreAttention(nn.Module):
             self.register_buffer("mask", additive_mask(visible_keys(seq_length, window, chunked), dtype, sinks),
                                  persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, value_width: int = 0) -> torch.Tensor:
+        """`value_width`: v was zero-padded to q's width by the caller (pad_values) from that width."""
+        if value_width and value_width != v.shape[-1]:
+            v = v[..., :value_width]
+            if self.cp is not None or not self.fused:
+                v = v.contiguous()
         if self.cp is not None:
             return self.cp.attention(q, k, v)
         if not self.fused:
@@ -86,6 +92,8 @@ class CoreAttention(nn.Module):
                 **({"scale": self.scale} if self.sinks is not None else {}))  # else SDPA's own 1 / sqrt(width)
         if notes:
             observer().kernel_notes_for_backward(out, **notes)
+        if out.shape[-1] != value_width:
+            observer().padded(out, out.numel() // out.shape[-1] * value_width * out.element_size())
         return out[..., :value_width] if out.shape[-1] != value_width else out
 
     def _padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -101,9 +109,8 @@ class CoreAttention(nn.Module):
                 sink_key[..., -1] = 1.0 / self.scale
                 k = torch.cat([nn.functional.pad(k, (0, 1)), sink_key], dim=2)
                 v = nn.functional.pad(v, (0, 0, 0, 1))
-            width = q.shape[-1]
-            if v.shape[-1] != width:
-                v = nn.functional.pad(v, (0, width - v.shape[-1]))
+            if v.shape[-1] != q.shape[-1]:
+                v = pad_values(v, q.shape[-1])
         return q, k, v
 
     def _unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -127,6 +134,17 @@ class CoreAttention(nn.Module):
         if self.dropout_p:
             probs = dropout(probs, self.dropout_p)
         return torch.bmm(probs, v.reshape(b * hl, -1, v.shape[-1])).view(b, hl, s, v.shape[-1])
+
+
+def pad_values(v: torch.Tensor, width: int) -> torch.Tensor:
+    """v zero-padded to `width` (q's), counted at its own size where kept for backward (observer.padded); or v
+    itself if a view of such a padding (CoreAttention(value_width=) hands the fused kernel that)."""
+    if v._base is not None and v._base.shape[-1] == width and v.storage_offset() == v._base.storage_offset():
+        return v._base
+    with observer().kernel_notes(fused=1.0):
+        padded = nn.functional.pad(v, (0, width - v.shape[-1]))
+    observer().padded(padded, v.numel() * v.element_size())
+    return padded
 
 
 def layer_core_attention(cfg: ModelConfig, layer: int, heads: int, kv_heads: int, qk_width: int, dtype: torch.dtype,

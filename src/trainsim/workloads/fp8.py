@@ -15,7 +15,10 @@ and what this module reproduces with plain torch ops, so the tracer records ever
   casts each weight, and its transpose, once per step and keeps them for the step's other micro-batches.
   Here the cache is refreshed when the weight's version counter changes (the optimizer wrote it); the
   cast is marked once-per-step for the recorder. The copies are 2 bytes per weight element
-  (`fp8_weight_bytes`).
+  (`fp8_weight_bytes`). With MXFP8 and parallelism.fp8_param_gather under the distributed optimizer the copies
+  are the weights (Megatron's --fp8-param-gather with reuse_grad_buf_for_mxfp8_param_ag: the updated weights are
+  all-gathered in bf16 through the gradient buffer, then quantised into the MXFP8 parameters): the same casts and
+  bytes on the wire, but no bf16 weight held between steps (`cast_weight_bytes`).
 * DelayedScaling ('delayed', TE's default recipe: amax_history_len=1024, amax_compute_algo='max',
   margin=0): a tensor is cast with a scale computed from the amax history of earlier casts; the cast
   kernel records the tensor's amax as it reads it. The amaxes of all FP8 tensors of a forward pass are
@@ -234,6 +237,7 @@ class Fp8Linear:
         """Set by the layer when its input is a norm's output (TE's LayerNormLinear: qkv and the first MLP linear)."""
         self._weight_version: int | None = None
         self._weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._source_bytes = 0  # the high-precision weight the cached copies were cast from
         self.gathered_scale = None
         """With FP8 all-gathers (fully_sharded.Fp8GatherScales): () -> the scale the weight was gathered in FP8
         with; the weight then arrives in FP8 and needs no cast kernel."""
@@ -254,7 +258,7 @@ class Fp8Linear:
         if self._weight is None or self._weight_version != weight._version:
             with observer().once_per_step(), torch.no_grad():
                 self._weight = self.region.quantize_blocks(weight.detach(), "weight")
-            self._weight_version = weight._version
+            self._weight_version, self._source_bytes = weight._version, weight.numel() * weight.element_size()
         return self._weight
 
     def weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -276,7 +280,7 @@ class Fp8Linear:
             with observer().once_per_step(), torch.no_grad():
                 w_fp8, scale_inv = self.region.quantize(weight.detach(), True, 2 * self.index + 1)
                 self._weight = w_fp8, _transposed(w_fp8), scale_inv
-            self._weight_version = weight._version
+            self._weight_version, self._source_bytes = weight._version, weight.numel() * weight.element_size()
         return self._weight
 
     def kept_for_backward(self, weight: torch.Tensor, cast: tuple) -> tuple | torch.Tensor:
@@ -300,10 +304,20 @@ class Fp8Linear:
         return sum(t.numel() * t.element_size() for t in self._weight) if self._weight else 0
 
 
+def _fp8_linears(module: torch.nn.Module) -> list[Fp8Linear]:
+    return [v for m in module.modules() for v in vars(m).values() if isinstance(v, Fp8Linear)]
+
+
 def fp8_weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of the FP8 weight copies (and transposes) the linears and experts of `module` hold between
     micro-batches."""
-    return sum(v.cached_bytes() for m in module.modules() for v in vars(m).values() if isinstance(v, Fp8Linear))
+    return sum(linear.cached_bytes() for linear in _fp8_linears(module))
+
+
+def cast_weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the high-precision weights the FP8 copies of `module` were cast from (not held where the FP8 copies
+    are the parameters: MXFP8 with parallelism.fp8_param_gather)."""
+    return sum(linear._source_bytes for linear in _fp8_linears(module) if linear.cached_bytes())
 
 
 def _gemm(a: torch.Tensor, b_t: torch.Tensor, scale_a, scale_b, out_dtype, bias=None, out=None) -> torch.Tensor:

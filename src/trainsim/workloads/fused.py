@@ -159,6 +159,43 @@ def _swiglu_grad(ctx, grad):
 swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 
 
+@torch.library.custom_op("trainsim::weighted_swiglu", mutates_args=())
+def weighted_swiglu(h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """swiglu(h) scaled row by row by `weights` (the token copies' router probabilities): Megatron-Core's
+    weighted_bias_swiglu, one kernel that keeps h and the weights, not the unscaled product."""
+    return _silu_gate(h) * weights.unsqueeze(-1).to(h.dtype)
+
+
+@weighted_swiglu.register_fake
+def _(h, weights):
+    return h.new_empty((*h.shape[:-1], h.shape[-1] // 2))
+
+
+@torch.library.custom_op("trainsim::weighted_swiglu_backward", mutates_args=())
+def weighted_swiglu_backward(grad: torch.Tensor, h: torch.Tensor,
+                             weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient of h, of the weights): the activation recomputed from h."""
+    gate, up = _wide(h).chunk(2, dim=-1)
+    grad_weights = (_wide(grad) * nn.functional.silu(gate) * up).sum(dim=-1).to(weights.dtype)
+    return swiglu_backward(grad * weights.unsqueeze(-1).to(grad.dtype), h), grad_weights
+
+
+@weighted_swiglu_backward.register_fake
+def _(grad, h, weights):
+    return torch.empty_like(h), torch.empty_like(weights)
+
+
+def _weighted_swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _weighted_swiglu_grad(ctx, grad):
+    return weighted_swiglu_backward(grad, *ctx.saved_tensors)
+
+
+weighted_swiglu.register_autograd(_weighted_swiglu_grad, setup_context=_weighted_swiglu_setup)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """Rotary embedding of x [..., d] by the tables [s, d/2]: one fused op, or eager slices, multiplies and a stack."""
     return rotary(x, cos, sin, False) if fused else _rotate(x, cos, sin, False)

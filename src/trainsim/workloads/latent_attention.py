@@ -15,15 +15,18 @@ the latents of all tokens; the up projections' inputs and the rotary key reduce 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainsim.config.schema import ModelConfig
 from trainsim.workloads.context_parallel import ContextParallel
-from trainsim.workloads.core_attention import layer_core_attention
+from trainsim.workloads.core_attention import layer_core_attention, pad_values
 from trainsim.workloads.fp8 import Fp8Region
 from trainsim.workloads.fused import RMSNorm, rotate
+from trainsim.workloads.module_recompute import OutputDiscardingCheckpoint
 from trainsim.workloads.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_from_sp
 
 
@@ -46,7 +49,7 @@ class LatentAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, selective_recompute: bool,
                  sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Region | None = None,
-                 cp: ContextParallel | None = None, layer: int = 0):
+                 cp: ContextParallel | None = None, layer: int = 0, up_proj_recompute: bool = False):
         super().__init__()
         self.tp, self.tp_group = tp, tp_group
         self.sequence_parallel = sequence_parallel and tp > 1
@@ -56,6 +59,8 @@ class LatentAttention(nn.Module):
         self.rope_dim, self.kv_rank = cfg.qk_rope_head_dim, cfg.kv_lora_rank
         self.v_dim = cfg.v_head_dim or self.nope_dim
         self.selective_recompute, self.fused = selective_recompute, cfg.fused_elementwise
+        self.up_proj_recompute = up_proj_recompute  # recompute_modules 'mla_up_proj'
+        self.padded_values = cp is None and cfg.attention == "fused"  # the fused kernel's v, as wide as q
         heads, qk_dim = cfg.num_attention_heads, self.nope_dim + self.rope_dim
         sp = self.sequence_parallel
         if cfg.q_lora_rank:
@@ -82,8 +87,26 @@ class LatentAttention(nn.Module):
         return self.q_down if self.q_down is not None else self.q_up
 
     def forward(self, x: torch.Tensor, rotary_tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q = self.q_up(self.q_norm(self.q_down(x)) if self.q_down is not None else x)
+        q_latent = self.q_down(x) if self.q_down is not None else x
         latent, k_rope = self.kv_down(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        up = partial(self._up, rotary_tables=rotary_tables)
+        if self.up_proj_recompute:  # Megatron's mla_up_proj: q, k, v freed once the core attention keeps them
+            up = OutputDiscardingCheckpoint(up)
+        q, k, v = up(q_latent, latent, k_rope)
+        if self.selective_recompute:
+            out = checkpoint(self.core, q, k, v, self.v_dim, use_reentrant=False)
+        else:
+            out = self.core(q, k, v, self.v_dim)
+        if self.up_proj_recompute:
+            up.discard_after(out)
+        b = q.shape[0]
+        return self.proj(out.transpose(1, 2).reshape(b, self.seq_length, self.heads * self.v_dim))
+
+    def _up(self, q_latent: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+            rotary_tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up projections and the rotary embedding: each head's q, k [b, hl, s, d + dr] and v (zero-padded to
+        that width for the fused kernel)."""
+        q = self.q_up(self.q_norm(q_latent) if self.q_norm is not None else q_latent)
         kv = self.kv_up(self.kv_norm(latent))
         k_rope = k_rope.reshape(-1, self.rope_dim)
         k_rope = (gather_from_sp(k_rope, self.tp_group, self.tp) if self.sequence_parallel
@@ -97,5 +120,8 @@ class LatentAttention(nn.Module):
         k_rope = rotate(k_rope.view(b, 1, s, self.rope_dim), *rotary_tables, self.fused)
         q = torch.cat([q_nope, rotate(q_rope, *rotary_tables, self.fused)], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, self.heads, s, self.rope_dim)], dim=-1)
-        out = checkpoint(self.core, q, k, v, use_reentrant=False) if self.selective_recompute else self.core(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, s, self.heads * self.v_dim))
+        if self.padded_values and self.v_dim != q.shape[-1]:
+            v = pad_values(v, q.shape[-1])
+        elif self.up_proj_recompute:  # its outputs are freed: v must not be a view of kv
+            v = v.contiguous()
+        return q, k, v

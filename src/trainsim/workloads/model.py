@@ -129,8 +129,10 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, sequence_parallel: bool = False,
-                 comm_overlap: bool = False, fp8: Fp8Region | None = None, ffn: int | None = None):
+                 comm_overlap: bool = False, fp8: Fp8Region | None = None, ffn: int | None = None,
+                 recompute: bool = False):
         super().__init__()
+        self.recompute = recompute  # recompute_modules 'mlp' (dense) or 'shared_experts': checkpointed whole
         ffn = ffn or cfg.ffn_hidden_size or 4 * cfg.hidden_size
         self.swiglu, self.fused = cfg.family == "llama", cfg.fused_elementwise
         bias = not self.swiglu
@@ -141,6 +143,11 @@ class MLP(nn.Module):
                                       sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8_region=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._mlp, x, use_reentrant=False)
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
         if self.swiglu:
             h = gated_silu(h, self.fused)
@@ -154,9 +161,9 @@ class Block(nn.Module):
     residual. `kind` '' is a transformer block (both); a hybrid model's layers have one part each, as Megatron-Core's
     hybrid stack builds them (model.hybrid_layer_pattern: 'M' Mamba-2, '*' attention, '-' MLP, 'E' MoE)."""
 
-    def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute: str, sequence_parallel: bool = False,
-                 comm_overlap: bool = False, fp8: Fp8Region | None = None, cp: ContextParallel | None = None,
-                 experts: MoE | None = None, kind: str = "", layer: int = 0):
+    def __init__(self, cfg: ModelConfig, tp: int, tp_group, dtype, recompute_modules: frozenset[str],
+                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Region | None = None,
+                 cp: ContextParallel | None = None, experts: MoE | None = None, kind: str = "", layer: int = 0):
         super().__init__()
         self.dropout = cfg.dropout
         self.attn: Attention | LatentAttention | None = None
@@ -165,15 +172,17 @@ class Block(nn.Module):
         if kind in ("", "*", "M"):
             self.norm1 = _norm(cfg, dtype, sequence_parallel)
         if kind in ("", "*"):
+            recompute_up = {"up_proj_recompute": "mla_up_proj" in recompute_modules} if cfg.latent_attention else {}
             attention = LatentAttention if cfg.latent_attention else Attention
-            self.attn = attention(cfg, tp, tp_group, dtype, selective_recompute=recompute == "selective",
+            self.attn = attention(cfg, tp, tp_group, dtype, selective_recompute="core_attn" in recompute_modules,
                                   sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=fp8, cp=cp,
-                                  layer=layer)
+                                  layer=layer, **recompute_up)
         elif kind == "M":
             self.mamba = MambaMixer(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8)
         if kind in ("", "-", "E"):
             self.norm2 = _norm(cfg, dtype, sequence_parallel)
-            self.mlp = experts or MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8)
+            self.mlp = experts or MLP(cfg, tp, tp_group, dtype, sequence_parallel, comm_overlap, fp8=fp8,
+                                      recompute="mlp" in recompute_modules)
         if fp8 is not None:  # Megatron-Core's TE spec: the norms run inside linear_qkv, in_proj and linear_fc1
             firsts = [self.attn.first_linear if self.attn is not None else None,
                       self.mamba.in_proj if self.mamba is not None else None,
@@ -203,17 +212,24 @@ class Block(nn.Module):
         def attention(st):
             x1 = self._mix(st["x"], rotary)
             h = self.norm2(x1)
-            tokens, probs, logits, exchange = moe.dispatch_preprocess(h)
-            return {"x1": x1, "h": h, "tokens": tokens, "probs": probs, "logits": logits, "exchange": exchange}
+            tokens, weights, logits, exchange = moe.dispatch_preprocess(h)
+            return {"x1": x1, "h": h, "tokens": tokens, "weights": weights, "logits": logits, "exchange": exchange}
+
+        def experts(st):
+            if moe.probs_in_experts:  # the probabilities came with the tokens and are used up here
+                return {**st, "tokens": moe.experts_on(st["tokens"], st["exchange"], st["weights"]), "weights": None}
+            return {**st, "tokens": moe.experts_on(st["tokens"], st["exchange"])}
 
         def output(st):
-            moe_out = moe.combine_postprocess(st["tokens"], st["probs"], st["logits"], st["h"], st["exchange"])
+            moe_out = moe.combine_postprocess(st["tokens"], st["weights"], st["logits"], st["h"], st["exchange"])
             return {"x": st["x1"] + self._drop(moe_out)}
 
         group = moe.ep.group
+        dispatched = ("tokens", "weights") if moe.probs_in_experts else ("tokens",)
         return [Step("attention", attention),
-                Step("dispatch", exchange=lambda st: (st["exchange"].send, st["exchange"].receive), group=group),
-                Step("experts", lambda st: {**st, "tokens": moe.experts_on(st["tokens"], st["exchange"])}),
+                Step("dispatch", exchange=lambda st: (st["exchange"].send, st["exchange"].receive), group=group,
+                     rows=dispatched),
+                Step("experts", experts),
                 Step("combine", exchange=lambda st: (st["exchange"].receive, st["exchange"].send), group=group),
                 Step("output", output)]
 
@@ -235,11 +251,14 @@ class TransformerChunk(nn.Module):
     def __init__(self, cfg: ModelConfig, *, layers: range, first: bool, last: bool, tp: int, tp_rank: int,
                  tp_group, dtype: torch.dtype, recompute: str, loss_scale: float, sequence_parallel: bool = False,
                  tp_comm_overlap: bool = False, fp8: Fp8Settings | None = None, cp: ContextParallel | None = None,
-                 ep: ExpertParallel | None = None, offload_layers: int = 0):
+                 ep: ExpertParallel | None = None, offload_layers: int = 0,
+                 recompute_modules: tuple[str, ...] = ("core_attn",)):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.offload_layers = offload_layers  # this chunk's first blocks whose activations go to the host
         self.tp, self.tp_group, self.recompute = tp, tp_group, recompute
+        # Megatron's selective recomputation: the modules recomputed (workloads/module_recompute.py)
+        self.recompute_modules = frozenset(recompute_modules if recompute == "selective" else ())
         self.sequence_parallel = sequence_parallel and tp > 1
         self.loss_scale = loss_scale  # 1 / num_microbatches: gradients accumulate to the batch mean
         self.fp8 = Fp8Region(fp8) if fp8 is not None else None
@@ -259,7 +278,7 @@ class TransformerChunk(nn.Module):
                 # context parallelism: this rank's rows of the position table (an embedding lookup, as Megatron)
                 self.register_buffer("position_ids", positions if cp else None, persistent=False)
         kinds = cfg.hybrid_layer_pattern
-        self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, recompute, self.sequence_parallel,
+        self.layers = nn.ModuleList(Block(cfg, tp, tp_group, dtype, self.recompute_modules, self.sequence_parallel,
                                           tp_comm_overlap, self.fp8, cp, self._experts(layer, dtype, ep),
                                           kinds[layer] if kinds else "", layer)
                                     for layer in layers)
@@ -278,8 +297,8 @@ class TransformerChunk(nn.Module):
         if not cfg.has_experts(layer):
             return None
         width = cfg.moe_shared_expert_ffn_hidden_size
-        shared = MLP(cfg, self.tp, self.tp_group, dtype, self.sequence_parallel, fp8=self.fp8, ffn=width) \
-            if width else None
+        shared = MLP(cfg, self.tp, self.tp_group, dtype, self.sequence_parallel, fp8=self.fp8, ffn=width,
+                     recompute="shared_experts" in self.recompute_modules) if width else None
         return MoE(cfg, layer, ep, dtype, self.loss_scale, self.sequence_parallel, shared, self.fp8)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

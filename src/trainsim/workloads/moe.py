@@ -17,7 +17,10 @@ Per micro-batch, on each rank's own tokens (its sequence-parallel shard when tp 
    the etp ranks of an ep rank received are all-gathered among them first (uneven: each received its own count),
    and the partial outputs reduce-scattered back after;
 5. combine: the reverse regrouping and all-to-all, then each copy weighted by its router probability and summed
-   back into its token (index_add); the shared expert, a dense MLP every token goes through, is added.
+   back into its token; the shared expert, a dense MLP every token goes through, is added. With
+   model.moe_probs_in_experts (Megatron-Core 0.13+) the probabilities instead go to the experts with their tokens
+   (one more all-to-all) and weight the activation's output inside it (fused.weighted_swiglu); the combine then
+   only sums.
 With the all-gather dispatcher (parallelism.moe_token_dispatcher) steps 3-5 are instead: all-gather the tokens,
 probabilities and choices of every rank of the tep group (etp x ep), compute the copies routed to the local
 experts, reduce-scatter the (partial) sums over the same group.
@@ -39,7 +42,7 @@ from torch import nn
 
 from trainsim.config.schema import ModelConfig
 from trainsim.workloads.fp8 import Fp8Linear, Fp8Region, fp8_experts
-from trainsim.workloads.fused import gated_silu
+from trainsim.workloads.fused import gated_silu, weighted_swiglu
 from trainsim.workloads.grouped_gemm import grouped_mm
 from trainsim.workloads.observe import observer
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
@@ -130,6 +133,21 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
+class _SumCopies(torch.autograd.Function):
+    """Each token's copies summed into it (scatter-add); its backward only gathers, so unlike index_add's autograd
+    (which keeps the copies for their shape) it keeps nothing but the index."""
+
+    @staticmethod
+    def forward(ctx, copies, token_of_copy, tokens):
+        ctx.save_for_backward(token_of_copy)
+        return copies.new_zeros((tokens, *copies.shape[1:])).index_add_(0, token_of_copy, copies)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_copy,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_copy), None, None
+
+
 def _regroup_order(counts: np.ndarray) -> np.ndarray:
     """Row order that takes chunks of counts[i, j] rows, stored by i then j, to j then i."""
     starts = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
@@ -194,21 +212,26 @@ class Experts(nn.Module):
         # FP8 grouped GEMMs (workloads/fp8.py)
         self.fp8_w1, self.fp8_w2 = (Fp8Linear(fp8), Fp8Linear(fp8)) if fp8 is not None else (None, None)
 
-    def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gated_silu(hidden, self.fused) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
+    def _activation(self, hidden: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        if weights is not None and self.swiglu and self.fused:
+            return weighted_swiglu(hidden, weights)
+        out = gated_silu(hidden, self.fused) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
+        return out if weights is None else out * weights.unsqueeze(-1).to(out.dtype)
 
-    def forward(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        """x: the rows of each local expert in turn (per_expert[e] of them)."""
+    def forward(self, x: torch.Tensor, per_expert: list[int], weights: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the rows of each local expert in turn (per_expert[e] of them); `weights`: each row's router
+        probability, applied in the activation (model.moe_probs_in_experts), or None."""
         if self.fp8_w1 is not None:
-            hidden = self._activation(fp8_experts(x, self.w1, per_expert, self.fp8_w1))
+            hidden = self._activation(fp8_experts(x, self.w1, per_expert, self.fp8_w1), weights)
             return fp8_experts(hidden, self.w2, per_expert, self.fp8_w2)
         if self.grouped_gemm:
-            return grouped_mm(self._activation(grouped_mm(x, self.w1, per_expert)), self.w2, per_expert)
+            return grouped_mm(self._activation(grouped_mm(x, self.w1, per_expert), weights), self.w2, per_expert)
         # unbind, not w1[e]: indexing each expert's weight has a backward per expert that writes a zero-filled
         # gradient of all experts' weights and adds it up (E^2 weight-sized passes); unbind's backward is one
         # stack of the experts' gradients, the one weight-sized write a grouped weight gradient costs anyway
-        outs = [self._activation(part @ w1) @ w2
-                for part, w1, w2 in zip(x.split(per_expert), self.w1.unbind(0), self.w2.unbind(0))]
+        parts = weights.split(per_expert) if weights is not None else [None] * len(per_expert)
+        outs = [self._activation(part @ w1, p) @ w2
+                for part, p, w1, w2 in zip(x.split(per_expert), parts, self.w1.unbind(0), self.w2.unbind(0))]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -221,6 +244,7 @@ class MoE(nn.Module):
         self.local_experts = cfg.num_experts // ep.size
         self.sigmoid = cfg.moe_router == "sigmoid"
         self.capacity_factor, self.aux_coeff = cfg.moe_capacity_factor, cfg.moe_aux_loss_coeff
+        self.probs_in_experts = cfg.moe_probs_in_experts
         # the router stays in the model's dtype with FP8, as in Megatron-Core
         self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype))
         self.router.sequence_parallel = sequence_parallel  # each tp rank routes its own tokens: partial gradients
@@ -267,10 +291,13 @@ class MoE(nn.Module):
             tokens, probs, indices, logits, counts, everyone = self._route_and_count(x)
             combined = self._allgather_experts(tokens, probs, indices, everyone)
             return self._output(combined, x, logits, counts)
-        permuted, probs, logits, exchange = self.dispatch_preprocess(x)
+        permuted, weights, logits, exchange = self.dispatch_preprocess(x)
         received = self.dispatch(permuted, exchange)
-        return self.combine_postprocess(self.dispatch(self.experts_on(received, exchange), exchange.reverse()),
-                                        probs, logits, x, exchange)
+        if self.probs_in_experts:
+            out, weights = self.experts_on(received, exchange, self.dispatch(weights, exchange)), None
+        else:
+            out = self.experts_on(received, exchange)
+        return self.combine_postprocess(self.dispatch(out, exchange.reverse()), weights, logits, x, exchange)
 
     def _route_and_count(self, x: torch.Tensor):
         """Steps 1 and the counts of 3: (tokens [T, h], probs, indices, logits, this source's tokens per expert,
@@ -292,11 +319,13 @@ class MoE(nn.Module):
         return combined + self.shared(x) if self.shared is not None else combined
 
     def dispatch_preprocess(self, x: torch.Tensor):
-        """Steps 1-2 with the all-to-all dispatcher: (token copies sorted by expert, probs, logits, TokenExchange)."""
+        """Steps 1-2 with the all-to-all dispatcher: (token copies sorted by expert, their router probabilities,
+        logits, TokenExchange)."""
         tokens, probs, indices, logits, counts, everyone = self._route_and_count(x)
         order = indices.flatten().argsort(stable=True)  # token copies grouped by expert
         exchange = self.token_exchange(order, counts, everyone)
-        return tokens.index_select(0, exchange.order // self.top_k), probs, logits, exchange
+        weights = probs.flatten().index_select(0, exchange.order)
+        return tokens.index_select(0, exchange.order // self.top_k), weights, logits, exchange
 
     def token_exchange(self, order: torch.Tensor, counts: list[int], everyone: np.ndarray) -> TokenExchange:
         """The exchange of the token copies `order` (by expert), with this source's `counts` per expert and every
@@ -319,8 +348,10 @@ class MoE(nn.Module):
             return x
         return _AllToAll.apply(x, exchange.receive, exchange.send, self.ep.group)
 
-    def experts_on(self, received: torch.Tensor, exchange: TokenExchange) -> torch.Tensor:
-        """Step 4 on the rows the all-to-all brought, in the order they came."""
+    def experts_on(self, received: torch.Tensor, exchange: TokenExchange,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 4 on the rows the all-to-all brought, in the order they came (and their probabilities, when the
+        experts apply them)."""
         ep = self.ep
         by_source = exchange.by_source
         rows = by_source[:, ep.etp_rank]  # [source ep rank, my expert], what the all-to-all brings
@@ -328,18 +359,22 @@ class MoE(nn.Module):
             rows = by_source.transpose(1, 0, 2).reshape(-1, self.local_experts)  # by etp rank, then ep rank
             etp_sizes = by_source.sum(axis=(0, 2)).tolist()
             received = gather_uneven(received, etp_sizes, ep.etp_group, "etp")
-        out = _regroup(self.experts(_regroup(received, rows), rows.sum(axis=0).tolist()), rows.T)
+            if weights is not None:
+                weights = gather_uneven(weights, etp_sizes, ep.etp_group, "etp")
+        if weights is not None:
+            weights = _regroup(weights, rows)
+        out = _regroup(self.experts(_regroup(received, rows), rows.sum(axis=0).tolist(), weights), rows.T)
         if ep.etp > 1:
             out = reduce_scatter_uneven_rows(out, etp_sizes, ep.etp_group, "etp")
         return out
 
-    def combine_postprocess(self, back: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor, x: torch.Tensor,
-                            exchange: TokenExchange) -> torch.Tensor:
-        """Step 5 after the all-to-all: each copy weighted by its probability, summed into its token; the
-        auxiliary loss and the shared expert."""
-        order, k = exchange.order, self.top_k
-        weights = probs.flatten().index_select(0, order).unsqueeze(-1).to(back.dtype)
-        combined = torch.zeros_like(x.reshape(-1, x.shape[-1])).index_add(0, order // k, back * weights)
+    def combine_postprocess(self, back: torch.Tensor, weights: torch.Tensor | None, logits: torch.Tensor,
+                            x: torch.Tensor, exchange: TokenExchange) -> torch.Tensor:
+        """Step 5 after the all-to-all: each copy weighted by its probability (unless the experts did), summed into
+        its token; the auxiliary loss and the shared expert."""
+        if weights is not None:
+            back = back * weights.unsqueeze(-1).to(back.dtype)
+        combined = _SumCopies.apply(back, exchange.order // self.top_k, x.numel() // x.shape[-1])
         return self._output(combined, x, logits, exchange.counts)
 
     def _allgather_experts(self, tokens, probs, indices, everyone: np.ndarray) -> torch.Tensor:
@@ -355,7 +390,11 @@ class MoE(nn.Module):
         first = int(per_expert[:ep.rank * self.local_experts].sum())
         mine = per_expert[ep.rank * self.local_experts:(ep.rank + 1) * self.local_experts]
         order = gathered_indices.flatten().argsort(stable=True)[first:first + int(mine.sum())]
-        out = self.experts(gathered.index_select(0, order // k), mine.tolist())
-        weights = gathered_probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype)
-        partial = torch.zeros_like(gathered).index_add(0, order // k, out * weights)
+        weights = gathered_probs.flatten().index_select(0, order)
+        if self.probs_in_experts:
+            out = self.experts(gathered.index_select(0, order // k), mine.tolist(), weights)
+        else:
+            out = self.experts(gathered.index_select(0, order // k), mine.tolist())
+            out = out * weights.unsqueeze(-1).to(out.dtype)
+        partial = _SumCopies.apply(out, order // k, gathered.shape[0])
         return reduce_scatter_to_sp(partial, group, size, kind)

@@ -54,6 +54,10 @@ class StepObserver:
     def kernel_notes_for_backward(self, output, **notes: float) -> None:
         """kernel_notes for the kernels autograd runs to differentiate `output` (its grad_fn)."""
 
+    def padded(self, tensor, real_bytes: int) -> None:
+        """`tensor` is a padded copy the tracing device's kernel needs and the GPU's does not (torch's CPU flash
+        attention wants v as wide as q): where it is kept for backward it counts `real_bytes`."""
+
     def kept_for_backward(self, tensor) -> None:
         """The step keeps `tensor` for its backward outside autograd's saved tensors (an op output selective
         checkpointing keeps: workloads/op_checkpoint.py)."""

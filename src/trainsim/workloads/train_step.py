@@ -124,7 +124,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
                 tp=par.tp, tp_rank=pos.tp_rank, tp_group=groups["tp"],
                 dtype=dtype, recompute=par.recompute, loss_scale=1.0 / par.num_microbatches,
                 sequence_parallel=par.sequence_parallel, tp_comm_overlap=par.tp_comm_overlap, fp8=fp8, cp=cp, ep=ep,
-                offload_layers=par.cpu_offload_layers,
+                offload_layers=par.cpu_offload_layers, recompute_modules=tuple(par.recompute_modules),
             ))
     except (RuntimeError, ValueError) as exc:
         raise TraceError(f"cannot build the sub-model of rank {rank} (pp_rank={pos.pp_rank}, "
