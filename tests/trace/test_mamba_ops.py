@@ -9,6 +9,7 @@ from trainsim.config import compose_run
 from trainsim.profile.analytical import op_kind, predict_rows
 from trainsim.report.efficiency import forward_flops_per_token
 from trainsim.trace import trace_layout
+from trainsim.workloads import mamba
 
 # hidden 64 -> 2 * 64 / 16 = 8 heads of 16 channels (inner width 128), 2 groups of state 8; 256 tokens = 2 chunks
 MAMBA_LAYER = ["model=gpt-tiny", "model.num_layers=1", "model.hybrid_layer_pattern=M", "model.seq_length=256",
@@ -52,3 +53,21 @@ def test_causal_convolution_and_gated_norm_are_one_memory_bound_pass_each():
     seconds = predict_rows(conv, run.hardware)
     more_arithmetic = conv.assign(flops=conv["flops"] * (2 * kernel + 4))
     assert predict_rows(more_arithmetic, run.hardware)[0] == seconds[0] > 0
+
+
+def test_the_scan_keeps_its_inputs_and_is_redone_inside_the_fused_backward(monkeypatch):
+    """mamba_ssm's chunked-scan kernels keep the scan's inputs and recompute the [chunk, chunk] decays and the chunk
+    states inside their backward: the traced scan is checkpointed, its recomputed forward noted fused (no time of
+    its own), and no [chunk, chunk] tensor is kept."""
+    run = compose_run(MAMBA_LAYER)
+    trace = trace_layout(run.model, run.parallelism)
+    graph = trace.graph.to_pandas()
+    forward_exps = graph[(graph["phase"] == "forward") & (graph["op"] == "aten::exp")]
+    again = graph[(graph["phase"] == "backward") & (graph["op"] == "aten::exp")]
+    assert again["op_args"].str.contains('"fused":1').sum() == 4  # the scan's: two decay matrices, to end, from start
+    assert not forward_exps["op_args"].str.contains('"fused":1').any()
+    saved = int(trace.memory.to_pandas()["activation_bytes_per_microbatch"].iloc[0])
+    monkeypatch.setattr(mamba, "checkpoint", lambda scan, *args, **_: scan(*args))  # the eager scan keeps it all
+    eager = int(trace_layout(run.model, run.parallelism).memory.to_pandas()["activation_bytes_per_microbatch"].iloc[0])
+    sequences, heads, chunks, chunk = 2, 8, 2, 128
+    assert eager - saved >= sequences * heads * chunks * chunk * chunk * 4  # at least its fp32 [chunk, chunk] decays

@@ -19,6 +19,8 @@ def test_a_row_with_an_alternative_gives_two_recipes_with_their_own_layouts():
     assert {"parallelism.zero_stage=3", "parallelism.tp=1"} <= main
     assert {"parallelism.tp=2", "parallelism.pp=4", "parallelism.virtual_stages=5", "parallelism.fp8_recipe=mxfp8"} \
         <= alternative
+    # one MBS cell (2) for both, GA "1 (16)": the alternative's micro-batch is 128 / (8 x 16) = 1
+    assert "parallelism.micro_batch_size=2" in main and "parallelism.micro_batch_size=1" in alternative
 
 
 def test_the_step_time_is_the_tokens_of_a_step_over_the_throughput_of_all_gpus():

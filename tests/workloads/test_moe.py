@@ -167,7 +167,7 @@ def test_moe_layer_computes_each_token_with_its_experts(router):
     torch.testing.assert_close(layer(x), _reference(layer, x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family, fused", [("gpt", True), ("llama", True), ("llama", False)])
+@pytest.mark.parametrize("family, fused", [("gpt", True), ("gpt", False), ("llama", True), ("llama", False)])
 def test_probabilities_in_the_experts_give_the_combine_weighted_layer_and_gradients(family, fused):
     """Megatron-Core 0.13+ weights each copy inside the experts' activation (fused.weighted_swiglu for SwiGLU);
     the older combine weights the expert's output: the same layer, the same gradients."""

@@ -189,6 +189,11 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
                               "folded over the ranks of a pipeline stage)"
                               + ("; the cell's alternative states no EP of its own" if alternative else ""))
     dp = gpus // (tp * pp * cp)
+    accumulation = number(get("GA"))
+    if alternative and accumulation and gbs % (dp * accumulation) == 0 and gbs // (dp * accumulation) != mbs:
+        notes.append(f"MBS {gbs // (dp * accumulation)} = GBS / (DP x GA) = {gbs} / ({dp} x {accumulation}): the "
+                     f"MBS cell ({mbs}) is the main configuration's, the GA cell has one per configuration")
+        mbs = gbs // (dp * accumulation)
     precision, fp8_recipe, note = precision_of(table, system, alternative, precision_column)
     if note:
         notes.append(note)

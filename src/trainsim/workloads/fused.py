@@ -185,7 +185,7 @@ def _(grad, h, weights):
     return torch.empty_like(h), torch.empty_like(weights)
 
 
-def _weighted_swiglu_setup(ctx, inputs, output):
+def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
@@ -193,7 +193,41 @@ def _weighted_swiglu_grad(ctx, grad):
     return weighted_swiglu_backward(grad, *ctx.saved_tensors)
 
 
-weighted_swiglu.register_autograd(_weighted_swiglu_grad, setup_context=_weighted_swiglu_setup)
+weighted_swiglu.register_autograd(_weighted_swiglu_grad, setup_context=_save_inputs)
+
+
+@torch.library.custom_op("trainsim::weighted_gelu", mutates_args=())
+def weighted_gelu(h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """gelu(h) (tanh form) scaled row by row by `weights`: the non-gated experts' weighted activation, one kernel that
+    keeps h and the weights (Megatron-Core's weighted_squared_relu for Nemotron's experts; GELU stands in)."""
+    return nn.functional.gelu(h, approximate="tanh") * weights.unsqueeze(-1).to(h.dtype)
+
+
+@weighted_gelu.register_fake
+def _(h, weights):
+    return torch.empty_like(h)
+
+
+@torch.library.custom_op("trainsim::weighted_gelu_backward", mutates_args=())
+def weighted_gelu_backward(grad: torch.Tensor, h: torch.Tensor,
+                           weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient of h, of the weights): the activation recomputed from h."""
+    wide = _wide(h)
+    grad_weights = (_wide(grad) * nn.functional.gelu(wide, approximate="tanh")).sum(dim=-1).to(weights.dtype)
+    scaled = _wide(grad) * _wide(weights).unsqueeze(-1)
+    return torch.ops.aten.gelu_backward(scaled, wide, approximate="tanh").to(h.dtype), grad_weights
+
+
+@weighted_gelu_backward.register_fake
+def _(grad, h, weights):
+    return torch.empty_like(h), torch.empty_like(weights)
+
+
+def _weighted_gelu_grad(ctx, grad):
+    return weighted_gelu_backward(grad, *ctx.saved_tensors)
+
+
+weighted_gelu.register_autograd(_weighted_gelu_grad, setup_context=_save_inputs)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:

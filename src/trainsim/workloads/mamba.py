@@ -12,7 +12,10 @@ reduce-scatter with sequence parallelism, whose all-gather in_proj does, as Mega
 
 The scan is written as plain torch ops (the minimal SSD algorithm), so the trace records its matmuls, cumsums and
 exps one by one and the kernel model prices each; Megatron runs it as a few fused Triton kernels that keep the
-[chunk, chunk] decay matrices on chip, so the traced scan moves more bytes than those kernels. The convolution
+[chunk, chunk] decay matrices on chip, so the traced scan moves more bytes than those kernels. Those kernels keep
+only the scan's inputs for backward and recompute the decays and chunk states inside their backward kernels
+(mamba_ssm's _chunk_scan_combined_bwd): the scan is checkpointed, its recomputation noted fused (time of the
+backward kernels, not of its own), so its [chunk, chunk] intermediates are not counted as kept. The convolution
 (with its SiLU) and the gated norm are one custom op each, as the causal-conv1d and Triton norm kernels are: one
 memory-bound pass over their tensors. Shapes: b micro-batch, s sequence, c chunks of l tokens, h heads on this
 rank, g groups on this rank, p head channels, n state size.
@@ -20,11 +23,15 @@ rank, g groups on this rank, p head channels, n state size.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainsim.config.schema import MAMBA_CHUNK_TOKENS, ModelConfig
 from trainsim.workloads.fp8 import Fp8Region
+from trainsim.workloads.observe import observer
 from trainsim.workloads.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 DT_INIT_RANGE = (1e-3, 1e-1)  # cite: Mamba-2 reference MambaMixer dt_min / dt_max (Dao & Gu 2024)
@@ -147,6 +154,12 @@ def _decay(cumulative: torch.Tensor) -> torch.Tensor:
     return torch.exp(segments.masked_fill(above, float("-inf")))
 
 
+def _recomputed_inside_the_backward():
+    """The scan's checkpoint contexts: the forward as it is; its recomputation noted fused (kept on chip and redone
+    by the fused backward kernels)."""
+    return contextlib.nullcontext(), observer().kernel_notes(fused=1.0)
+
+
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              chunk: int) -> torch.Tensor:
     """The selective state-space model y_t = C_t h_t, h_t = exp(dt_t a) h_{t-1} + dt_t B_t x_t, by the chunked SSD
@@ -227,7 +240,8 @@ class MambaMixer(nn.Module):
         if pad:
             x, b, c = (nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, b, c))
             dt = nn.functional.pad(dt, (0, 0, 0, pad))
-        y = ssd_scan(x, dt, -torch.exp(self.a_log.float()), b, c, chunk)[:, :s]
+        y = checkpoint(ssd_scan, x, dt, -torch.exp(self.a_log.float()), b, c, chunk, use_reentrant=False,
+                       context_fn=_recomputed_inside_the_backward)[:, :s]
         y = y + x[:, :s] * self.d_skip.to(x.dtype).unsqueeze(-1)
         y = gated_rms_norm(y.reshape(bsz, s, self.inner), z.contiguous(), self.norm_weight, self.groups,
                            self.norm_eps)

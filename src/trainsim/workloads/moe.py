@@ -42,7 +42,7 @@ from torch import nn
 
 from trainsim.config.schema import ModelConfig
 from trainsim.workloads.fp8 import Fp8Linear, Fp8Region, fp8_experts
-from trainsim.workloads.fused import gated_silu, weighted_swiglu
+from trainsim.workloads.fused import gated_silu, weighted_gelu, weighted_swiglu
 from trainsim.workloads.grouped_gemm import grouped_mm
 from trainsim.workloads.observe import observer
 from trainsim.workloads.routing import PlannedCounts, RouterCounts
@@ -213,8 +213,8 @@ class Experts(nn.Module):
         self.fp8_w1, self.fp8_w2 = (Fp8Linear(fp8), Fp8Linear(fp8)) if fp8 is not None else (None, None)
 
     def _activation(self, hidden: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        if weights is not None and self.swiglu and self.fused:
-            return weighted_swiglu(hidden, weights)
+        if weights is not None and self.fused:
+            return weighted_swiglu(hidden, weights) if self.swiglu else weighted_gelu(hidden, weights)
         out = gated_silu(hidden, self.fused) if self.swiglu else nn.functional.gelu(hidden, approximate="tanh")
         return out if weights is None else out * weights.unsqueeze(-1).to(out.dtype)
 
