@@ -258,10 +258,7 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         self.allocations.release(tensor)
         key = tensor.untyped_storage()._cdata
         if key in self._saved_storages:  # kept for backward, then freed (and made again before it is needed)
-            index = self._saved_storages.pop(key)
-            chunk, allocation, counted = self.saved_allocations[index]
-            self.saved_allocations[index] = (chunk, allocation, 0)
-            self.saved_activation_bytes[chunk] -= counted
+            self._recount(self._saved_storages.pop(key), 0)
 
     @contextlib.contextmanager
     def communication(self, async_op: bool = False, group_kind: str | None = None,
@@ -328,10 +325,13 @@ class ExecutionRecorder(TorchDispatchMode, StepObserver):
         key = self._watch(tensor)
         self._real_bytes[key] = real_bytes
         if key in self._saved_storages:  # kept by the op that made it: counted already
-            index = self._saved_storages[key]
-            chunk, allocation, counted = self.saved_allocations[index]
-            self.saved_allocations[index] = (chunk, allocation, real_bytes)
-            self.saved_activation_bytes[chunk] += real_bytes - counted
+            self._recount(self._saved_storages[key], real_bytes)
+
+    def _recount(self, index: int, nbytes: int) -> None:
+        """Entry `index` of saved_allocations counts `nbytes` from now on (its chunk's total follows)."""
+        chunk, allocation, counted = self.saved_allocations[index]
+        self.saved_allocations[index] = (chunk, allocation, nbytes)
+        self.saved_activation_bytes[chunk] += nbytes - counted
 
     def kept_for_backward(self, tensor) -> None:
         self._on_save(tensor)
