@@ -39,10 +39,14 @@ and what this module reproduces with plain torch ops, so the tracer records ever
 Megatron-Core's TE layer spec runs the input norms inside linear_qkv and linear_fc1 (TE's LayerNormLinear), whose
 norm kernel writes its output in FP8 under delayed scaling: those two casts are noted fused with the norm.
 
-Sequence parallelism without tp_comm_overlap all-gathers the bf16 input before the FP8 cast here (TE
-gathers FP8 shards, half the bytes); with tp_comm_overlap the ring exchange carries FP8 blocks as TE's
-userbuffers do. FP8 tensors travel over c10d as uint8 views (NCCL and gloo have no FP8 type; TE does
-the same).
+Sequence parallelism all-gathers the column-parallel linears' input in FP8 under the per-tensor recipes: each
+shard is cast with one scale over the tp group, then the FP8 bytes travel (half of bf16's), as TE's
+gather_along_first_dim with a quantizer and torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput do; with
+tp_comm_overlap the ring exchange carries the FP8 blocks, as TE's userbuffers do. The block-scaled recipes gather
+bf16 and cast after (torchtitan's rowwise recipe does; TE's MXFP8 gather is not built). The row-parallel linears'
+backward gathers its bf16 output gradient (torchao does; TE's FP8 gather of it is not built: every TE recipe row
+with tensor parallelism runs the overlap rings). FP8 tensors travel over c10d as uint8 views (NCCL and gloo have
+no FP8 type; TE does the same).
 """
 
 from __future__ import annotations
@@ -58,9 +62,11 @@ from trainsim.config.choices import FP8_RECIPES
 from trainsim.workloads import block_scaling
 from trainsim.workloads.block_overlap import BlockOverlappedColumnLinear, BlockOverlappedRowLinear
 from trainsim.workloads.block_scaling import BLOCK_FORMATS, BlockQuantized
+from trainsim.workloads.collectives import all_gather_flat
 from trainsim.workloads.grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_weight_grad
 from trainsim.workloads.observe import observer
 from trainsim.workloads.rings import (
+    as_bytes,
     ring_all_gather_matmul,
     ring_matmul_reduce_scatter,
     start_all_gather_tokens,
@@ -512,6 +518,74 @@ class _Fp8OverlappedRowLinear(torch.autograd.Function):
         if ctx.reduce_backward:
             ctx.fp8.region.reduce_and_update(forward=False)
         return grad_x, wgrad, None, None, None
+
+
+class _Fp8GatheredColumnLinears(torch.autograd.Function):
+    """Sequence-parallel column-parallel linears over one input, FP8 per-tensor recipes, without the overlap rings:
+    the token shard is cast to FP8 with the tp group's amax and all-gathered in FP8, then each weight's GEMM reads the
+    one gathered input (torchtitan's separate wq, wk, wv share it; Megatron's fused qkv is one weight). Backward: each
+    weight's output-gradient slice is cast (the last weight first, as autograd runs them), the dgrads summed and
+    reduce-scattered (bf16), the wgrads run on the gathered input. With `bulk_backward` (TE, Megatron-LM) the FP8
+    shard is kept and all-gathered again behind the dgrad GEMMs, and the reduce-scatter runs behind the wgrad GEMMs;
+    without it (torch's DTensor) the gathered input is kept, each linear runs its dgrad and wgrad in turn, and the
+    reduce-scatter is waited for."""
+
+    @staticmethod
+    def forward(ctx, x, fp8s: list[Fp8Linear], group, tp, bulk_backward, *weights):
+        lead = fp8s[0]  # the one cast of the shared input
+        x_fp8, x_inv = lead.quantize_input(x.contiguous(), gathered=True)
+        gathered = torch.empty((tp * x_fp8.shape[0], x_fp8.shape[1]), dtype=x_fp8.dtype, device=x.device)
+        with observer().communication():
+            all_gather_flat(as_bytes(gathered), as_bytes(x_fp8), group=group)
+        casts = [fp8.weight(w) for fp8, w in zip(fp8s, weights)]
+        outputs = [_gemm(gathered, w_fp8, x_inv, w_inv, x.dtype) for w_fp8, _, w_inv in casts]
+        ctx.save_for_backward(x_fp8 if bulk_backward else gathered.t().contiguous(), x_inv)
+        ctx.fp8s, ctx.group, ctx.tp, ctx.bulk_backward = fp8s, group, tp, bulk_backward
+        ctx.weights = [fp8.kept_for_backward(w, cast) for fp8, w, cast in zip(fp8s, weights, casts)]
+        ctx.widths = [w.shape[0] for w in weights]
+        ctx.reduce_backward = lead.region.claim_first()
+        if len(outputs) == 1:
+            return outputs[0]
+        with observer().kernel_notes(fused=1):  # each GEMM writes its slice of one output (as SeparateColumnLinears)
+            return torch.cat(outputs, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        kept, x_inv = ctx.saved_tensors
+        if ctx.bulk_backward:
+            gathered, gathering = start_all_gather_tokens(kept, ctx.group, ctx.tp)
+        grad_input, wgrads, cast = None, {}, []
+        # the last projection's backward first, each input gradient added to the sum (as autograd orders them)
+        for j in reversed(range(len(ctx.fp8s))):
+            g_fp8, g_inv = ctx.fp8s[j].quantize_grad(grad.narrow(-1, sum(ctx.widths[:j]), ctx.widths[j]))
+            _, weight_t, weight_inv = ctx.fp8s[j].for_backward(ctx.weights[j])
+            dgrad = _gemm(g_fp8, weight_t, g_inv, weight_inv, grad.dtype)
+            grad_input = dgrad if grad_input is None else grad_input.add_(dgrad)
+            cast.append((j, g_fp8.t().contiguous(), g_inv))
+            if not ctx.bulk_backward:  # each linear's own backward: dgrad then wgrad
+                wgrads[j] = _gemm(cast[-1][1], kept, g_inv, x_inv, grad.dtype)
+        if ctx.bulk_backward:
+            wait_all(gathering)
+            kept = gathered.t().contiguous()  # K-major for wgrad
+        grad_x, scattering = start_reduce_scatter_tokens(grad_input, ctx.group, ctx.tp, ctx.bulk_backward)
+        for j, g_t, g_inv in cast if ctx.bulk_backward else ():
+            wgrads[j] = _gemm(g_t, kept, g_inv, x_inv, grad.dtype)
+        wait_all(scattering)
+        if ctx.reduce_backward:
+            ctx.fp8s[0].region.reduce_and_update(forward=False)
+        return grad_x, None, None, None, None, *(wgrads[j] for j in range(len(ctx.fp8s)))
+
+
+def gathers_fp8(fp8: Fp8Linear | None) -> bool:
+    """Whether a sequence-parallel column-parallel linear with these FP8 settings all-gathers its input in FP8 (the
+    per-tensor recipes; the block-scaled ones gather bf16)."""
+    return fp8 is not None and fp8.region.block is None
+
+
+def fp8_gathered_column_linears(x: torch.Tensor, weights: list[torch.Tensor], fp8s: list[Fp8Linear], group, tp: int,
+                                bulk_backward: bool) -> torch.Tensor:
+    """The token shard x [t, k] all-gathered in FP8 and multiplied by each weight: [tp t, sum of widths]."""
+    return _Fp8GatheredColumnLinears.apply(x, fp8s, group, tp, bulk_backward, *weights)
 
 
 def fp8_overlapped_column_linear(x, weight, fp8: Fp8Linear, group, tp: int, bulk_backward: bool = True

@@ -315,6 +315,10 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel and not self.fp8:
             return _SequenceParallelColumnLinear.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
                                                        self.group, self.tp)
+        if self.sequence_parallel and fp8.gathers_fp8(self.fp8):
+            y = fp8.fp8_gathered_column_linears(x.reshape(-1, x.shape[-1]), [self.weight], [self.fp8], self.group,
+                                                self.tp, self.bulk_backward)
+            return y + self.bias if self.bias is not None else y
         if not self.input_ready:
             x = gather_from_sp(x, self.group, self.tp) if self.sequence_parallel else copy_to_tp(x, self.group, self.tp)
         if self.fp8:
@@ -338,6 +342,15 @@ class SeparateColumnLinears(nn.Module):
                                      for width in widths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and fp8.gathers_fp8(self.linears[0].fp8):
+            # the input cast to FP8 once and gathered in FP8 (torchtitan's PrepareFloat8ModuleInput)
+            y = fp8.fp8_gathered_column_linears(x.reshape(-1, x.shape[-1]), [lin.weight for lin in self.linears],
+                                                [lin.fp8 for lin in self.linears], self.group, self.tp,
+                                                bulk_backward=False)
+            if self.linears[0].bias is None:
+                return y
+            with observer().kernel_notes(fused=1):  # each GEMM adds its own bias
+                return y + torch.cat([lin.bias for lin in self.linears])
         x = gather_from_sp(x, self.group, self.tp) if self.sequence_parallel else copy_to_tp(x, self.group, self.tp)
         outputs = [linear(x) for linear in self.linears]
         with observer().kernel_notes(fused=1):
