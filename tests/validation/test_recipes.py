@@ -55,6 +55,10 @@ def test_deepseek_v3_composes_with_megatron_bridges_pipeline_layout():
     composed = compose_recipe(recipe)
     assert composed.refusal is None, composed.refusal
     assert composed.run.parallelism.pipeline_layout == "Et|(tt|)*30L"
+    # Bridge 25.09's H100 recipe overlaps the expert all-to-alls (A2A_1F1B); its Blackwell token-drop rows do not
+    assert composed.run.parallelism.moe_a2a_overlap
+    gb200 = next(r for r in read_recipes("megatron-bridge_25.09_pretrain.csv") if "GB200 256" in r.label)
+    assert not compose_recipe(gb200).run.parallelism.moe_a2a_overlap
 
 
 def test_deepseek_v3_mxfp8_composes_its_releases_recompute_modules_and_mxfp8_weights():

@@ -238,6 +238,10 @@ def nvidia_recipe(table: str, index: int, row: pd.Series, alternative: bool) -> 
             notes.append("weights held in MXFP8 alone (Megatron-Bridge's bf16_with_mxfp8_mixed: fp8_param_gather, "
                          "reuse_grad_buf_for_mxfp8_param_ag)")
     release = table.split("_")[1] if table.startswith("megatron-bridge_") else ""
+    if (release, MODELS[model_name], system) in MOE_A2A_OVERLAP:
+        overrides.append("parallelism.moe_a2a_overlap=true")
+        notes.append("expert all-to-alls overlapped by combined forward-backward passes (Megatron-Bridge's "
+                     "performance recipe of the release: overlap_moe_expert_parallel_comm)")
     modules = RECOMPUTE_MODULES.get((release, MODELS[model_name], system))
     if modules is None:
         overrides.append("parallelism.recompute=none")
@@ -276,6 +280,12 @@ RECOMPUTE_MODULES = {
 v0.4.0 scripts/performance/configs/<model>/*_workload_base_configs.py, the V1/V2 presets of the table's layout, for
 26.02 and 26.04). Rows of models whose recipes recompute modules not built (moe_act, layernorm, moe: Nemotron 3's
 H100 recipe) are not listed: they compose without recomputation."""
+
+MOE_A2A_OVERLAP = {("25.09", "deepseek-v3", "DGX-H100")}
+"""(Megatron-Bridge release, model, system) whose performance recipe overlaps the expert all-to-alls with another
+micro-batch's compute (overlap_moe_expert_parallel_comm with delay_wgrad_compute: Megatron-Bridge v0.1.0rc4
+scripts/performance/run_script.py, A2A_1F1B for H100; the v0.3.0 and v0.4.0 presets of the 26.02 and 26.04 rows set
+moe_a2a_overlap=False). The recipe's DeepEP dispatcher (flex) is not built: the all-to-all dispatcher stands in."""
 
 TORCHTITAN_RECOMPUTE = {
     "selective": "op", "selective layer": "selective", "selective op": "op", "per op SAC": "op",
