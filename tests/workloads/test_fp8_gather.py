@@ -1,6 +1,7 @@
 """Sequence parallelism all-gathers the column-parallel linears' input in FP8 under the per-tensor recipes (TE's
 gather_along_first_dim with a quantizer, torchao's Float8ColwiseParallel): half the bytes of bf16, one cast of the
-shard with the tp group's amax, the same gradients as casting the gathered input."""
+shard with the tp group's amax, the same gradients as casting the gathered input. TE also gathers the row-parallel
+linears' output gradients in FP8."""
 
 from __future__ import annotations
 
@@ -44,9 +45,13 @@ def test_per_tensor_fp8_gathers_each_column_linear_input_in_one_byte(framework):
     amaxes = forward_reductions[forward_reductions["message_bytes"] == 4]
     assert len(amaxes) == 2 * run.model.num_layers
     backward = _gathers(graph, "backward")
-    # TE gathers the kept FP8 shard again behind dgrad; torch's DTensor keeps the gathered input
-    regathered = (backward["comm_dtype"] == "uint8").sum()
-    assert regathered == (2 * run.model.num_layers if framework == "megatron-core" else 0)
+    # TE gathers the kept FP8 shard again behind dgrad, and the row-parallel linears' (proj, fc2) output gradients in
+    # FP8; torch's DTensor keeps the gathered input and torchao gathers the output gradients in bf16
+    in_fp8 = backward[backward["comm_dtype"] == "uint8"]
+    if framework == "megatron-core":
+        assert len(in_fp8) == 4 * run.model.num_layers and set(in_fp8["message_bytes"]) == {fp8_bytes}
+    else:
+        assert in_fp8.empty
 
 
 def test_block_recipes_gather_bf16_and_cast_after():

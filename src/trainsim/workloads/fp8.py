@@ -44,9 +44,9 @@ shard is cast with one scale over the tp group, then the FP8 bytes travel (half 
 gather_along_first_dim with a quantizer and torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput do; with
 tp_comm_overlap the ring exchange carries the FP8 blocks, as TE's userbuffers do. The block-scaled recipes gather
 bf16 and cast after (torchtitan's rowwise recipe does; TE's MXFP8 gather is not built). The row-parallel linears'
-backward gathers its bf16 output gradient (torchao does; TE's FP8 gather of it is not built: every TE recipe row
-with tensor parallelism runs the overlap rings). FP8 tensors travel over c10d as uint8 views (NCCL and gloo have
-no FP8 type; TE does the same).
+backward gathers the output gradient in FP8 under TE (grad_output_preprocess with a quantizer), in bf16 under
+torchao (Fp8Settings.gathers_gradients). FP8 tensors travel over c10d as uint8 views (NCCL and gloo have no FP8
+type; TE does the same).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from trainsim.config.choices import FP8_RECIPES
 from trainsim.workloads import block_scaling
 from trainsim.workloads.block_overlap import BlockOverlappedColumnLinear, BlockOverlappedRowLinear
 from trainsim.workloads.block_scaling import BLOCK_FORMATS, BlockQuantized
-from trainsim.workloads.collectives import all_gather_flat
+from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
 from trainsim.workloads.grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_weight_grad
 from trainsim.workloads.observe import observer
 from trainsim.workloads.rings import (
@@ -96,20 +96,25 @@ class Fp8Settings:
     """Keep each weight's FP8 copy from the step's first micro-batch (TE's is_first_microbatch); False under
     FSDP, where a weight exists only while its unit is gathered: it is cast at every use, as torchao's
     Float8Linear does under torchtitan's FSDP."""
+    gathers_gradients: bool = True
+    """A sequence-parallel row-parallel linear's backward all-gathers its output gradient in FP8 (TE's
+    grad_output_preprocess with a quantizer); False: in bf16, cast after (torchao's Float8RowwiseParallel casts the
+    gradient below the gather)."""
 
 
-def fp8_settings(par, amax_group) -> Fp8Settings | None:
+def fp8_settings(par, amax_group, transformer_engine: bool = True) -> Fp8Settings | None:
     """The FP8 settings of a rank (None unless parallelism.precision is 'fp8' or 'fp4', whose recipe is 'nvfp4');
     amax_group: its group of kind 'amax' (parallel/layout.py), used by the delayed recipe when it has more than
-    one rank."""
+    one rank; transformer_engine: the stack runs TE's linears (False: torchao's, torchtitan)."""
     if par.precision == "fp4":
-        return Fp8Settings("nvfp4")
+        return Fp8Settings("nvfp4", gathers_gradients=transformer_engine)
     if par.precision != "fp8":
         return None
     if par.fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"parallelism.fp8_recipe={par.fp8_recipe!r}; accepted: {', '.join(FP8_RECIPES)}")
     reduce = par.fp8_recipe == "delayed" and par.dp * par.cp * par.tp > 1
-    return Fp8Settings(par.fp8_recipe, amax_group if reduce else None, cache_weights=par.zero_stage < 2)
+    return Fp8Settings(par.fp8_recipe, amax_group if reduce else None, cache_weights=par.zero_stage < 2,
+                       gathers_gradients=transformer_engine)
 
 
 def _amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -574,6 +579,47 @@ class _Fp8GatheredColumnLinears(torch.autograd.Function):
         if ctx.reduce_backward:
             ctx.fp8s[0].region.reduce_and_update(forward=False)
         return grad_x, None, None, None, None, *(wgrads[j] for j in range(len(ctx.fp8s)))
+
+
+class _Fp8GatheredGradientRowLinear(torch.autograd.Function):
+    """Sequence-parallel row-parallel linear in FP8 (per-tensor recipes) without the overlap rings, as TE runs it:
+    forward GEMM, its partial sums reduce-scattered (bf16); backward casts this rank's output-gradient shard with the
+    tp group's amax and all-gathers it in FP8 (grad_output_preprocess), then dgrad and wgrad on the gathered copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fp8: Fp8Linear, group, tp):
+        x_fp8, x_inv = fp8.quantize_input(x.contiguous())
+        w_fp8, w_t_fp8, w_inv = fp8.weight(weight)
+        partial = _gemm(x_fp8, w_fp8, x_inv, w_inv, x.dtype)
+        out = partial.new_empty((partial.shape[0] // tp, partial.shape[1]))
+        with observer().communication():
+            reduce_scatter_flat(out, partial, group=group)
+        ctx.save_for_backward(_transposed(x_fp8), x_inv)
+        ctx.fp8, ctx.group, ctx.tp = fp8, group, tp
+        ctx.weights = fp8.kept_for_backward(weight, (w_fp8, w_t_fp8, w_inv))
+        ctx.reduce_backward = fp8.region.claim_first()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_t_fp8, x_inv = ctx.saved_tensors
+        g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous(), gathered=True)
+        gathered = torch.empty((ctx.tp * g_fp8.shape[0], g_fp8.shape[1]), dtype=g_fp8.dtype, device=grad.device)
+        with observer().communication():
+            all_gather_flat(as_bytes(gathered), as_bytes(g_fp8), group=ctx.group)
+        _, weight_t, weight_inv = ctx.fp8.for_backward(ctx.weights)
+        dgrad = _gemm(gathered, weight_t, g_inv, weight_inv, grad.dtype)
+        wgrad = _gemm(gathered.t().contiguous(), x_t_fp8, g_inv, x_inv, grad.dtype)  # TE transposes after the gather
+        if ctx.reduce_backward:
+            ctx.fp8.region.reduce_and_update(forward=False)
+        return dgrad, wgrad, None, None, None
+
+
+def fp8_gradient_gathered_row_linear(x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Linear, group, tp: int
+                                     ) -> torch.Tensor:
+    """x [tp t, k] times the row-parallel weight, reduce-scattered to this rank's [t, n]; its gradient gathered in
+    FP8 in backward."""
+    return _Fp8GatheredGradientRowLinear.apply(x, weight, fp8, group, tp)
 
 
 def gathers_fp8(fp8: Fp8Linear | None) -> bool:

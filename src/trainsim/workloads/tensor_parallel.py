@@ -379,6 +379,10 @@ class RowParallelLinear(nn.Module):
             y = (fp8.fp8_overlapped_row_linear(x, self.weight, self.fp8, self.group, self.tp) if self.fp8
                  else _OverlappedRowLinear.apply(x, self.weight, self.group, self.tp))
             return y + self.bias if self.bias is not None else y
+        if self.sequence_parallel and fp8.gathers_fp8(self.fp8) and self.fp8.region.settings.gathers_gradients:
+            y = fp8.fp8_gradient_gathered_row_linear(x.reshape(-1, x.shape[-1]), self.weight, self.fp8, self.group,
+                                                     self.tp)
+            return y + self.bias if self.bias is not None else y
         y = fp8.fp8_linear(x, self.weight, None, self.fp8) if self.fp8 else nn.functional.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(y, self.group, self.tp)

@@ -103,7 +103,7 @@ def build_rank_model(model_cfg: ModelConfig, par: ParallelismConfig, rank: int, 
     pos = layout.position(rank)
     v = par.virtual_stages
     dtype = DTYPES[par.precision]
-    fp8 = fp8_settings(par, groups["amax"])
+    fp8 = fp8_settings(par, groups["amax"], transformer_engine=model_cfg.tp_overlap_backward == "bulk")
     cp = ContextParallel(par.cp, pos.cp_rank, groups["cp"], par.cp_comm_type) if par.cp > 1 else None
     ep = None
     if model_cfg.num_experts:
