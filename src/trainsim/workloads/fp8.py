@@ -62,11 +62,11 @@ from trainsim.config.choices import FP8_RECIPES
 from trainsim.workloads import block_scaling
 from trainsim.workloads.block_overlap import BlockOverlappedColumnLinear, BlockOverlappedRowLinear
 from trainsim.workloads.block_scaling import BLOCK_FORMATS, BlockQuantized
-from trainsim.workloads.collectives import all_gather_flat, reduce_scatter_flat
+from trainsim.workloads.collectives import reduce_scatter_flat
 from trainsim.workloads.grouped_gemm import fp8_grouped_mm, fp8_grouped_mm_weight_grad
 from trainsim.workloads.observe import observer
 from trainsim.workloads.rings import (
-    as_bytes,
+    gather_tokens,
     ring_all_gather_matmul,
     ring_matmul_reduce_scatter,
     start_all_gather_tokens,
@@ -539,9 +539,7 @@ class _Fp8GatheredColumnLinears(torch.autograd.Function):
     def forward(ctx, x, fp8s: list[Fp8Linear], group, tp, bulk_backward, *weights):
         lead = fp8s[0]  # the one cast of the shared input
         x_fp8, x_inv = lead.quantize_input(x.contiguous(), gathered=True)
-        gathered = torch.empty((tp * x_fp8.shape[0], x_fp8.shape[1]), dtype=x_fp8.dtype, device=x.device)
-        with observer().communication():
-            all_gather_flat(as_bytes(gathered), as_bytes(x_fp8), group=group)
+        gathered = gather_tokens(x_fp8, group, tp)
         casts = [fp8.weight(w) for fp8, w in zip(fp8s, weights)]
         outputs = [_gemm(gathered, w_fp8, x_inv, w_inv, x.dtype) for w_fp8, _, w_inv in casts]
         ctx.save_for_backward(x_fp8 if bulk_backward else gathered.t().contiguous(), x_inv)
@@ -604,9 +602,7 @@ class _Fp8GatheredGradientRowLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x_t_fp8, x_inv = ctx.saved_tensors
         g_fp8, g_inv = ctx.fp8.quantize_grad(grad.contiguous(), gathered=True)
-        gathered = torch.empty((ctx.tp * g_fp8.shape[0], g_fp8.shape[1]), dtype=g_fp8.dtype, device=grad.device)
-        with observer().communication():
-            all_gather_flat(as_bytes(gathered), as_bytes(g_fp8), group=ctx.group)
+        gathered = gather_tokens(g_fp8, ctx.group, ctx.tp)
         _, weight_t, weight_inv = ctx.fp8.for_backward(ctx.weights)
         dgrad = _gemm(gathered, weight_t, g_inv, weight_inv, grad.dtype)
         wgrad = _gemm(gathered.t().contiguous(), x_t_fp8, g_inv, x_inv, grad.dtype)  # TE transposes after the gather

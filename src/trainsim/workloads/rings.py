@@ -92,6 +92,14 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, tp:
     return product
 
 
+def gather_tokens(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    """All-gather token shards [t, h] -> [tp t, h] and wait (FP8 shards as their bytes)."""
+    out = torch.empty((tp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    with observer().communication():
+        all_gather_flat(as_bytes(out), as_bytes(x), group=group)
+    return out
+
+
 def start_all_gather_tokens(x: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, list]:
     """Start all-gathering token shards [t, h] -> [tp t, h] (FP8 shards as their bytes); the caller waits where it
     needs them."""
