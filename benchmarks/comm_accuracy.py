@@ -68,12 +68,21 @@ HARDWARE_BY_PREFIX = {"a100": "a100-80g-dgx", "h100": "h100-sxm-dgx", "h200": "h
 
 CLUSTER_HARDWARE = {"p4de": "a100-80g-p4de", "p5": "h100-80g-p5", "oci": "a100-40g-oci", "ndmv4": "a100-80g-selene"}
 """Files of a named cluster: the hardware config describing that cluster (its network)."""
+STATED_NCCL = {"use3a": "2.29.7", "slinky": "2.28.9"}
+"""Files of a named cluster -> the NCCL release their log or report states, where the hardware config's differs
+(it decides how many channels a send/recv peer gets across nodes: comm.model.p2p_peer_channels)."""
+
+
+def stated(name: str) -> tuple[str, ...]:
+    """The overrides describing a file's cluster as its log states it (its NCCL release)."""
+    return tuple(f"hardware.nccl.version={version}" for tag, version in STATED_NCCL.items()
+                 if re.search(rf"[-_]{tag}[-_]", name))
 
 
 def hardware_for(name: str):
     key = next((hw for tag, hw in CLUSTER_HARDWARE.items() if re.search(rf"[-_]{tag}[-_]", name)),
                HARDWARE_BY_PREFIX.get(name.split("-")[0], "a100-80g-dgx"))
-    return compose_run([f"hardware={key}"], check="layout").hardware
+    return compose_run([f"hardware={key}", *stated(name)], check="layout").hardware
 
 
 def held_out_prior(hw, collective: str, clusters: list[Cluster], paths: list[Path]):
@@ -318,7 +327,8 @@ def multinode(collective: str, clusters: list[Cluster]) -> pd.DataFrame:
             table = auto_curves(path)
             table = table[(table["collective"] == collective) & (table["num_nodes"] > 1)]
             for (ranks, nodes), part in table.groupby(["num_ranks", "num_nodes"]):
-                hw = compose_run([f"hardware={hardware}", f"hardware.num_nodes={nodes}"], check="layout").hardware
+                hw = compose_run([f"hardware={hardware}", f"hardware.num_nodes={nodes}", *stated(path.name)],
+                                 check="layout").hardware
                 model = CommModel.from_hardware(hw, priors)
                 predicted = np.array([model.collective_seconds(collective, int(b), int(ranks), int(nodes))
                                       for b in part["message_bytes"]])

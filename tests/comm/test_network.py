@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from trainsim.comm.model import CommModel, choose, predict_seconds, prior_params
+from trainsim.comm.model import CommModel, choose, fabric, p2p_peer_channels, predict_seconds, prior_params
 from trainsim.comm.nccl_tuner import tuner_estimates, tuner_topology
 from trainsim.comm.network import PRIORS_FILE, domain_bandwidth, domain_size, network_prior
 from trainsim.comm.network_fit import learn, load_clusters, render
@@ -105,11 +105,36 @@ def test_an_all_to_all_pays_the_network_hop_once_per_batch_of_remote_peers():
 def test_a_send_recv_crosses_nodes_through_one_gpus_nic():
     """nccl-tests' sendrecv_perf on 2 x 8 B200 (Together, 8 x 400 Gb/s InfiniBand per node): every rank sends to the
     next, the two pairs that cross nodes bound the step at one NIC's rate, 43 GB/s at 256 MiB (not the node's 8)."""
-    model = CommModel.from_hardware(hardware("dgx-b200", "hardware.num_nodes=2"))
+    model = CommModel.from_hardware(hardware("dgx-b200", "hardware.num_nodes=2", "hardware.nccl.version=2.29.7"))
     size = 256 << 20
     busbw = size / model.collective_seconds("send_recv", size, 16, 2)
     assert busbw == pytest.approx(43.14e9, rel=0.1)
     assert model.collective_seconds("send_recv", size, 16, 2) == model.p2p_seconds(size, same_node=False)
+
+
+@pytest.mark.parametrize(("version", "channels"), [("2.29.7", {16: 4, 32: 4, 64: 2, 128: 1, 512: 1}),
+                                                   ("2.28.9", {16: 2, 32: 2, 64: 1, 512: 1}),
+                                                   ("2.18.3", {2: 2, 16: 2, 512: 2})])
+def test_a_send_recv_peer_across_nodes_gets_the_channels_nccl_gives_it(version, channels):
+    """NCCL's p2p channels per remote peer (paths.cc) on 8-GPU nodes with a 400 Gb/s NIC per GPU: 2.29 starts from
+    the NIC's 50 GB/s over 14 GB/s per channel (4) and 2.20-2.28 from 2, both halved as the communicator grows; the
+    B200 sendrecv_perf logs show it (43, 26, 14.6 GB/s at 2-4, 8, 16-64 nodes on 2.29.7; 34, 17 GB/s on 2.28.9)."""
+    hw = hardware("dgx-b200", "hardware.num_nodes=2", f"hardware.nccl.version={version}")
+    for ranks, expected in channels.items():
+        assert p2p_peer_channels(fabric(hw), ranks) == expected
+    model = CommModel.from_hardware(hw)
+    size = 256 << 20
+    rates = {ranks: size / model.collective_seconds("send_recv", size, ranks, ranks // 8) for ranks in channels
+             if ranks >= 16}
+    nic = hw.network.nic_bandwidth_bytes_per_s
+    for ranks, rate in rates.items():
+        assert rate <= min(nic, channels[ranks] * 14e9) * 1.001
+    assert rates[512] == pytest.approx(min(nic, channels[512] * 14e9), rel=0.1)
+
+
+def test_gloo_send_recv_has_no_nccl_channel_limit():
+    hw = hardware("local-cpu")
+    assert fabric(hw).p2p_channel_bytes_per_s == 0.0
 
 
 def test_groups_that_cross_the_spine_get_its_oversubscribed_share():

@@ -26,7 +26,7 @@ class KnownSteps(StepTimes):
         super().__init__(rows, start)
         self.matmul_s, self.memory_s = matmul_s, memory_s
 
-    def seconds(self, i, params, moved=None):
+    def compose_one(self, i, params, moved=None):
         scale = {name: self.start[name] / params[name] for name in params}
         if moved is not None:
             scale[moved] *= 1.05

@@ -26,11 +26,11 @@ class SyntheticTimes(StepTimes):
     """Rows whose step time is fixed seconds plus, per parameter, kernel work over its efficiency, with the
     GEMMs partly hidden behind the fixed part (a nonlinear overlap, as a composed timeline has)."""
 
-    def __init__(self, work: np.ndarray, fixed: np.ndarray, hw):
-        super().__init__([FitRow(Path(), None, hw, None, None)] * len(work), data_free_params(hw))
+    def __init__(self, work: np.ndarray, fixed: np.ndarray, hw, workers: int = 2):
+        super().__init__([FitRow(Path(), None, hw, None, None)] * len(work), data_free_params(hw), workers)
         self.work, self.fixed = work, fixed
 
-    def seconds(self, i, params, moved=None):
+    def compose_one(self, i, params, moved=None):
         p = np.array([params[n] * (1 / (1 + SENSITIVITY_STEP) if n == moved else 1) for n in FITTED_PER_GPU])
         kernels = self.work[i] / p
         return float(self.fixed[i] + kernels[2] + np.hypot(kernels[0] + kernels[1], 0.3 * self.fixed[i]))
@@ -57,6 +57,14 @@ def test_gauss_newton_recovers_the_efficiencies_from_the_data_free_start(times):
     fit = fit_gauss_newton(times, range(len(times.rows)), measured(times))
     assert fit.moved < 1e-3
     assert fit.params == pytest.approx(TRUTH, rel=2e-3)
+
+
+def test_forked_workers_compose_what_one_process_does(times):
+    one = SyntheticTimes(times.work, times.fixed, times.rows[0].hw, workers=1)
+    groups = alternate_groups(["a"] * 12)
+    for fit in (times, one):
+        leave_one_row_out(fit, measured(fit), groups)
+    assert times.composed == one.composed and len(one.composed) > 24
 
 
 def test_a_fold_never_sees_its_row_and_sees_every_other(times):

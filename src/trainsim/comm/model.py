@@ -78,7 +78,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainsim.comm.nccl_tuner import nccl_constants, release_constants, tuner_estimates, tuner_topology
+from trainsim.comm.nccl_tuner import nccl_constants, release_constants, release_key, tuner_estimates, tuner_topology
 from trainsim.comm.network import NVLINK_EFFICIENCY, domain_bandwidth, domain_size, network_prior, tuner
 from trainsim.comm.noise import SystemNoise
 from trainsim.config.choices import ALGORITHMS, PROTOCOLS
@@ -137,6 +137,10 @@ class Fabric:
     nvlink_bandwidth_bytes_per_s: float = 0.0
     gpu_generation: str = ""
     """NICs, NVLink and GPU generation: what NCCL's topology search hands its estimate (nccl_tuner.TunerTopology)."""
+    gpu_nics: float = 0.0
+    """NICs per GPU (a host's NICs over its GPUs; 0: not stated)."""
+    p2p_channel_bytes_per_s: float = 0.0
+    """What one NCCL p2p channel drives across nodes (p2p_peer_channels); 0: no such limit (gloo)."""
 
 
 @dataclass
@@ -287,6 +291,9 @@ def algorithm_protocol_seconds(params: CollectiveParams, algorithm: str, protoco
         intra, inter = _stages(name, algorithm, num_ranks, num_nodes)
         loops = np.maximum(1.0, np.ceil(size / (used * chunk)))
         per_step = size / (used * loops)
+        if name == "send_recv" and inter and params.fabric.p2p_channel_bytes_per_s:  # the peer's channels bound it
+            peer_rate = p2p_peer_channels(params.fabric, num_ranks) * params.fabric.p2p_channel_bytes_per_s
+            share = np.minimum(share, peer_rate / (used * v[f"bandwidth.inter.{protocol}"]))
         load = tree_nic_load(num_nodes) if algorithm in ("tree", "nvls") else 1.0
         costs = {hop: (n, _step(v, hop, protocol, per_step * (load if hop == "inter" else 1.0),
                                 share if hop == "inter" else 1.0))
@@ -324,6 +331,44 @@ def _all_to_all_p2p_seconds(v: dict[str, float], protocols: tuple[str, ...], cha
     latency = np.maximum(latency_intra, network) if per_node > 1 else network
     nic = per_node * (num_ranks - per_node) * per_peer / (share * channels * v[f"bandwidth.inter.{simple}"])
     return latency + np.maximum.reduce([nvlink, local, nic])
+
+
+def p2p_peer_channels(f: Fabric, num_ranks: int) -> int:
+    """Channels NCCL runs a send/recv to one peer on another node on, in a communicator of num_ranks
+    (src/graph/paths.cc ncclTopoGetNchannels, ncclTopoComputeP2pChannels). Each channel drives about
+    p2p_network.channel_gbps (one CTA copying through the proxy), so a peer gets at most that many times it,
+    however fast its NIC: nccl-tests' sendrecv_perf on 8 x B200 nodes with a 400 Gb/s NIC per GPU runs at 43, 26
+    and 14.6 GB/s at 2-4, 8 and 16-64 nodes (NCCL 2.29: 4, 2, 1 channels) and at 34 and 17 GB/s at 2-4 and 8-64
+    nodes (NCCL 2.28: 2, 1). The communicator's p2p channels are its ring channels, one per NIC duplicated
+    (connect.cc, at most MAXCHANNELS; 16, a DGX's 8 NICs, where the NICs are not stated), rounded up to a
+    power of two; per peer:
+      * before 2.20: NCCL_NCHANNELS_PER_NET_PEER, 2;
+      * 2.20-2.28: 2, halved while 2 x nRanks exceeds 4 x the p2p channels, at least the GPU's NICs;
+      * 2.29 on: one per GPU NIC or the NICs' GB/s over channel_gbps if more, halved while it times the
+        batches of 8 peers (ceil(nRanks / 8)) exceeds the p2p channels."""
+    c = nccl_constants()["p2p_network"]
+    version = release_key(f.nccl_version) if f.nccl_version else (99,)
+    most = [n for release, n in c["max_channels"].items() if release_key(release) <= version][-1]
+    per_gpu = f.gpu_nics or 1.0
+    nics = max(1, math.floor(per_gpu))
+    total = _pow2_up(min(most, 2 * f.nics_per_node)) if f.nics_per_node else 16
+    if version < (2, 20):
+        return min(c["channels_per_peer"], total)
+    if version < (2, 29):
+        peer = c["channels_per_peer"]
+        while peer * num_ranks > 4 * total and peer > 1:
+            peer //= 2
+        return min(_pow2_up(max(nics, peer)), total)
+    gbps = per_gpu * f.nic_bandwidth_bytes_per_s / 1e9
+    peer = _pow2_up(max(nics, math.ceil(gbps / c["channel_gbps"])))
+    batches = math.ceil(num_ranks / nccl_constants()["p2p_peers_per_batch"])
+    while peer * batches > total and peer > 1:
+        peer //= 2
+    return peer
+
+
+def _pow2_up(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
 
 
 def p2p_network_rounds(num_ranks: int, per_node: int) -> int:
@@ -470,9 +515,11 @@ def with_network_hop(params: CollectiveParams, hw: HardwareConfig, efficiency: f
 def fabric(hw: HardwareConfig) -> Fabric:
     """The configured network's Fabric (NIC sharing per NVLink domain, spine, tuner)."""
     net = hw.network
+    p2p_channel = nccl_constants()["p2p_network"]["channel_gbps"] * 1e9 if hw.comm_backend == "nccl" else 0.0
+    gpu_nics = net.nics_per_node / hw.devices_per_node if hw.devices_per_node else 0.0
     return Fabric(domain_size(hw), net.nodes_per_leaf, net.oversubscription, tuner(hw), hw.nccl.version,
                   domain_bandwidth(hw), net.nics_per_node, net.nic_bandwidth_bytes_per_s,
-                  hw.intra_node_bandwidth_bytes_per_s, gpu_generation(hw.device_name))
+                  hw.intra_node_bandwidth_bytes_per_s, gpu_generation(hw.device_name), gpu_nics, p2p_channel)
 
 
 class CommModel:

@@ -43,20 +43,21 @@ def nccl_constants() -> dict:
     return constants
 
 
+def release_key(version: str) -> tuple[int, ...]:
+    """(major, minor) of an NCCL release number like '2.20.5'."""
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise ValueError(f"hardware.nccl.version={version!r} is not a release number like '2.20.5'") from None
+
+
 def release_constants(version: str) -> dict:
     """The latency tables of the NCCL release `version` ('' or unknown: the newest)."""
     releases = nccl_constants()["releases"]
-
-    def key(text: str) -> tuple[int, ...]:
-        return tuple(int(part) for part in text.split(".")[:2])
-
     if not version:
         return releases[-1]
-    try:
-        wanted = key(version)
-    except ValueError:
-        raise ValueError(f"hardware.nccl.version={version!r} is not a release number like '2.20.5'") from None
-    eligible = [r for r in releases if key(r["from"]) <= wanted]
+    wanted = release_key(version)
+    eligible = [r for r in releases if release_key(r["from"]) <= wanted]
     return eligible[-1] if eligible else releases[0]
 
 

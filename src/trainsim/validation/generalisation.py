@@ -106,9 +106,10 @@ def predict_held_out(pool: PooledRows, held_out: Callable[[pd.DataFrame], np.nda
                 carried = carried_gpu(pool, gpu)
                 params = fit_outside(carried, fold) if carried else None
                 params, source = (params, f"carried from {carried}") if params else (times.start, "start")
-            for local in np.flatnonzero(folds[indices] == fold):
-                predicted[indices[local]] = times.seconds(int(local), params)
-                fitted[indices[local]] = source
+            local = np.flatnonzero(folds[indices] == fold)
+            predicted[indices[local]] = times.seconds_of(local, params)
+            for i in indices[local]:
+                fitted[i] = source
     out = pool.rows.assign(predicted_s=predicted, params_from=fitted)
     out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)
     return out
@@ -154,7 +155,7 @@ def leave_one_gpu_out(pool: PooledRows) -> pd.DataFrame:
         ratios = transferred_ratios(pool, [g for g in gpus if g != gpu])
         times, indices = pool.step_times(gpu)
         params = {name: times.start[name] * ratios[name] for name in FITTED_PER_GPU}
-        predicted = [times.seconds(local, params) for local in range(len(indices))]
+        predicted = times.seconds_of(range(len(indices)), params)
         frames.append(pool.rows.iloc[indices].assign(predicted_s=predicted, params_from="other GPUs"))
     out = pd.concat(frames).sort_index()
     out["error_pct"] = 100 * (out["predicted_s"] / out["measured_s"] - 1)

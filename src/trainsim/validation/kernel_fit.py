@@ -9,13 +9,16 @@ every row leaks the held-out row into each fold. So every fit starts from a poin
     by value); each group is fitted alone by Gauss-Newton, and a fold holding out a row of one group is
     linearised where the other group's fit converged (a point fitted on a subset of the fold's own training
     rows) and fitted once there. Two converged points per GPU serve every fold, instead of one per fold.
-Each row's step time is composed once per point and shared by every fit that linearises there.
+Each row's step time is composed once per point and shared by every fit that linearises there; the step times a
+linearisation needs are composed together, on forked worker processes (one per core), since they are independent.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import multiprocessing
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +129,15 @@ class FitRow:
     slowdown: object
 
 
+_forked_times: StepTimes | None = None
+"""The StepTimes whose `compose` forks workers: they inherit it rather than receive its rows and traces."""
+
+
+def _compose_forked(job: tuple[tuple, tuple]) -> tuple[tuple, float]:
+    key, (i, params, moved) = job
+    return key, _forked_times.compose_one(i, params, moved)
+
+
 def point_key(params: dict[str, float]) -> tuple:
     return tuple(round(float(params[n]), 12) for n in FITTED_PER_GPU)
 
@@ -142,21 +154,52 @@ class StepTimes:
 
     rows: Sequence[FitRow]
     start: dict[str, float]
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """processes composing the step times of one call to `compose`"""
     composed: dict = field(default_factory=dict)
     """(row index, point_key, moved parameter or None) -> step seconds"""
     start_slopes: dict = field(default_factory=dict)
     """row index -> its slopes at start"""
 
+    def compose_one(self, i: int, params: dict[str, float], moved: str | None) -> float:
+        """Row i's step time at `params`, with `moved`'s kernels SENSITIVITY_STEP slower where given (uncached)."""
+        row = self.rows[i]
+        hw = with_kernel_params(row.hw, params)
+        if moved is not None:
+            hw = with_kernel_params(hw, {moved: params[moved] / (1 + SENSITIVITY_STEP)})
+        return analytical_step(row.directory, row.par, hw, row.comm, row.slowdown).step_time_s
+
+    def compose(self, wanted: Iterable[tuple[int, dict[str, float], str | None]]) -> None:
+        """Compose the (row index, params, moved) step times not composed yet: on `workers` processes forked
+        from this one where several are missing (each inherits the traces read here and returns a float)."""
+        missing = {}
+        for i, params, moved in wanted:
+            key = (i, point_key(params), moved)
+            if key not in self.composed:
+                missing[key] = (i, params, moved)
+        workers = min(self.workers, len(missing))
+        if workers <= 1:
+            for key, job in missing.items():
+                self.composed[key] = self.compose_one(*job)
+            return
+        global _forked_times
+        _forked_times = self
+        try:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                self.composed.update(pool.imap_unordered(_compose_forked, missing.items()))
+        finally:
+            _forked_times = None
+
     def seconds(self, i: int, params: dict[str, float], moved: str | None = None) -> float:
         """Row i's step time at `params`, with `moved`'s kernels SENSITIVITY_STEP slower where given."""
-        key = (i, point_key(params), moved)
-        if key not in self.composed:
-            row = self.rows[i]
-            hw = with_kernel_params(row.hw, params)
-            if moved is not None:
-                hw = with_kernel_params(hw, {moved: params[moved] / (1 + SENSITIVITY_STEP)})
-            self.composed[key] = analytical_step(row.directory, row.par, hw, row.comm, row.slowdown).step_time_s
-        return self.composed[key]
+        self.compose([(i, params, moved)])
+        return self.composed[i, point_key(params), moved]
+
+    def seconds_of(self, indices: Iterable[int], params: dict[str, float]) -> np.ndarray:
+        """The step times of rows `indices` at `params`, composed together."""
+        indices = list(indices)
+        self.compose((i, params, None) for i in indices)
+        return np.array([self.composed[i, point_key(params), None] for i in indices])
 
     def depends(self, i: int, name: str) -> bool:
         """Whether any kernel of row i changes with parameter `name` (no compose where none does)."""
@@ -171,18 +214,26 @@ class StepTimes:
     def slopes(self, i: int) -> np.ndarray:
         """Row i's step-time slopes at start by each FITTED_PER_GPU parameter's inverse ratio, by finite
         differences (zero where no kernel of the row depends on the parameter)."""
-        if i not in self.start_slopes:
+        return self.slopes_of([i])[0]
+
+    def slopes_of(self, indices: Iterable[int]) -> np.ndarray:
+        """slopes() of rows `indices`, their finite differences composed together."""
+        indices = list(indices)
+        todo = [i for i in dict.fromkeys(indices) if i not in self.start_slopes]
+        moved = [(i, name) for i in todo for name in FITTED_PER_GPU if self.depends(i, name)]
+        self.compose([(i, self.start, None) for i in todo] + [(i, self.start, name) for i, name in moved])
+        for i in todo:
             base = self.seconds(i, self.start)
             self.start_slopes[i] = np.array([
-                (self.seconds(i, self.start, name) - base) / SENSITIVITY_STEP if self.depends(i, name) else 0.0
+                (self.seconds(i, self.start, name) - base) / SENSITIVITY_STEP if (i, name) in moved else 0.0
                 for name in FITTED_PER_GPU])
-        return self.start_slopes[i]
+        return np.array([self.start_slopes[i] for i in indices]).reshape(len(indices), len(FITTED_PER_GPU))
 
     def linearise(self, params: dict[str, float], indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """The rows' step times at `params` and their slopes there (the start's, rescaled)."""
-        base = np.array([self.seconds(i, params) for i in indices])
+        slopes = self.slopes_of(indices)  # first: `depends` reads the traces the workers of seconds_of inherit
         scale = np.array([self.start[n] / params[n] for n in FITTED_PER_GPU])
-        return base, np.array([self.slopes(i) * scale for i in indices]).reshape(len(indices), len(FITTED_PER_GPU))
+        return self.seconds_of(indices, params), slopes * scale
 
     def fit_step(self, point: dict[str, float], indices: Sequence[int], measured: np.ndarray) -> dict[str, float]:
         """One Gauss-Newton step: the rows `indices` linearised at `point` and fitted to their `measured`."""
@@ -243,10 +294,7 @@ def leave_one_row_out(times: StepTimes, measured: np.ndarray, groups: np.ndarray
     needed = {1 - groups[i] for i in only}
     group_fits = [fit_gauss_newton(times, np.flatnonzero(groups == g), measured) if g in needed else None
                   for g in (0, 1)]
-    folds, predicted = [], []
-    for i in only:
-        point = group_fits[1 - groups[i]].linearised_at
-        fold = times.fit_step(point, [k for k in range(len(times.rows)) if k != i], measured)
-        folds.append(fold)
-        predicted.append(times.seconds(i, fold))
-    return LeaveOneRowOut(folds, np.array(predicted), group_fits)
+    folds = [times.fit_step(group_fits[1 - groups[i]].linearised_at, [k for k in range(len(times.rows)) if k != i],
+                            measured) for i in only]
+    times.compose((i, fold, None) for i, fold in zip(only, folds))
+    return LeaveOneRowOut(folds, np.array([times.seconds(i, fold) for i, fold in zip(only, folds)]), group_fits)

@@ -422,7 +422,7 @@ def gpu_rows(names: list[str], workers: int = 2, slowdown=None) -> GpuRows:
 
 def active_params(times: StepTimes) -> list[str]:
     """FITTED_PER_GPU that some row depends on (the others stay at the data-free start)."""
-    slopes = np.array([times.slopes(i) for i in range(len(times.rows))])
+    slopes = times.slopes_of(range(len(times.rows)))
     return [n for n, used in zip(FITTED_PER_GPU, np.abs(slopes).sum(axis=0) > 0) if used]
 
 
@@ -472,7 +472,7 @@ def leave_one_table_out(evaluated: Mapping[str, TableResult]) -> dict[str, pd.Da
         held_out = (gpu.rows["table"] == name).to_numpy()
         fit = fit_gauss_newton(gpu.times, np.flatnonzero(~held_out), gpu.measured()).params
         table = gpu.rows[held_out].drop(columns="table").reset_index(drop=True)
-        table["predicted_s"] = [gpu.times.seconds(i, fit) for i in np.flatnonzero(held_out)]
+        table["predicted_s"] = gpu.times.seconds_of(np.flatnonzero(held_out), fit)
         table["error_pct"] = 100 * (table["predicted_s"] / table["measured_s"] - 1)
         out[name] = table
     return out
