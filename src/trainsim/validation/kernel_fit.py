@@ -171,13 +171,14 @@ class StepTimes:
 
     def compose(self, wanted: Iterable[tuple[int, dict[str, float], str | None]]) -> None:
         """Compose the (row index, params, moved) step times not composed yet: on `workers` processes forked
-        from this one where several are missing (each inherits the traces read here and returns a float)."""
+        from this one where several are missing (each inherits the traces this process read, `depends` reads
+        them, and returns a float); in this process where it is itself a pool's worker (which cannot fork)."""
         missing = {}
         for i, params, moved in wanted:
             key = (i, point_key(params), moved)
             if key not in self.composed:
                 missing[key] = (i, params, moved)
-        workers = min(self.workers, len(missing))
+        workers = 1 if multiprocessing.current_process().daemon else min(self.workers, len(missing))
         if workers <= 1:
             for key, job in missing.items():
                 self.composed[key] = self.compose_one(*job)
@@ -220,7 +221,7 @@ class StepTimes:
         """slopes() of rows `indices`, their finite differences composed together."""
         indices = list(indices)
         todo = [i for i in dict.fromkeys(indices) if i not in self.start_slopes]
-        moved = [(i, name) for i in todo for name in FITTED_PER_GPU if self.depends(i, name)]
+        moved = {(i, name) for i in todo for name in FITTED_PER_GPU if self.depends(i, name)}
         self.compose([(i, self.start, None) for i in todo] + [(i, self.start, name) for i, name in moved])
         for i in todo:
             base = self.seconds(i, self.start)
