@@ -46,6 +46,8 @@ Pipeline family (all-reduce "tree", broadcast, reduce, send/recv): chunks stream
   tree all-reduce takes 2S / B like a ring's 2(N-1)/N S / B (NCCL's tuner: Tree algBw = busBw / 2).
   On 2 nodes both trees are one edge and each direction carries S, so there the chain's 2 S over
   NVLink can pace it (the OCI log: 127 GB/s at 8 GiB, with 200 GB/s of NICs).
+  A send/recv across nodes gets at most its peer's NCCL channels x ~14 GB/s, however fast the NIC
+  (p2p_peer_channels: fewer channels per peer as the communicator grows).
 delta * S is the rank's local work on its buffer, whatever N is, at memory speed (Echo's delta). Measured
 busbw rising with N on one node (vTrain's A100 tables: 197, 222, 229 GB/s at 2, 4, 8 GPUs) is this term seen
 through 2(N-1)/N. A reduction reads two operands and writes one (3 accesses per byte); a copy-only collective
