@@ -75,12 +75,16 @@ STATED_NCCL = {"use3a": "2.29.7", "slinky": "2.28.9"}
 
 def stated(name: str) -> tuple[str, ...]:
     """The overrides describing a file's cluster as its log states it (its NCCL release)."""
-    return tuple(f"hardware.nccl.version={version}" for tag, version in STATED_NCCL.items()
-                 if re.search(rf"[-_]{tag}[-_]", name))
+    return tuple(f"hardware.nccl.version={version}" for tag, version in STATED_NCCL.items() if tagged(name, tag))
+
+
+def tagged(name: str, tag: str) -> bool:
+    """Whether a data file's name carries a cluster's tag as one of its dash- or underscore-separated words."""
+    return re.search(rf"[-_]{tag}[-_]", name) is not None
 
 
 def hardware_for(name: str):
-    key = next((hw for tag, hw in CLUSTER_HARDWARE.items() if re.search(rf"[-_]{tag}[-_]", name)),
+    key = next((hw for tag, hw in CLUSTER_HARDWARE.items() if tagged(name, tag)),
                HARDWARE_BY_PREFIX.get(name.split("-")[0], "a100-80g-dgx"))
     return compose_run([f"hardware={key}", *stated(name)], check="layout").hardware
 

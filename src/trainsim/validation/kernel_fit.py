@@ -223,10 +223,11 @@ class StepTimes:
         todo = [i for i in dict.fromkeys(indices) if i not in self.start_slopes]
         moved = {(i, name) for i in todo for name in FITTED_PER_GPU if self.depends(i, name)}
         self.compose([(i, self.start, None) for i in todo] + [(i, self.start, name) for i, name in moved])
+        start = point_key(self.start)
         for i in todo:
-            base = self.seconds(i, self.start)
+            base = self.composed[i, start, None]
             self.start_slopes[i] = np.array([
-                (self.seconds(i, self.start, name) - base) / SENSITIVITY_STEP if (i, name) in moved else 0.0
+                (self.composed[i, start, name] - base) / SENSITIVITY_STEP if (i, name) in moved else 0.0
                 for name in FITTED_PER_GPU])
         return np.array([self.start_slopes[i] for i in indices]).reshape(len(indices), len(FITTED_PER_GPU))
 
