@@ -140,7 +140,13 @@ def families_out(pool) -> pd.DataFrame:
 
 def gpus_out(pool) -> pd.DataFrame:
     gpus = generalisation.leave_one_gpu_out(pool)
-    print("\nleave-one-GPU-out (the other GPUs' fitted/data-free ratios on this GPU's data-free start):")
+    print("\nleave-one-GPU-out (the other GPUs' fitted/data-free ratios on this GPU's data-free start); each GPU's "
+          "own fit to all its rows, as fitted/data-free:")
+    for gpu in pool.rows["gpu"].unique():
+        start, fit = pool.step_times(gpu)[0].start, pool.fit_all(gpu)
+        print(f"  {gpu} ({len(pool.gpu_indices(gpu))} rows): "
+              + ", ".join(f"{name} {fit[name]:.3f}/{start[name]:.3f} = {fit[name] / start[name]:.3f}"
+                          for name in FITTED_PER_GPU))
     print(table_errors(gpus, "gpu").round(2).to_string())
     figure("scale_mape_pct_leave_one_gpu_out", gpus["error_pct"].abs().mean(), "%")
     return gpus

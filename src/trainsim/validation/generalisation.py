@@ -65,6 +65,8 @@ class PooledRows:
     """table, label, reason: rows no config expresses (not in the figures)"""
     times: dict[str, StepTimes] = field(default_factory=dict)
     """gpu -> its rows' StepTimes (built on first use)"""
+    fits: dict[str, dict[str, float]] = field(default_factory=dict)
+    """gpu -> the fit to all its rows (built on first use)"""
 
     def gpu_indices(self, gpu: str) -> np.ndarray:
         return np.flatnonzero(self.rows["gpu"].to_numpy() == gpu)
@@ -76,6 +78,14 @@ class PooledRows:
             rows = [self.fit_rows[i] for i in indices]
             self.times[gpu] = StepTimes(rows, data_free_params(rows[0].hw))
         return self.times[gpu], indices
+
+    def fit_all(self, gpu: str) -> dict[str, float]:
+        """The fit to every row of `gpu`, once: leave-one-GPU-out carries it to each of the other GPUs."""
+        if gpu not in self.fits:
+            times, indices = self.step_times(gpu)
+            measured = self.rows["measured_s"].to_numpy(dtype=float)[indices]
+            self.fits[gpu] = fit_gauss_newton(times, range(len(indices)), measured).params
+        return self.fits[gpu]
 
 
 def predict_held_out(pool: PooledRows, held_out: Callable[[pd.DataFrame], np.ndarray]) -> pd.DataFrame:
@@ -138,9 +148,7 @@ def transferred_ratios(pool: PooledRows, gpus: Sequence[str]) -> dict[str, float
     data-free start): what a GPU's software reaches of its measured ceilings, carried to another GPU."""
     logs: dict[str, list[float]] = {name: [] for name in FITTED_PER_GPU}
     for gpu in gpus:
-        times, indices = pool.step_times(gpu)
-        measured = pool.rows["measured_s"].to_numpy(dtype=float)[indices]
-        fit = fit_gauss_newton(times, range(len(indices)), measured).params
+        times, fit = pool.step_times(gpu)[0], pool.fit_all(gpu)
         for name in FITTED_PER_GPU:
             if fit[name] != times.start[name]:  # a parameter no row of that GPU depends on stays at its start
                 logs[name].append(math.log(fit[name] / times.start[name]))
