@@ -14,6 +14,7 @@ from trainsim.validation.generalisation import (
     leave_one_family_out,
     leave_one_gpu_out,
     leave_one_table_out,
+    transferred_ratios,
 )
 from trainsim.validation.kernel_fit import FitRow, StepTimes, data_free_params
 
@@ -107,6 +108,24 @@ def test_families_and_gpus_are_held_out_whole():
     gpus = leave_one_gpu_out(pool(truth)).set_index("label")
     # each GPU at its own ceiling times the other GPU's fitted fraction of its ceiling
     assert (gpus["params_from"] == "other GPUs").all() and gpus["error_pct"].abs().max() < 30
+
+
+def test_a_gpu_whose_rows_barely_use_a_parameter_carries_little_of_it():
+    """The H200's rows spend almost nothing in GEMMs (as the FP8 recipes of Blackwell tables spend little in bf16
+    ones), so their fit of the bf16 efficiency wanders; what is carried to the A100 follows the H100, whose rows
+    are mostly GEMMs."""
+    truth = {"h100": 0.6, "a100": 0.55, "h200": 0.15}
+    pooled = pool(truth)
+    h200 = pooled.times["h200"]
+    h200.matmul_s = h200.matmul_s * 0.01
+    pooled.rows.loc[pooled.rows["gpu"] == "h200", "measured_s"] = [
+        h200.seconds(k, {**h200.start, "matmul_efficiency": truth["h200"]}) for k in range(len(h200.rows))]
+    h100_ratio = pooled.fit_all("h100")["matmul_efficiency"] / pooled.times["h100"].start["matmul_efficiency"]
+    h200_ratio = pooled.fit_all("h200")["matmul_efficiency"] / h200.start["matmul_efficiency"]
+    carried = transferred_ratios(pooled, ["h100", "h200"])["matmul_efficiency"]
+    assert h200_ratio < 0.5 * h100_ratio  # the loosely-used parameter fitted far off
+    assert carried == pytest.approx(h100_ratio, rel=0.03)  # and carried with little weight
+    assert carried < h100_ratio  # but some
 
 
 @pytest.mark.parametrize("model, family", [("llama3-70b", "Llama"), ("LLAMA2-13B", "Llama"), ("GPT3-175B", "GPT"),

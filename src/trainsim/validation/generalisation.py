@@ -14,8 +14,9 @@ them, composed as a user would, each with its framework), and the per-GPU kernel
 * leave-one-family-out: a model family (Llama, GPT, Nemotron, DeepSeek, Mixtral, Kimi) predicted by the fit to
   every other family's rows of the same GPU;
 * leave-one-GPU-out: a GPU's rows predicted with what transfers from the other GPUs: each efficiency as the
-  ratio of fitted to data-free value, the geometric mean over the other GPUs' fits, applied to this GPU's
-  data-free start (its own matmul ceiling and datasheet).
+  ratio of fitted to data-free value, the geometric mean over the other GPUs' fits weighted by how much each
+  GPU's rows say about it (transferred_ratios), applied to this GPU's data-free start (its own matmul ceiling
+  and datasheet).
 
 Rows are keyed to a GPU by hardware.device_name, so the tables of one GPU pool across hardware configs.
 """
@@ -144,15 +145,23 @@ def leave_one_family_out(pool: PooledRows) -> pd.DataFrame:
 
 
 def transferred_ratios(pool: PooledRows, gpus: Sequence[str]) -> dict[str, float]:
-    """Per FITTED_PER_GPU parameter, the geometric mean over `gpus` of (fit to all the GPU's rows) / (its
-    data-free start): what a GPU's software reaches of its measured ceilings, carried to another GPU."""
-    logs: dict[str, list[float]] = {name: [] for name in FITTED_PER_GPU}
+    """Per FITTED_PER_GPU parameter, the mean over `gpus` of log(fit to all the GPU's rows / its data-free start),
+    each GPU weighted by how much its rows say about the parameter: what a GPU's software reaches of its measured
+    ceilings, carried to another GPU. The weight is the information of the GPU's fit, the sum over its rows of the
+    squared relative slope (d log step / d log 1/efficiency, at the start): a GPU whose rows barely use a
+    parameter (bf16 GEMMs in the FP8 recipes of Blackwell tables) leaves it loosely fitted, and an unweighted mean
+    carried that looseness to every other GPU."""
+    logs: dict[str, list[tuple[float, float]]] = {name: [] for name in FITTED_PER_GPU}
     for gpu in gpus:
         times, fit = pool.step_times(gpu)[0], pool.fit_all(gpu)
-        for name in FITTED_PER_GPU:
-            if fit[name] != times.start[name]:  # a parameter no row of that GPU depends on stays at its start
-                logs[name].append(math.log(fit[name] / times.start[name]))
-    return {name: math.exp(sum(v) / len(v)) if v else 1.0 for name, v in logs.items()}
+        rows = range(len(times.rows))
+        relative = times.slopes_of(rows) / times.seconds_of(rows, times.start)[:, None]
+        information = (relative ** 2).sum(axis=0)
+        for name, weight in zip(FITTED_PER_GPU, information):
+            if weight > 0:  # a parameter no row of that GPU depends on stays at its start and says nothing
+                logs[name].append((weight, math.log(fit[name] / times.start[name])))
+    return {name: math.exp(sum(w * v for w, v in pairs) / sum(w for w, _ in pairs)) if pairs else 1.0
+            for name, pairs in logs.items()}
 
 
 def leave_one_gpu_out(pool: PooledRows) -> pd.DataFrame:
