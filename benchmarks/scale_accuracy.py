@@ -37,7 +37,7 @@ Prints per row and
   figure scale_bias_pct_leave_one_table_out_max <v> %   the largest |signed mean| of a table (target <= 5)
   figure scale_mape_pct_leave_one_family_out <v> %  each model family predicted by a fit without it (target <= 10)
   figure scale_mape_pct_leave_one_gpu_out <v> %     each GPU at its data-free start times the fitted/data-free
-                                            ratios of the other GPUs
+                                            ratios of the other GPUs, each weighted by its rows' information
   figure predict_seconds_cached_fresh_process <v> s   `trainsim compose --quick` of one point in a new
                                             process with every input cached
 Rows are composed with the overlap slowdown `trainsim compose` applies on their hardware (validation/fitting.py
@@ -140,8 +140,8 @@ def families_out(pool) -> pd.DataFrame:
 
 def gpus_out(pool) -> pd.DataFrame:
     gpus = generalisation.leave_one_gpu_out(pool)
-    print("\nleave-one-GPU-out (the other GPUs' fitted/data-free ratios on this GPU's data-free start); each GPU's "
-          "own fit to all its rows, as fitted/data-free:")
+    print("\nleave-one-GPU-out (the other GPUs' fitted/data-free ratios, weighted by their rows' information, on this "
+          "GPU's data-free start); each GPU's own fit to all its rows, as fitted/data-free:")
     for gpu in pool.rows["gpu"].unique():
         start, fit = pool.step_times(gpu)[0].start, pool.fit_all(gpu)
         print(f"  {gpu} ({len(pool.gpu_indices(gpu))} rows): "
