@@ -72,6 +72,21 @@ def test_a_lognormal_part_alone_gives_its_analytic_quantiles():
     assert high == pytest.approx(5.0 * math.exp(0.02 + z * 0.1), rel=0.01)
 
 
+def test_an_error_measured_on_few_predictions_gives_the_prediction_interval_of_a_new_one():
+    """Bias and spread estimated from n held-out errors: the next error falls inside mean +- t(n-1) s sqrt(1 + 1/n)
+    as often as claimed, wider than the normal's quantile for few errors, the same for many."""
+    from scipy.stats import t
+
+    few, many = (ComponentError("compute", "fitted", 0.0, 0.1, n, "test") for n in (4, 400))
+    intervals = {n: sample_interval(5.0, {("compute", "fitted"): 5.0}, [e], levels=(80,), samples=200_000)[80]
+                 for n, e in ((4, few), (400, many))}
+    for n, (low, high) in intervals.items():
+        half = t.ppf(0.9, n - 1) * math.sqrt(1 + 1 / n) * 0.1
+        assert (low, high) == pytest.approx((5.0 * math.exp(-half), 5.0 * math.exp(half)), rel=0.01)
+    assert math.log(intervals[4][1] / 5.0) > 1.3 * math.log(intervals[400][1] / 5.0)  # t(3) reaches much further
+    assert intervals[400][1] == pytest.approx(5.0 * math.exp(1.2815515655446004 * 0.1), rel=0.01)
+
+
 def test_kernels_of_one_kind_move_together():
     """Splitting the compute into parts does not narrow its interval: one efficiency moves all its kernels."""
     one = step_interval(summary({"compute": 10.0}), FITTED, "megatron-core", ERRORS)

@@ -11,8 +11,9 @@ on has been measured (component_errors.yaml, written by benchmarks/uncertainty.p
   leave-one-cluster-out band, comm/network_priors.yaml), or uncalibrated (datasheet rates against measured logs);
 * all-to-alls (expert parallelism), scored apart because they price worst.
 
-One efficiency moves every kernel of its kind together, so each (component, level) is one random factor,
-log-normal with the measured bias and spread of log(measured / predicted), applied to that component's seconds
+One efficiency moves every kernel of its kind together, so each (component, level) is one random factor: the
+exponential of the measured bias plus the measured spread of log(measured / predicted) times the next error of a
+sample of that size (Student's t, predictive_draws), applied to that component's seconds
 on the critical path; the factors are sampled and the step's critical path summed again. The interval at p % is
 the central p % of those sums. Biases are kept: a model that is measured too fast gives an interval that reaches
 further above the prediction than below it.
@@ -172,13 +173,24 @@ def part_error(key: tuple[str, str], network: tuple[str, float | None],
                           f"level {level} not measured; {stand_in.level}'s error stands in: {stand_in.source}")
 
 
+def predictive_draws(error: ComponentError, samples: int, rng: np.random.Generator) -> np.ndarray:
+    """Standardised draws of the next error of a model whose bias and spread were estimated from error.count
+    held-out predictions: Student's t with count - 1 degrees of freedom times sqrt(1 + 1 / count), the
+    prediction interval of a new draw when mean and deviation are both estimated (a few errors cannot pin the
+    spread down; many give the normal). A spread not estimated from a sample (count below 3) draws normal."""
+    if error.count < 3:
+        return rng.standard_normal(samples)
+    return rng.standard_t(error.count - 1, samples) * math.sqrt(1 + 1 / error.count)
+
+
 def sample_steps(parts: dict[tuple[str, str], float], errors: list[ComponentError], samples: int = SAMPLES,
                  seed: int = 0) -> np.ndarray:
-    """Step times with each part multiplied by its own log-normal factor (one draw per part and sample)."""
+    """Step times with each part multiplied by its own log factor (one draw per part and sample)."""
     seconds = np.array(list(parts.values()))
     bias = np.array([e.bias for e in errors])
     spread = np.array([e.spread for e in errors])
-    draws = np.random.default_rng(seed).standard_normal((samples, len(seconds)))
+    rng = np.random.default_rng(seed)
+    draws = np.column_stack([predictive_draws(e, samples, rng) for e in errors]) if errors else np.zeros((samples, 0))
     return np.exp(bias + spread * draws) @ seconds
 
 
@@ -190,7 +202,7 @@ def central_intervals(steps: np.ndarray, levels: tuple[int, ...] = NOMINAL_LEVEL
 def sample_interval(step_time_s: float, parts: dict[tuple[str, str], float], errors: list[ComponentError],
                     levels: tuple[int, ...] = NOMINAL_LEVELS, samples: int = SAMPLES, seed: int = 0
                     ) -> dict[int, tuple[float, float]]:
-    """The central intervals of the step when each part is multiplied by its own log-normal factor."""
+    """The central intervals of the step when each part is multiplied by its own factor (sample_steps)."""
     return central_intervals(sample_steps(parts, errors, samples, seed), levels)
 
 
@@ -208,9 +220,14 @@ def probability_best(chosen: float, others: list[float], spread: float, samples:
 
 def upper_ratio(error: ComponentError, confidence: float) -> float:
     """The factor over a prediction that the real value stays under with `confidence` (one-sided)."""
-    from statistics import NormalDist
+    if error.count < 3:
+        from statistics import NormalDist
 
-    return math.exp(error.bias + NormalDist().inv_cdf(confidence) * error.spread)
+        return math.exp(error.bias + NormalDist().inv_cdf(confidence) * error.spread)
+    from scipy.stats import t
+
+    quantile = t.ppf(confidence, error.count - 1) * math.sqrt(1 + 1 / error.count)  # as predictive_draws
+    return math.exp(error.bias + float(quantile) * error.spread)
 
 
 def step_interval(summary: dict, fitted_frameworks: list[str], framework: str,
