@@ -21,10 +21,11 @@ from trainsim.validation.published import TABLES, evaluate_tables, leave_one_tab
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test evaluates every table
 SCALE = pytest.mark.scale  # ~15 min on 2 idle cores: `pytest -m scale` and check_figures.py run it, CI does not
 
-FIGURES = {  # table -> (MAPE %, bias %) printed by benchmarks/scale_accuracy.py, 2026-11-28
-    "megatron2021_a100": (5.73, 0.59),
-    "mcore2024_h100": (6.42, 0.63),
-    "nemo2407_h100_fp8": (5.46, 1.33),
+FIGURES = {  # table -> (MAPE %, bias %) printed by benchmarks/scale_accuracy.py, 2026-12-08 (the H100 tables moved
+    # with session 46's FP8 gathers and session 47's send/recv channels: docs/CHANGELOG.md)
+    "megatron2021_a100": (5.77, 0.59),
+    "mcore2024_h100": (7.71, 0.88),
+    "nemo2407_h100_fp8": (6.40, 1.73),
 }
 BAND_PCT = 0.15
 """how far (percentage points) a table's MAPE or bias may move before a change must say why and update FIGURES"""
