@@ -38,6 +38,8 @@ SAMPLES = 4000
 MAPE_TO_SPREAD = math.sqrt(math.pi / 2)
 """Standard deviation of a zero-mean normal error over its mean absolute value: a band given as a mean
 |error| (the network prior's error_pct) as a spread."""
+FEWEST_FOR_T = 3
+"""Held-out errors below which an error's spread is taken as given (normal), not as a sample's estimate (t)."""
 COMPUTE_LEVELS = ("measured", "fitted", "unseen_framework", "unseen_gpu")
 """The compute levels, nearest to what was fitted first: a level without a measured error takes the next wider
 one's (never a narrower one's)."""
@@ -177,8 +179,8 @@ def predictive_draws(error: ComponentError, samples: int, rng: np.random.Generat
     """Standardised draws of the next error of a model whose bias and spread were estimated from error.count
     held-out predictions: Student's t with count - 1 degrees of freedom times sqrt(1 + 1 / count), the
     prediction interval of a new draw when mean and deviation are both estimated (a few errors cannot pin the
-    spread down; many give the normal). A spread not estimated from a sample (count below 3) draws normal."""
-    if error.count < 3:
+    spread down; many give the normal). A spread not estimated from a sample (count below FEWEST_FOR_T) draws normal."""
+    if error.count < FEWEST_FOR_T:
         return rng.standard_normal(samples)
     return rng.standard_t(error.count - 1, samples) * math.sqrt(1 + 1 / error.count)
 
@@ -220,7 +222,7 @@ def probability_best(chosen: float, others: list[float], spread: float, samples:
 
 def upper_ratio(error: ComponentError, confidence: float) -> float:
     """The factor over a prediction that the real value stays under with `confidence` (one-sided)."""
-    if error.count < 3:
+    if error.count < FEWEST_FOR_T:
         from statistics import NormalDist
 
         return math.exp(error.bias + NormalDist().inv_cdf(confidence) * error.spread)
